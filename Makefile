@@ -1,0 +1,46 @@
+# Two commands for a newcomer:  `make run`  and  `make test`.
+# Both build .venv from pyproject.toml when it is missing or older than pyproject.toml.
+PYTHON ?= python3
+VENV ?= .venv
+REPOSITORY ?= models
+EXTRAS ?= cpu,dev
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install run demo test lint typecheck pytest bench clean
+
+$(STAMP): pyproject.toml
+	rm -rf $(VENV)
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[$(EXTRAS)]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(BIN)/lmhead demo --repository $(REPOSITORY)
+
+## The main job: make the demo heads on first run and show how each is wired.
+run: demo
+	$(BIN)/lmhead inspect $(REPOSITORY)/demo-tied/1
+	$(BIN)/lmhead inspect $(REPOSITORY)/demo-untied/1
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: install
+	$(BIN)/mypy
+
+pytest: install
+	$(BIN)/pytest
+
+## Everything CI checks: install, lint, type-check, the whole test suite.
+test: lint typecheck pytest
+
+bench: install
+	$(BIN)/python bench/heads.py --output bench/results-heads.md
+
+clean:
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache

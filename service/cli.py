@@ -1,0 +1,92 @@
+"""``lmhead`` command line: demo, inspect (serve, import, compare come with later issues)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from service.demo import DemoSpec, write_demo_models
+from service.inspect import HeadInspectionError, HeadReport, inspect_head
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.handler(args))
+    except HeadInspectionError as error:
+        print(f"lmhead: {error}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lmhead", description="Serve language-model heads.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    demo = commands.add_parser("demo", help="write the demo tied and untied heads")
+    demo.add_argument("--repository", type=Path, default=Path("models"))
+    demo.add_argument("--vocab-size", type=int, default=DemoSpec.vocab_size)
+    demo.add_argument("--d-model", type=int, default=DemoSpec.d_model)
+    demo.add_argument("--seed", type=int, default=DemoSpec.seed)
+    demo.add_argument("--force", action="store_true", help="rewrite models that exist")
+    demo.set_defaults(handler=_demo)
+
+    inspect = commands.add_parser("inspect", help="report how an ONNX head's weights are wired")
+    inspect.add_argument("path", type=Path, help="model.onnx or a version directory")
+    inspect.add_argument("--json", action="store_true", help="print one JSON object")
+    inspect.set_defaults(handler=_inspect)
+    return parser
+
+
+def _demo(args: argparse.Namespace) -> int:
+    repository: Path = args.repository
+    existing = [repository / name / "1" / "model.onnx" for name in ("demo-tied", "demo-untied")]
+    if all(path.is_file() for path in existing) and not args.force:
+        print(f"demo models already in {repository} (use --force to rewrite)")
+        return 0
+    spec = DemoSpec(vocab_size=args.vocab_size, d_model=args.d_model, seed=args.seed)
+    for version_dir in write_demo_models(repository, spec):
+        print(f"wrote {version_dir}")
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    report = inspect_head(args.path)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        print(format_report(report))
+    return 0
+
+
+def format_report(report: HeadReport) -> str:
+    """A readable summary: the tie first, then sizes."""
+    if report.tied:
+        wiring = "tied: one initializer feeds the Gather and the projection"
+    elif report.duplicate:
+        wiring = (
+            f"untied, DUPLICATED ({report.duplicate}): a broken tie, the projection weight "
+            f"repeats the embedding; re-tying saves {report.duplicate_bytes:,} bytes"
+        )
+    else:
+        wiring = "untied: separate embedding and projection initializers"
+    layout = " (stored transposed)" if report.projection_transposed else ""
+    rows = [
+        ("head", wiring),
+        ("embedding", f"{report.embedding_initializer} -> {report.gather_node}"),
+        ("projection", f"{report.projection_initializer}{layout} -> {report.projection_node}"),
+        ("vocab x d_model", f"{report.vocab_size} x {report.d_model} {report.dtype}"),
+        ("parameters", f"{report.parameters:,}"),
+        ("weight bytes", f"{report.weight_bytes:,}"),
+        ("saved by tying", f"{report.bytes_saved_by_tying:,}"),
+        (
+            "file bytes",
+            f"{report.file_bytes:,}"
+            + (" (external data)" if report.external_data else " (inline)"),
+        ),
+    ]
+    width = max(len(name) for name, _ in rows)
+    return "\n".join([report.path] + [f"  {name:<{width}}  {value}" for name, value in rows])

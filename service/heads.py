@@ -1,0 +1,243 @@
+"""Build ONNX heads from numpy arrays: tied heads store ONE weight, untied heads two.
+
+The graph (opset 17) has two independent sides that share the weight when tied:
+
+* embedding side: ``Gather(W_in, input_ids) -> embeddings`` (a flat list of ids);
+* projection side: ``hidden_states (rows, d_model)`` divided by ``temperature``,
+  ``Gemm(h, W_out, transB=1)``, then ``TopK`` (k per request, clamped to the vocab) and
+  the log-sum-exp in the graph, so only (rows, k) values leave the runtime unless the
+  caller asks for the full ``logits``. log-probs are ``topk_logits - logsumexp``.
+
+``Gemm(transB=1)`` reads W in its stored (vocab, d_model) layout. The alternative that
+exporters emit, ``MatMul(h, Transpose(W))``, gets the transpose constant-folded by onnxruntime
+into a second copy of W (FACTS.md section 1), so a tied head would cost 2x W in memory.
+
+Every input is required: the runtime feeds an empty tensor to the side it does not use, which
+keeps ``InferenceSession.get_inputs()`` truthful and avoids overridable-initializer warnings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+OPSET = 17
+HIDDEN_STATES = "hidden_states"
+INPUT_IDS = "input_ids"
+K = "k"
+TEMPERATURE = "temperature"
+TOPK_LOGITS = "topk_logits"
+TOPK_TOKEN_IDS = "topk_token_ids"
+LOGSUMEXP = "logsumexp"
+LOGITS = "logits"
+EMBEDDINGS = "embeddings"
+EMBEDDING_WEIGHT = "embedding.weight"
+OUTPUT_WEIGHT = "lm_head.weight"
+MODEL_FILE = "model.onnx"
+DATA_FILE = "model.onnx.data"
+
+#: Serialized protobuf messages cannot exceed 2 GiB; keep headroom for the graph itself.
+PROTOBUF_LIMIT_BYTES = 2**31 - 64 * 2**20
+#: Offsets of tensors in the external data file, so each one can be memory-mapped.
+EXTERNAL_ALIGNMENT = 64 * 1024
+
+
+@dataclass(frozen=True)
+class HeadWeights:
+    """The matrices of a head, each (vocab_size, d_model); ``output`` is None when tied."""
+
+    embedding: npt.NDArray[np.float32]
+    output: npt.NDArray[np.float32] | None = None
+
+    @classmethod
+    def from_arrays(
+        cls, embedding: npt.ArrayLike, output: npt.ArrayLike | None = None
+    ) -> HeadWeights:
+        """Check shapes and convert to contiguous float32, the served dtype on CPU."""
+        table = _as_weight(embedding, "embedding")
+        if output is None:
+            return cls(table)
+        head = _as_weight(output, "output")
+        if head.shape != table.shape:
+            raise ValueError(
+                f"output weight shape {head.shape} does not match embedding shape {table.shape}"
+            )
+        return cls(table, head)
+
+    @property
+    def tied(self) -> bool:
+        return self.output is None
+
+    @property
+    def nbytes(self) -> int:
+        return self.embedding.nbytes + (0 if self.output is None else self.output.nbytes)
+
+
+def _as_weight(array: npt.ArrayLike, name: str) -> npt.NDArray[np.float32]:
+    matrix = np.asarray(array)
+    if matrix.ndim != 2 or matrix.size == 0:
+        raise ValueError(
+            f"{name} must be a non-empty 2-D (vocab_size, d_model) array, got shape {matrix.shape}"
+        )
+    if not np.issubdtype(matrix.dtype, np.floating):
+        raise ValueError(f"{name} must have a floating dtype, got {matrix.dtype}")
+    return np.ascontiguousarray(matrix, dtype=np.float32)
+
+
+def build_head(weights: HeadWeights) -> onnx.ModelProto:
+    """Build an in-memory head with the weights inline (fine below the protobuf limit)."""
+    initializers = [numpy_helper.from_array(weights.embedding, EMBEDDING_WEIGHT)]
+    if weights.output is not None:
+        initializers.append(numpy_helper.from_array(weights.output, OUTPUT_WEIGHT))
+    return _head_model(initializers, *weights.embedding.shape)
+
+
+def save_head(
+    weights: HeadWeights,
+    directory: str | Path,
+    *,
+    external_data: bool | None = None,
+    inline_limit_bytes: int = PROTOBUF_LIMIT_BYTES,
+) -> Path:
+    """Write ``model.onnx`` (and ``model.onnx.data`` when external) into ``directory``.
+
+    ``external_data=None`` chooses external storage exactly when the weights exceed
+    ``inline_limit_bytes`` (by default: would not fit in one protobuf message). External data
+    is written straight from the numpy buffers (no second in-memory copy) at aligned offsets,
+    so onnxruntime can memory-map it.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / MODEL_FILE
+    if external_data is None:
+        external_data = weights.nbytes > inline_limit_bytes
+    if not external_data:
+        onnx.save_model(build_head(weights), path)
+        (directory / DATA_FILE).unlink(missing_ok=True)
+        return path
+    named = [(EMBEDDING_WEIGHT, weights.embedding)]
+    if weights.output is not None:
+        named.append((OUTPUT_WEIGHT, weights.output))
+    initializers = _write_external(named, directory / DATA_FILE)
+    onnx.save_model(_head_model(initializers, *weights.embedding.shape), path)
+    return path
+
+
+def _write_external(
+    named: list[tuple[str, npt.NDArray[np.float32]]], data_path: Path
+) -> list[TensorProto]:
+    tensors = []
+    with data_path.open("wb") as stream:
+        for name, array in named:
+            offset = -stream.tell() % EXTERNAL_ALIGNMENT + stream.tell()
+            stream.seek(offset)
+            array.tofile(stream)
+            proto = TensorProto(name=name, data_type=TensorProto.FLOAT, dims=array.shape)
+            proto.data_location = TensorProto.EXTERNAL
+            for key, value in (
+                ("location", data_path.name),
+                ("offset", str(offset)),
+                ("length", str(array.nbytes)),
+            ):
+                proto.external_data.add(key=key, value=value)
+            tensors.append(proto)
+    return tensors
+
+
+def _head_model(weights: list[TensorProto], vocab_size: int, d_model: int) -> onnx.ModelProto:
+    tied = len(weights) == 1
+    embedding_name = weights[0].name
+    output_name = weights[0].name if tied else weights[1].name
+    constants = [
+        numpy_helper.from_array(np.array([vocab_size], np.int64), "vocab_size"),
+        numpy_helper.from_array(np.array([0], np.int64), "zero"),
+        numpy_helper.from_array(np.array([1], np.int64), "one"),
+    ]
+    graph = helper.make_graph(
+        _embedding_nodes(embedding_name) + _projection_nodes(output_name),
+        "lmhead_tied" if tied else "lmhead_untied",
+        _inputs(d_model),
+        _outputs(vocab_size, d_model),
+        weights + constants,
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="lmhead"
+    )
+    helper.set_model_props(
+        model,
+        {
+            "lmhead.format": "1",
+            "lmhead.tied": str(tied).lower(),
+            "lmhead.vocab_size": str(vocab_size),
+            "lmhead.d_model": str(d_model),
+        },
+    )
+    return model
+
+
+def _embedding_nodes(weight: str) -> list[onnx.NodeProto]:
+    return [helper.make_node("Gather", [weight, INPUT_IDS], [EMBEDDINGS], "embedding_gather")]
+
+
+def _projection_nodes(weight: str) -> list[onnx.NodeProto]:
+    """Projection, in-graph top-k and log-sum-exp.
+
+    Temperature scales the hidden state: logits are linear in it, so (h/T) W^T = (h W^T)/T at
+    d_model instead of vocab_size operations per row. The log-sum-exp comes from the fused
+    LogSoftmax kernel (one pass, multi-threaded; ReduceLogSumExp measured ~4x slower):
+    lse = max - log_softmax[argmax], and TopK already found the max and the argmax.
+    """
+    node = helper.make_node
+    return [
+        node("Div", [HIDDEN_STATES, TEMPERATURE], ["scaled_hidden"], "apply_temperature"),
+        node("Gemm", ["scaled_hidden", weight], [LOGITS], "output_projection", transB=1),
+        node("Min", [K, "vocab_size"], ["k_clamped"], "clamp_k"),
+        node(
+            "TopK",
+            [LOGITS, "k_clamped"],
+            [TOPK_LOGITS, TOPK_TOKEN_IDS],
+            "topk",
+            axis=1,
+            largest=1,
+            sorted=1,
+        ),
+        node("LogSoftmax", [LOGITS], ["log_softmax"], "log_softmax", axis=1),
+        node("Slice", [TOPK_LOGITS, "zero", "one", "one"], ["row_max"], "row_max"),
+        node("Slice", [TOPK_TOKEN_IDS, "zero", "one", "one"], ["row_argmax"], "row_argmax"),
+        node(
+            "GatherElements",
+            ["log_softmax", "row_argmax"],
+            ["max_log_softmax"],
+            "max_log_softmax",
+            axis=1,
+        ),
+        node("Sub", ["row_max", "max_log_softmax"], ["row_lse"], "row_lse"),
+        node("Squeeze", ["row_lse", "one"], [LOGSUMEXP], "squeeze_lse"),
+    ]
+
+
+def _inputs(d_model: int) -> list[onnx.ValueInfoProto]:
+    """Rows are 2-D; the runtime flattens a caller's leading dims and restores them (a view)."""
+    value = helper.make_tensor_value_info
+    return [
+        value(HIDDEN_STATES, TensorProto.FLOAT, ["rows", d_model]),
+        value(INPUT_IDS, TensorProto.INT64, ["ids"]),
+        value(K, TensorProto.INT64, [1]),
+        value(TEMPERATURE, TensorProto.FLOAT, [1]),
+    ]
+
+
+def _outputs(vocab_size: int, d_model: int) -> list[onnx.ValueInfoProto]:
+    value = helper.make_tensor_value_info
+    return [
+        value(TOPK_LOGITS, TensorProto.FLOAT, ["rows", "k"]),
+        value(TOPK_TOKEN_IDS, TensorProto.INT64, ["rows", "k"]),
+        value(LOGSUMEXP, TensorProto.FLOAT, ["rows"]),
+        value(LOGITS, TensorProto.FLOAT, ["rows", vocab_size]),
+        value(EMBEDDINGS, TensorProto.FLOAT, ["ids", d_model]),
+    ]

@@ -1,0 +1,239 @@
+"""Read an ONNX head and say how its weights are wired: tied, untied, or a broken tie.
+
+A head is *tied* when one initializer feeds both the embedding ``Gather`` and the output
+projection (``Gemm``/``MatMul``/``FusedMatMul``). Exporters often break the tie on the way to
+ONNX: ``torch.onnx.export`` with constant folding writes W and a folded W^T, and some HF
+checkpoints ship a redundant ``lm_head`` copy. Such a file has two initializers with the same
+content; it is reported as *duplicated*, not as tied, with the bytes a re-tie would save.
+
+Weights are compared without loading the file twice: external data is memory-mapped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+import onnx
+from onnx import numpy_helper
+
+PROJECTION_OPS = frozenset({"Gemm", "MatMul", "FusedMatMul"})
+PASS_THROUGH_OPS = frozenset({"Identity", "Cast"})
+Duplicate = Literal["identical", "transposed"]
+
+
+class HeadInspectionError(ValueError):
+    """The file is not a head this inspector understands; the message says why."""
+
+
+@dataclass(frozen=True)
+class HeadReport:
+    """What ``lmhead inspect`` prints; ``--json`` prints ``asdict`` of it."""
+
+    path: str
+    tied: bool
+    embedding_initializer: str
+    projection_initializer: str
+    gather_node: str
+    projection_node: str
+    projection_transposed: bool
+    vocab_size: int
+    d_model: int
+    dtype: str
+    parameters: int
+    weight_bytes: int
+    bytes_saved_by_tying: int
+    duplicate: Duplicate | None
+    duplicate_bytes: int
+    external_data: bool
+    file_bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class _Use:
+    node: onnx.NodeProto
+    initializer: str
+    transposed: bool
+
+
+def resolve_model_path(path: str | Path) -> Path:
+    """Accept a ``model.onnx`` file or a version directory that holds one."""
+    candidate = Path(path)
+    if candidate.is_dir():
+        candidate = candidate / "model.onnx"
+    if not candidate.is_file():
+        raise HeadInspectionError(f"no ONNX file at {candidate}")
+    return candidate
+
+
+def inspect_head(path: str | Path) -> HeadReport:
+    """Inspect the head at ``path`` (a file or a version directory)."""
+    model_path = resolve_model_path(path)
+    try:
+        model = onnx.load(str(model_path), load_external_data=False)
+    except Exception as error:  # onnx raises DecodeError or OSError subclasses
+        raise HeadInspectionError(f"{model_path} is not a readable ONNX model: {error}") from None
+    graph = model.graph
+    initializers = {tensor.name: tensor for tensor in graph.initializer}
+    inputs = {value.name for value in graph.input}
+    weights = {
+        name: t for name, t in initializers.items() if len(t.dims) == 2 and name not in inputs
+    }
+    producers = {out: node for node in graph.node for out in node.output}
+    gather = _find_gather(graph, producers, weights)
+    vocab_size, d_model = (int(dim) for dim in weights[gather.initializer].dims)
+    projection = _find_projection(graph, producers, weights, vocab_size, d_model)
+    return _report(model_path, weights, gather, projection, vocab_size, d_model)
+
+
+def _trace(name: str, producers: dict[str, onnx.NodeProto]) -> tuple[str, bool]:
+    """Follow ``name`` back through Identity/Cast/Transpose to its source; note transposes."""
+    transposed = False
+    while name in producers and producers[name].op_type in PASS_THROUGH_OPS | {"Transpose"}:
+        node = producers[name]
+        transposed ^= node.op_type == "Transpose"
+        name = node.input[0]
+    return name, transposed
+
+
+def _find_gather(
+    graph: onnx.GraphProto,
+    producers: dict[str, onnx.NodeProto],
+    weights: dict[str, onnx.TensorProto],
+) -> _Use:
+    for node in graph.node:
+        if node.op_type == "Gather" and node.input:
+            source, transposed = _trace(node.input[0], producers)
+            if source in weights and not transposed:
+                return _Use(node, source, transposed=False)
+    raise HeadInspectionError(
+        "no embedding Gather reads a 2-D initializer; initializers found: "
+        f"{sorted(weights) or 'none'}"
+    )
+
+
+def _find_projection(
+    graph: onnx.GraphProto,
+    producers: dict[str, onnx.NodeProto],
+    weights: dict[str, onnx.TensorProto],
+    vocab_size: int,
+    d_model: int,
+) -> _Use:
+    """The matmul whose weight, as used, is (vocab, d_model)^T: it produces one logit per token."""
+    for node in graph.node:
+        if node.op_type not in PROJECTION_OPS:
+            continue
+        source, transposed = _trace(node.input[1], producers)
+        if source not in weights:
+            continue
+        transposed ^= _attribute(node, "transB") == 1
+        rows, cols = (int(dim) for dim in weights[source].dims)
+        stored_as_table = (rows, cols) == (vocab_size, d_model) and transposed
+        stored_as_columns = (rows, cols) == (d_model, vocab_size) and not transposed
+        if stored_as_table or stored_as_columns:
+            return _Use(node, source, transposed=stored_as_columns)
+    raise HeadInspectionError(
+        f"no Gemm/MatMul projects onto the {vocab_size}-token vocabulary from a "
+        f"{d_model}-wide hidden state"
+    )
+
+
+def _attribute(node: onnx.NodeProto, name: str) -> int:
+    for attribute in node.attribute:
+        if attribute.name == name:
+            return int(attribute.i)
+    return 0
+
+
+def _report(
+    model_path: Path,
+    weights: dict[str, onnx.TensorProto],
+    gather: _Use,
+    projection: _Use,
+    vocab_size: int,
+    d_model: int,
+) -> HeadReport:
+    tied = gather.initializer == projection.initializer
+    table = weights[gather.initializer]
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(table.data_type)
+    parameters = sum(int(np.prod(tensor.dims)) for tensor in weights.values())
+    weight_bytes = sum(
+        int(np.prod(t.dims)) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+        for t in weights.values()
+    )
+    table_bytes = vocab_size * d_model * dtype.itemsize
+    duplicate = (
+        None
+        if tied
+        else _duplicate_kind(
+            model_path.parent, table, weights[projection.initializer], projection.transposed
+        )
+    )
+    external = any(t.data_location == onnx.TensorProto.EXTERNAL for t in weights.values())
+    data_bytes = sum(f.stat().st_size for f in _external_files(model_path.parent, weights))
+    return HeadReport(
+        path=str(model_path),
+        tied=tied,
+        embedding_initializer=gather.initializer,
+        projection_initializer=projection.initializer,
+        gather_node=gather.node.name,
+        projection_node=projection.node.name,
+        projection_transposed=projection.transposed,
+        vocab_size=vocab_size,
+        d_model=d_model,
+        dtype=str(dtype),
+        parameters=parameters,
+        weight_bytes=weight_bytes,
+        bytes_saved_by_tying=table_bytes if tied else 0,
+        duplicate=duplicate,
+        duplicate_bytes=table_bytes if duplicate else 0,
+        external_data=external,
+        file_bytes=model_path.stat().st_size + data_bytes,
+    )
+
+
+def _duplicate_kind(
+    base_dir: Path, table: onnx.TensorProto, weight: onnx.TensorProto, transposed: bool
+) -> Duplicate | None:
+    """Is the projection weight the embedding table again, as is or stored transposed?"""
+    table_values = _array(table, base_dir)
+    weight_values = _array(weight, base_dir)
+    candidate = weight_values.T if transposed else weight_values
+    if candidate.shape != table_values.shape or candidate.dtype != table_values.dtype:
+        return None
+    # A first-row check rejects almost every honest untied head before the full pass.
+    if not np.array_equal(candidate[0], table_values[0]):
+        return None
+    if not np.array_equal(candidate, table_values):
+        return None
+    return "transposed" if transposed else "identical"
+
+
+def _array(tensor: onnx.TensorProto, base_dir: Path) -> npt.NDArray[Any]:
+    """The tensor's values; external data is memory-mapped rather than read."""
+    if tensor.data_location != onnx.TensorProto.EXTERNAL:
+        return numpy_helper.to_array(tensor)
+    info = {entry.key: entry.value for entry in tensor.external_data}
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
+    return np.memmap(
+        base_dir / info["location"],
+        dtype=dtype,
+        mode="r",
+        offset=int(info.get("offset", 0)),
+        shape=tuple(int(dim) for dim in tensor.dims),
+    )
+
+
+def _external_files(base_dir: Path, weights: dict[str, onnx.TensorProto]) -> set[Path]:
+    return {
+        base_dir / entry.value
+        for tensor in weights.values()
+        for entry in tensor.external_data
+        if entry.key == "location"
+    }

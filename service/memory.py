@@ -1,0 +1,82 @@
+"""Measure what loading a head costs in resident memory, in a process of its own.
+
+Resident memory is only meaningful in a fresh process (allocator caches, other sessions), so
+tests and benchmarks run ``python -m service.memory PATH --tied --memory-mode shared`` in a
+subprocess and read the one JSON line it prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import resource
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import psutil
+
+from service.runtime import MEMORY_MODES, HeadSession, MemoryMode
+
+
+@dataclass(frozen=True)
+class LoadFootprint:
+    """Resident bytes added by a head, against the bytes of one (vocab, d_model) matrix.
+
+    ``warm_bytes`` is what loading costs: the session plus one 1-row warm-up run, as the
+    registry loads a model. ``batch_bytes`` adds the working set of one run of ``rows`` rows
+    (logits and log-softmax buffers, 2 x rows x vocab floats, kept by onnxruntime's arena).
+    """
+
+    weight_bytes: int
+    loaded_bytes: int
+    warm_bytes: int
+    batch_rows: int
+    batch_bytes: int
+    peak_bytes: int  # high-water mark above the starting RSS, during load and runs
+
+    @property
+    def ratio(self) -> float:
+        """Resident memory added by loading and warming, in units of W."""
+        return self.warm_bytes / self.weight_bytes
+
+
+def resident_bytes() -> int:
+    """Resident set size of this process (anonymous and file-backed pages)."""
+    return int(psutil.Process().memory_info().rss)
+
+
+def measure_load(path: str, *, tied: bool, memory_mode: MemoryMode, rows: int) -> LoadFootprint:
+    """Load the head at ``path``, warm it with one row, then run ``rows`` rows once."""
+    gc.collect()
+    before = resident_bytes()
+    session = HeadSession(path, tied=tied, memory_mode=memory_mode)
+    loaded = resident_bytes() - before
+    rng = np.random.default_rng(0)
+    session.project(rng.standard_normal((1, session.d_model), dtype=np.float32), 10)
+    session.embed(np.arange(min(64, session.vocab_size)))
+    warm = resident_bytes() - before
+    session.project(rng.standard_normal((rows, session.d_model), dtype=np.float32), 10)
+    batch = resident_bytes() - before
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before  # Linux: KiB
+    matrix_bytes = session.vocab_size * session.d_model * 4
+    return LoadFootprint(matrix_bytes, loaded, warm, rows, batch, peak)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m service.memory", description=__doc__)
+    parser.add_argument("path")
+    parser.add_argument("--tied", action="store_true")
+    parser.add_argument("--memory-mode", choices=MEMORY_MODES, default="shared")
+    parser.add_argument("--rows", type=int, default=64)
+    args = parser.parse_args(argv)
+    footprint = measure_load(
+        args.path, tied=args.tied, memory_mode=args.memory_mode, rows=args.rows
+    )
+    print(json.dumps({**asdict(footprint), "ratio": footprint.ratio}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

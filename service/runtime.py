@@ -1,0 +1,158 @@
+"""One onnxruntime session per head file; synchronous, so it is trivially testable.
+
+The session options decide what a tied head costs in memory (FACTS.md section 1):
+
+* ``memory_mode="shared"`` (default): a tied head runs with ``session.disable_prepacking=1``,
+  because MLAS would otherwise add a packed copy of W for the Gemm while the original stays
+  alive for the Gather: 1x W instead of 2x, for ~15-25% more time at 64 rows. Untied heads
+  keep prepacking in this mode: their output matrix feeds only the Gemm, so onnxruntime frees
+  the original once it is packed and nothing is duplicated. Constant folding is capped at a
+  few MB so an imported ``Transpose(W)`` is never folded into a second copy either.
+* ``memory_mode="fast"``: onnxruntime defaults; a tied head holds W plus its packed copy
+  (~2x W) and runs at full Gemm speed.
+
+``InferenceSession.run`` is safe to call from several threads on one session.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+import onnxruntime as ort
+
+from service.heads import (
+    EMBEDDINGS,
+    HIDDEN_STATES,
+    INPUT_IDS,
+    LOGITS,
+    LOGSUMEXP,
+    TEMPERATURE,
+    TOPK_LOGITS,
+    TOPK_TOKEN_IDS,
+    K,
+)
+
+MemoryMode = Literal["shared", "fast"]
+MEMORY_MODES: tuple[MemoryMode, ...] = ("shared", "fast")
+FOLDING_CAP_BYTES = 4 * 2**20
+
+
+@dataclass(frozen=True)
+class Projection:
+    """Projection outputs with the caller's leading dims restored."""
+
+    topk_logits: npt.NDArray[np.float32]
+    topk_token_ids: npt.NDArray[np.int64]
+    logsumexp: npt.NDArray[np.float32]
+    logits: npt.NDArray[np.float32] | None = None
+
+    @property
+    def topk_logprobs(self) -> npt.NDArray[np.float32]:
+        """log-softmax of the top-k entries, exact over the full vocabulary."""
+        return self.topk_logits - self.logsumexp[..., None]
+
+
+def session_options(
+    *, shares_weight: bool, memory_mode: MemoryMode = "shared", intra_op_threads: int = 0
+) -> ort.SessionOptions:
+    """Session options for a head; see the module docstring for the memory trade-off."""
+    if memory_mode not in MEMORY_MODES:
+        raise ValueError(f"memory_mode must be one of {MEMORY_MODES}, got {memory_mode!r}")
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = intra_op_threads
+    if memory_mode == "shared":
+        options.add_session_config_entry(
+            "optimization.constant_folding_max_output_size_in_bytes", str(FOLDING_CAP_BYTES)
+        )
+        if shares_weight:
+            options.add_session_config_entry("session.disable_prepacking", "1")
+    return options
+
+
+class HeadSession:
+    """A loaded head: top-k projection and embedding lookup on one onnxruntime session."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        tied: bool,
+        memory_mode: MemoryMode = "shared",
+        intra_op_threads: int = 0,
+        providers: tuple[str, ...] = ("CPUExecutionProvider",),
+    ) -> None:
+        self.path = Path(path)
+        self.tied = tied
+        self.memory_mode = memory_mode
+        options = session_options(
+            shares_weight=tied, memory_mode=memory_mode, intra_op_threads=intra_op_threads
+        )
+        self._session = ort.InferenceSession(str(self.path), options, providers=list(providers))
+        shapes = {value.name: value.shape for value in self._session.get_outputs()}
+        self.vocab_size = int(shapes[LOGITS][1])
+        self.d_model = int(shapes[EMBEDDINGS][1])
+        self._no_rows = np.zeros((0, self.d_model), np.float32)
+        self._no_ids = np.zeros((0,), np.int64)
+
+    @property
+    def providers(self) -> list[str]:
+        return list(self._session.get_providers())
+
+    def project(
+        self,
+        hidden_states: npt.ArrayLike,
+        k: int,
+        *,
+        temperature: float = 1.0,
+        full_logits: bool = False,
+    ) -> Projection:
+        """Top-k logits and ids, log-sum-exp, and optionally all logits for (..., d_model)."""
+        hidden = np.asarray(hidden_states)
+        if hidden.ndim == 0 or hidden.shape[-1] != self.d_model:
+            raise ValueError(
+                f"hidden_states must be (..., {self.d_model}), got shape {hidden.shape}"
+            )
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        leading = hidden.shape[:-1]
+        rows = np.ascontiguousarray(hidden.reshape(-1, self.d_model), dtype=np.float32)
+        names = [TOPK_LOGITS, TOPK_TOKEN_IDS, LOGSUMEXP] + ([LOGITS] if full_logits else [])
+        outputs = self._run(names, rows, self._no_ids, k, temperature)
+        values, ids, lse, *rest = (out.reshape(*leading, *out.shape[1:]) for out in outputs)
+        return Projection(values, ids, lse, rest[0] if rest else None)
+
+    def embed(self, input_ids: npt.ArrayLike) -> npt.NDArray[np.float32]:
+        """Rows of the input embedding table, shaped ``input_ids.shape + (d_model,)``."""
+        ids = np.asarray(input_ids)
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"input_ids must be integers, got dtype {ids.dtype}")
+        if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
+            raise ValueError(
+                f"input_ids must be in [0, {self.vocab_size}), got values in "
+                f"[{ids.min()}, {ids.max()}]"
+            )
+        flat = np.ascontiguousarray(ids.reshape(-1), dtype=np.int64)
+        (embeddings,) = self._run([EMBEDDINGS], self._no_rows, flat, 1, 1.0)
+        return embeddings.reshape(*ids.shape, self.d_model)
+
+    def _run(
+        self,
+        names: list[str],
+        rows: npt.NDArray[np.float32],
+        ids: npt.NDArray[np.int64],
+        k: int,
+        temperature: float,
+    ) -> list[npt.NDArray[Any]]:
+        feeds = {
+            HIDDEN_STATES: rows,
+            INPUT_IDS: ids,
+            K: np.array([k], np.int64),
+            TEMPERATURE: np.array([temperature], np.float32),
+        }
+        return list(self._session.run(names, feeds))

@@ -1,0 +1,59 @@
+"""Shared fixtures: small seeded heads written to disk, and markers taken from the folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+import onnx
+import pytest
+from onnx import numpy_helper
+
+from service.heads import HeadWeights, save_head
+
+VOCAB = 997
+D_MODEL = 48
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """tests/unit -> unit, tests/integration -> integration: markers by folder."""
+    for item in items:
+        folder = Path(str(item.fspath)).parent.name
+        if folder in {"unit", "integration"}:
+            item.add_marker(getattr(pytest.mark, folder))
+
+
+@pytest.fixture(scope="session")
+def table() -> npt.NDArray[np.float32]:
+    return np.random.default_rng(1).standard_normal((VOCAB, D_MODEL), dtype=np.float32)
+
+
+@pytest.fixture(scope="session")
+def output_weight() -> npt.NDArray[np.float32]:
+    return np.random.default_rng(2).standard_normal((VOCAB, D_MODEL), dtype=np.float32)
+
+
+@pytest.fixture(scope="session")
+def tied_path(tmp_path_factory: pytest.TempPathFactory, table: npt.NDArray[np.float32]) -> Path:
+    return save_head(HeadWeights.from_arrays(table), tmp_path_factory.mktemp("tied"))
+
+
+@pytest.fixture(scope="session")
+def untied_path(
+    tmp_path_factory: pytest.TempPathFactory,
+    table: npt.NDArray[np.float32],
+    output_weight: npt.NDArray[np.float32],
+) -> Path:
+    weights = HeadWeights.from_arrays(table, output_weight)
+    return save_head(weights, tmp_path_factory.mktemp("untied"))
+
+
+def initializers(path: Path) -> dict[str, npt.NDArray[np.float32]]:
+    """The 2-D weights of a saved head, read back from the file with onnx."""
+    model = onnx.load(str(path))
+    return {
+        tensor.name: numpy_helper.to_array(tensor)
+        for tensor in model.graph.initializer
+        if len(tensor.dims) == 2
+    }
