@@ -1,9 +1,10 @@
-"""``lmhead`` command line: demo, inspect (serve, import, compare come with later issues)."""
+"""``lmhead`` command line: serve, demo, inspect."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -34,6 +35,12 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--force", action="store_true", help="rewrite models that exist")
     demo.set_defaults(handler=_demo)
 
+    serve = commands.add_parser("serve", help="serve the model repository over HTTP")
+    serve.add_argument("--repository", type=Path, help="overrides LMHEAD_REPOSITORY")
+    serve.add_argument("--host", help="overrides LMHEAD_HOST")
+    serve.add_argument("--port", type=int, help="overrides LMHEAD_PORT")
+    serve.set_defaults(handler=_serve)
+
     inspect = commands.add_parser("inspect", help="report how an ONNX head's weights are wired")
     inspect.add_argument("path", type=Path, help="model.onnx or a version directory")
     inspect.add_argument("--json", action="store_true", help="print one JSON object")
@@ -50,6 +57,25 @@ def _demo(args: argparse.Namespace) -> int:
     spec = DemoSpec(vocab_size=args.vocab_size, d_model=args.d_model, seed=args.seed)
     for version_dir in write_demo_models(repository, spec):
         print(f"wrote {version_dir}")
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from service.app import create_app
+    from service.settings import Settings
+
+    flags = {"repository": args.repository, "host": args.host, "port": args.port}
+    settings = Settings(**{key: value for key, value in flags.items() if value is not None})
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=10,
+    )
     return 0
 
 

@@ -1,0 +1,103 @@
+"""App factory: ``create_app(settings)`` wires settings, metrics, registry and routes.
+
+Nothing happens at import. The lifespan creates the inference executor and the registry, and
+starts loading the repository in the background, so ``/health/live`` answers at once and
+``/health/ready`` turns 200 when every model found at start-up has been loaded and warmed
+(or has failed, with its reason in ``/v1/models``). Run it with
+``uvicorn --factory service.app:create_app`` or ``lmhead serve``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service import __version__
+from service.errors import install_error_handlers
+from service.metrics import Metrics
+from service.registry import Registry
+from service.routes import health, native
+from service.settings import Settings
+
+logger = logging.getLogger("lmhead")
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """Build the service; ``Settings()`` reads ``LMHEAD_*`` from the environment when omitted."""
+    settings = settings or Settings()
+    logging.getLogger("lmhead").setLevel(settings.log_level.upper())
+    metrics = Metrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        executor = ThreadPoolExecutor(settings.inference_threads, thread_name_prefix="lmhead-infer")
+        registry = Registry(settings, executor, metrics)
+        app.state.registry = registry
+        loading = asyncio.create_task(registry.load_all(), name="lmhead-startup-load")
+        try:
+            yield
+        finally:
+            loading.cancel()
+            await asyncio.gather(loading, return_exceptions=True)
+            await registry.close()
+            executor.shutdown(wait=True, cancel_futures=True)
+
+    app = FastAPI(
+        title="lmhead",
+        version=__version__,
+        summary="Serve language-model heads, tied and untied.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.metrics = metrics
+    install_error_handlers(app)
+    app.include_router(health.router)
+    app.include_router(native.router)
+    app.add_middleware(RequestMetrics, metrics=metrics)
+    return app
+
+
+class RequestMetrics:
+    """Pure ASGI middleware: count and time requests by route, model, version and status."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status, version = 500, ""
+
+        async def observe(message: Message) -> None:
+            nonlocal status, version
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                for key, value in message.get("headers", ()):
+                    if key == b"x-lmhead-version":
+                        version = value.decode()
+            await send(message)
+
+        try:
+            await self.app(scope, receive, observe)
+        finally:
+            self._record(scope, status, version, time.perf_counter() - started)
+
+    def _record(self, scope: Scope, status: int, version: str, seconds: float) -> None:
+        route = scope.get("route")
+        endpoint = getattr(route, "path", "unmatched")
+        name = scope.get("path_params", {}).get("name", "")
+        registry = getattr(scope["app"].state, "registry", None)
+        # Only known model names become label values: unknown ones would grow the series set.
+        model = name if registry is not None and registry.knows(name) else ""
+        self.metrics.requests.labels(model, version, endpoint, str(status)).inc()
+        self.metrics.request_duration.labels(model, endpoint).observe(seconds)

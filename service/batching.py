@@ -1,0 +1,204 @@
+"""Dynamic batching: merge concurrent requests for one model version into one onnxruntime run.
+
+One asyncio task per model version takes the first waiting request, keeps taking requests
+that are already queued, and waits at most ``max_wait`` for more while the batch has fewer
+than ``max_batch_rows`` rows. The merged run happens in the inference executor, never on the
+event loop. While it runs, new requests queue up, so under load the next batch fills without
+waiting at all. The results are split back per request: k is the batch's largest k (top-k is
+sorted, so each request keeps its first k columns) and temperature was already applied to each
+request's rows, so requests with different options still share a run.
+
+The queue is bounded in rows: past ``max_queue_rows`` a request is refused at once (503 with
+Retry-After) rather than left to time out. A run that raises fails every caller in its batch
+with ``InferenceFailed``; the loop goes on with the next batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from service.errors import InferenceFailed, ModelNotReady, QueueFull
+from service.runtime import Projection
+
+logger = logging.getLogger("lmhead")
+
+RunBatch = Callable[[npt.NDArray[np.float32], int, bool], Projection]
+
+
+@dataclass(frozen=True)
+class BatchStats:
+    """What one run did, for metrics."""
+
+    rows: int
+    requests: int
+    queue_seconds: list[float]
+    run_seconds: float
+    failed: bool
+
+
+@dataclass
+class _Pending:
+    rows: npt.NDArray[np.float32]
+    k: int
+    full_logits: bool
+    future: asyncio.Future[Projection]
+    enqueued: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    merge: bool = True
+    max_batch_rows: int = 128
+    max_wait_s: float = 0.002
+    max_queue_rows: int = 16384
+
+
+class Batcher:
+    """Per-model-version queue and the task that turns it into runs."""
+
+    def __init__(
+        self,
+        run: RunBatch,
+        executor: Executor,
+        limits: BatchLimits,
+        *,
+        label: str,
+        on_batch: Callable[[BatchStats], None] = lambda stats: None,
+    ) -> None:
+        self._run = run
+        self._executor = executor
+        self._limits = limits
+        self._label = label
+        self._on_batch = on_batch
+        self._queue: asyncio.Queue[_Pending] = asyncio.Queue()
+        self._carry: _Pending | None = None
+        self._queued_rows = 0
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name=self._label)
+
+    @property
+    def queued_rows(self) -> int:
+        return self._queued_rows
+
+    async def submit(
+        self, rows: npt.NDArray[np.float32], k: int, full_logits: bool = False
+    ) -> Projection:
+        """Queue (rows, d_model) float32 rows; return their projection once their batch ran."""
+        if self._task is None or self._task.done():
+            raise ModelNotReady(f"{self._label} is not accepting requests")
+        count = len(rows)
+        if self._queued_rows + count > self._limits.max_queue_rows:
+            raise QueueFull(
+                f"{self._label} has {self._queued_rows} rows queued (limit "
+                f"{self._limits.max_queue_rows}); retry shortly",
+                headers={"Retry-After": "1"},
+            )
+        future: asyncio.Future[Projection] = asyncio.get_running_loop().create_future()
+        self._queued_rows += count
+        self._queue.put_nowait(_Pending(rows, k, full_logits, future))
+        return await future
+
+    async def close(self) -> None:
+        """Stop taking batches; requests still queued are failed, the running batch finishes."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        pending = [self._carry] if self._carry else []
+        while not self._queue.empty():
+            pending.append(self._queue.get_nowait())
+        for item in pending:
+            if not item.future.done():
+                item.future.set_exception(ModelNotReady(f"{self._label} was unloaded"))
+
+    async def _loop(self) -> None:
+        while True:
+            batch = await self._collect()
+            self._queued_rows -= sum(len(item.rows) for item in batch)
+            await self._execute(batch)
+
+    async def _collect(self) -> list[_Pending]:
+        first = self._carry or await self._queue.get()
+        self._carry = None
+        batch, rows = [first], len(first.rows)
+        if not self._limits.merge:
+            return batch
+        deadline = time.monotonic() + self._limits.max_wait_s
+        while rows < self._limits.max_batch_rows:
+            item = await self._next_before(deadline)
+            if item is None:
+                break
+            if rows + len(item.rows) > self._limits.max_batch_rows:
+                self._carry = item
+                break
+            batch.append(item)
+            rows += len(item.rows)
+        return batch
+
+    async def _next_before(self, deadline: float) -> _Pending | None:
+        if not self._queue.empty():
+            return self._queue.get_nowait()
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return None
+        try:
+            return await asyncio.wait_for(self._queue.get(), remaining)
+        except TimeoutError:
+            return None
+
+    async def _execute(self, batch: list[_Pending]) -> None:
+        started = time.monotonic()
+        rows = batch[0].rows if len(batch) == 1 else np.concatenate([p.rows for p in batch])
+        k = max(item.k for item in batch)
+        full_logits = any(item.full_logits for item in batch)
+        loop = asyncio.get_running_loop()
+        failed = False
+        try:
+            result = await loop.run_in_executor(self._executor, self._run, rows, k, full_logits)
+        except Exception:
+            logger.exception(
+                "inference failed for %s on a batch of %d rows", self._label, len(rows)
+            )
+            failed = True
+            for item in batch:
+                if not item.future.done():
+                    item.future.set_exception(
+                        InferenceFailed(f"inference failed for {self._label}; see the server log")
+                    )
+        else:
+            _deliver(batch, result)
+        self._on_batch(
+            BatchStats(
+                rows=len(rows),
+                requests=len(batch),
+                queue_seconds=[started - item.enqueued for item in batch],
+                run_seconds=time.monotonic() - started,
+                failed=failed,
+            )
+        )
+
+
+def _deliver(batch: list[_Pending], result: Projection) -> None:
+    offset = 0
+    for item in batch:
+        end = offset + len(item.rows)
+        if not item.future.done():  # a caller that went away has a cancelled future
+            logits = result.logits
+            item.future.set_result(
+                Projection(
+                    topk_logits=result.topk_logits[offset:end, : item.k],
+                    topk_token_ids=result.topk_token_ids[offset:end, : item.k],
+                    logsumexp=result.logsumexp[offset:end],
+                    logits=logits[offset:end] if item.full_logits and logits is not None else None,
+                )
+            )
+        offset = end

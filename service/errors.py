@@ -1,0 +1,147 @@
+"""One error hierarchy, mapped to HTTP in one place.
+
+Every error the service raises on purpose is a ``ServiceError`` carrying its HTTP status and a
+stable ``code``; the handler renders ``{"error": {"code", "message"}}``. Messages name the
+field, the expected and the actual value, and never echo the request body. Anything else is a
+bug: it is logged with its traceback and answered with a generic 500.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+logger = logging.getLogger("lmhead")
+
+
+class ServiceError(Exception):
+    """Base class: ``status`` and ``code`` say how the HTTP layer answers."""
+
+    status = 500
+    code = "internal_error"
+
+    def __init__(self, message: str, *, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.headers = headers or {}
+
+
+class MalformedBody(ServiceError):
+    """400: the body cannot be parsed at all (bad JSON, bad .npy)."""
+
+    status = 400
+    code = "malformed_body"
+
+
+class InvalidInput(ServiceError):
+    """422: the body parses but a value is wrong (shape, dtype, range, NaN)."""
+
+    status = 422
+    code = "invalid_input"
+
+
+class ModelNotFound(ServiceError):
+    """404: no model of that name in the repository."""
+
+    status = 404
+    code = "model_not_found"
+
+
+class VersionNotFound(ServiceError):
+    """404: the model exists but not that version."""
+
+    status = 404
+    code = "version_not_found"
+
+
+class PayloadTooLarge(ServiceError):
+    """413: the body, the rows or the answer exceed a configured limit."""
+
+    status = 413
+    code = "payload_too_large"
+
+
+class UnsupportedMediaType(ServiceError):
+    """415: a Content-Type this endpoint does not read."""
+
+    status = 415
+    code = "unsupported_media_type"
+
+
+class NotAcceptable(ServiceError):
+    """406: an Accept header this endpoint cannot answer in."""
+
+    status = 406
+    code = "not_acceptable"
+
+
+class ModelNotReady(ServiceError):
+    """503: the model is loading or failed to load."""
+
+    status = 503
+    code = "model_not_ready"
+
+
+class QueueFull(ServiceError):
+    """503 with Retry-After: the model's batch queue is full; try again shortly."""
+
+    status = 503
+    code = "queue_full"
+
+
+class InferenceFailed(ServiceError):
+    """500: onnxruntime failed on a batch; every caller in it gets this, the service goes on."""
+
+    status = 500
+    code = "inference_failed"
+
+
+def error_body(code: str, message: str) -> bytes:
+    return orjson.dumps({"error": {"code": code, "message": message}})
+
+
+def _json(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> Response:
+    return Response(
+        error_body(code, message), status, headers=headers, media_type="application/json"
+    )
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Register the one mapping from exceptions to HTTP answers."""
+
+    async def service_error(_: Request, error: Exception) -> Response:
+        assert isinstance(error, ServiceError)
+        return _json(error.status, error.code, error.message, error.headers)
+
+    async def validation_error(_: Request, error: Exception) -> Response:
+        assert isinstance(error, RequestValidationError)
+        return _json(422, InvalidInput.code, describe_validation_errors(error.errors()))
+
+    async def http_error(_: Request, error: Exception) -> Response:
+        assert isinstance(error, StarletteHTTPException)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code, "http_error")
+        return _json(error.status_code, code, str(error.detail), dict(error.headers or {}))
+
+    async def unexpected(request: Request, error: Exception) -> Response:
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return _json(500, "internal_error", "internal error; the server log has the details")
+
+    app.add_exception_handler(ServiceError, service_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, unexpected)
+
+
+def describe_validation_errors(errors: Any) -> str:
+    """pydantic errors as ``field: message`` lines, without the offending input values."""
+    parts = []
+    for error in errors:
+        location = ".".join(str(part) for part in error.get("loc", ()) if part != "body")
+        parts.append(f"{location or 'body'}: {error.get('msg', 'invalid')}")
+    return "; ".join(parts)

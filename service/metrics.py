@@ -1,0 +1,88 @@
+"""Prometheus collectors, one registry per app (so tests can build apps side by side).
+
+Names follow Triton's split where it helps operators: request counts by status, queue time
+vs compute time, and the batch-size histogram (mean batch = rows / batches).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+
+
+class Metrics:
+    """All collectors of one service instance."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        model_version = ["model", "version"]
+        self.requests = Counter(
+            "lmhead_requests",
+            "HTTP requests by model, version, endpoint and status code.",
+            ["model", "version", "endpoint", "status"],
+            registry=self.registry,
+        )
+        self.request_duration = Histogram(
+            "lmhead_request_duration_seconds",
+            "Wall time of HTTP requests, parse to last byte.",
+            ["model", "endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.queue_duration = Histogram(
+            "lmhead_queue_duration_seconds",
+            "Time a request waited in its model's batch queue.",
+            model_version,
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.inference_duration = Histogram(
+            "lmhead_inference_duration_seconds",
+            "Time of one onnxruntime run (one batch).",
+            model_version,
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.batch_rows = Histogram(
+            "lmhead_batch_rows",
+            "Rows per onnxruntime run: above 1 means requests were merged.",
+            model_version,
+            buckets=ROW_BUCKETS,
+            registry=self.registry,
+        )
+        self.batch_requests = Histogram(
+            "lmhead_batch_requests",
+            "Requests merged into one onnxruntime run.",
+            model_version,
+            buckets=ROW_BUCKETS,
+            registry=self.registry,
+        )
+        self.inference_failures = Counter(
+            "lmhead_inference_failures",
+            "onnxruntime runs that raised; each caller in the batch got a 500.",
+            model_version,
+            registry=self.registry,
+        )
+        self.queue_full = Counter(
+            "lmhead_queue_full",
+            "Requests refused with 503 because the model's queue was full.",
+            model_version,
+            registry=self.registry,
+        )
+        self.models_loaded = Gauge(
+            "lmhead_model_loaded",
+            "1 for each loaded model version.",
+            ["model", "version", "tied"],
+            registry=self.registry,
+        )
+        self.load_failures = Counter(
+            "lmhead_model_load_failures",
+            "Model versions that failed to load.",
+            ["model"],
+            registry=self.registry,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

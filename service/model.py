@@ -1,0 +1,179 @@
+"""A loaded model version: its session, what the inspector found, labels, and its batcher.
+
+``load_version`` is synchronous and runs in the loader thread: inspect the file, open the
+session with the memory mode that fits (tied or not), read labels, and warm the session with
+one real run whose output shapes are checked. Requests hold a reference to a
+``LoadedVersion``, never a name, so a request always finishes on the version it started on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from service.batching import Batcher, BatchLimits, BatchStats
+from service.heads import MODEL_FILE
+from service.inspect import HeadReport, inspect_head
+from service.repository import ModelConfig, read_labels
+from service.runtime import HeadSession, MemoryMode, Projection
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    memory_mode: MemoryMode
+    intra_op_threads: int
+    default_k: int
+
+
+@dataclass
+class LoadedVersion:
+    """One servable version of a model."""
+
+    name: str
+    version: int
+    directory: Path
+    session: HeadSession
+    report: HeadReport
+    config: ModelConfig
+    labels: list[str] | None
+    default_k: int
+    batcher: Batcher | None = field(default=None, repr=False)
+    executor: Executor | None = field(default=None, repr=False)
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}/{self.version}"
+
+    @property
+    def tied(self) -> bool:
+        return self.report.tied
+
+    @property
+    def d_model(self) -> int:
+        return self.session.d_model
+
+    @property
+    def vocab_size(self) -> int:
+        return self.session.vocab_size
+
+    def start(
+        self, executor: Executor, limits: BatchLimits, on_batch: Callable[[BatchStats], None]
+    ) -> None:
+        if self.config.max_batch_rows is not None:
+            limits = BatchLimits(
+                limits.merge,
+                min(limits.max_batch_rows, self.config.max_batch_rows),
+                limits.max_wait_s,
+                limits.max_queue_rows,
+            )
+        self.executor = executor
+        self.batcher = Batcher(self._run, executor, limits, label=self.label, on_batch=on_batch)
+        self.batcher.start()
+
+    async def close(self) -> None:
+        if self.batcher is not None:
+            await self.batcher.close()
+
+    async def project(
+        self,
+        hidden: npt.NDArray[np.float32],
+        k: int,
+        *,
+        temperature: float = 1.0,
+        full_logits: bool = False,
+    ) -> Projection:
+        """Project (..., d_model) float32 hidden states through the batcher."""
+        assert self.batcher is not None, "start() the version before serving it"
+        leading = hidden.shape[:-1]
+        rows = hidden.reshape(-1, self.d_model)
+        if temperature != 1.0:  # exact: the graph divides the hidden state the same way
+            rows = rows / np.float32(temperature)
+        flat = await self.batcher.submit(rows, k, full_logits)
+        return Projection(
+            flat.topk_logits.reshape(*leading, -1),
+            flat.topk_token_ids.reshape(*leading, -1),
+            flat.logsumexp.reshape(leading),
+            None if flat.logits is None else flat.logits.reshape(*leading, -1),
+        )
+
+    async def embed(self, ids: npt.NDArray[np.int64]) -> npt.NDArray[np.float32]:
+        """Rows of the input embedding (the Gather side), in the inference executor."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, self.session.embed, ids)
+
+    def tokens(self, ids: npt.NDArray[np.int64]) -> list[Any] | None:
+        """Token strings for ids (None past the labels file, e.g. padded vocabularies)."""
+        if self.labels is None:
+            return None
+        labels, count = self.labels, len(self.labels)
+        return [labels[i] if i < count else None for i in ids.tolist()]
+
+    def describe(self) -> dict[str, Any]:
+        report = self.report
+        return {
+            "version": self.version,
+            "tied": report.tied,
+            "vocab_size": report.vocab_size,
+            "d_model": report.d_model,
+            "dtype": report.dtype,
+            "parameters": report.parameters,
+            "weight_bytes": report.weight_bytes,
+            "file_bytes": report.file_bytes,
+            "embedding_initializer": report.embedding_initializer,
+            "projection_initializer": report.projection_initializer,
+            "duplicate": report.duplicate,
+            "memory_mode": self.session.memory_mode,
+            "providers": self.session.providers,
+            "labels": self.labels is not None,
+            "default_k": self.default_k,
+        }
+
+    def _run(self, rows: npt.NDArray[np.float32], k: int, full_logits: bool) -> Projection:
+        return self.session.project(rows, k, full_logits=full_logits)
+
+
+def load_version(
+    name: str, version: int, directory: Path, config: ModelConfig, options: LoadOptions
+) -> LoadedVersion:
+    """Inspect, open, label and warm one version (blocking; run it off the event loop)."""
+    report = inspect_head(directory / MODEL_FILE)
+    session = HeadSession(
+        directory / MODEL_FILE,
+        tied=report.tied,
+        memory_mode=options.memory_mode,
+        intra_op_threads=options.intra_op_threads,
+    )
+    if (session.vocab_size, session.d_model) != (report.vocab_size, report.d_model):
+        raise ValueError(
+            f"graph outputs say vocab {session.vocab_size} x d_model {session.d_model} but the "
+            f"weights are {report.vocab_size} x {report.d_model}"
+        )
+    labels = read_labels(directory, config.labels, report.vocab_size)
+    _warm(session)
+    return LoadedVersion(
+        name=name,
+        version=version,
+        directory=directory,
+        session=session,
+        report=report,
+        config=config,
+        labels=labels,
+        default_k=config.default_k or options.default_k,
+    )
+
+
+def _warm(session: HeadSession) -> None:
+    """One real run of each side; a head that cannot answer is not published."""
+    k = min(5, session.vocab_size)
+    result = session.project(np.zeros((1, session.d_model), np.float32), k)
+    if result.topk_token_ids.shape != (1, k) or result.logsumexp.shape != (1,):
+        raise ValueError(f"warm-up returned shapes {result.topk_token_ids.shape}")
+    if session.embed(np.zeros(1, np.int64)).shape != (1, session.d_model):
+        raise ValueError("warm-up embedding has the wrong shape")

@@ -1,0 +1,48 @@
+"""Wire models of the native API: the small option fields only.
+
+The big arrays (hidden states, ids) are not pydantic fields: they are decoded straight to numpy
+by ``service.codec`` (orjson + one ``np.array`` call, or a zero-copy ``.npy`` read), which is
+several times faster than validating millions of floats as Python objects.
+"""
+
+from __future__ import annotations
+
+import math
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class _Options(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TopKOptions(_Options):
+    """Options of ``/topk``: in the JSON body beside ``hidden_states``, or as query parameters."""
+
+    k: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    temperature: float = Field(default=1.0, gt=0)
+
+    @field_validator("temperature")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError("must be a finite number")
+        return value
+
+
+class LogitsOptions(_Options):
+    """Options of ``/logits``."""
+
+    temperature: float = Field(default=1.0, gt=0)
+
+    @field_validator("temperature")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError("must be a finite number")
+        return value
+
+
+class EmbedOptions(_Options):
+    """``/embed`` has no options yet; unknown fields are refused all the same."""

@@ -1,0 +1,109 @@
+"""The model repository on disk: scan ``<name>/<version>/model.onnx``; synchronous, stateless.
+
+Layout (Triton's)::
+
+    models/
+      <name>/config.json          optional: labels file, default k, max batch rows
+      <name>/<version>/model.onnx (+ model.onnx.data when the weights are external)
+      <name>/<version>/vocab.txt  optional token strings, line i = token id i
+
+Names and versions are validated here so that nothing taken from a request can address a
+path outside the repository.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from service.errors import describe_validation_errors
+from service.heads import MODEL_FILE
+
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+CONFIG_FILE = "config.json"
+
+
+class RepositoryError(ValueError):
+    """A file in the repository is unusable; the message names the file and the problem."""
+
+
+class ModelConfig(BaseModel):
+    """``<name>/config.json``: every field optional, unknown fields refused."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    labels: str = "vocab.txt"
+    """Token strings file inside each version directory (one token per line)."""
+    default_k: int | None = Field(default=None, ge=1)
+    """Top-k for requests that do not say; the service setting applies when absent."""
+    max_batch_rows: int | None = Field(default=None, ge=1)
+    """Cap on rows merged into one run for this model."""
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """One model directory: its config and its complete version directories."""
+
+    name: str
+    directory: Path
+    config: ModelConfig
+    versions: dict[int, Path] = field(default_factory=dict)
+
+
+def is_valid_name(name: str) -> bool:
+    return bool(NAME_PATTERN.match(name)) and name not in {".", ".."}
+
+
+def model_names(repository: Path) -> list[str]:
+    """Model directories in the repository, sorted; hidden and odd names are skipped."""
+    if not repository.is_dir():
+        return []
+    return sorted(
+        entry.name for entry in repository.iterdir() if entry.is_dir() and is_valid_name(entry.name)
+    )
+
+
+def read_source(repository: Path, name: str) -> ModelSource:
+    """Read one model directory; raise RepositoryError when its config is unusable."""
+    if not is_valid_name(name):
+        raise RepositoryError(f"invalid model name {name!r}: use letters, digits, '.', '_', '-'")
+    directory = repository / name
+    if not directory.is_dir():
+        raise RepositoryError(f"no model directory {directory}")
+    versions = {
+        int(entry.name): entry
+        for entry in directory.iterdir()
+        if entry.is_dir() and entry.name.isdigit() and (entry / MODEL_FILE).is_file()
+    }
+    return ModelSource(name, directory, read_config(directory), dict(sorted(versions.items())))
+
+
+def read_config(directory: Path) -> ModelConfig:
+    path = directory / CONFIG_FILE
+    if not path.is_file():
+        return ModelConfig()
+    try:
+        return ModelConfig.model_validate_json(path.read_bytes())
+    except ValidationError as error:
+        raise RepositoryError(f"{path}: {describe_validation_errors(error.errors())}") from None
+
+
+def read_labels(version_dir: Path, filename: str, vocab_size: int) -> list[str] | None:
+    """Token strings for a version, or None without a labels file; never more than the vocab."""
+    path = (version_dir / filename).resolve()
+    if not path.is_relative_to(version_dir.resolve()):
+        raise RepositoryError(f"labels file {filename!r} is outside {version_dir}")
+    if not path.is_file():
+        return None
+    labels = path.read_text(encoding="utf-8").split("\n")
+    if labels and labels[-1] == "":
+        labels.pop()
+    if len(labels) > vocab_size:
+        raise RepositoryError(
+            f"{path} has {len(labels)} labels but the head has vocab_size {vocab_size}"
+        )
+    return labels

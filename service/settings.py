@@ -1,0 +1,74 @@
+"""Service configuration: one ``Settings`` object, read from ``LMHEAD_*`` environment variables.
+
+Nothing reads the environment at import time: ``create_app(Settings())`` does, once. Each field
+has a docstring; ``settings_table()`` renders them for the README (a test keeps the two equal).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal, Self
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from service.runtime import MemoryMode
+
+LogLevel = Literal["critical", "error", "warning", "info", "debug"]
+
+
+class Settings(BaseSettings):
+    """All knobs of the service; environment variables are ``LMHEAD_<FIELD>``."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="LMHEAD_", use_attribute_docstrings=True, extra="forbid", frozen=True
+    )
+
+    repository: Path = Path("models")
+    """Model repository: `<name>/<version>/model.onnx` (+ optional `<name>/config.json`)."""
+    host: str = "127.0.0.1"
+    """Address to bind; use 0.0.0.0 in a container."""
+    port: int = Field(default=8000, ge=0, le=65535)
+    """TCP port (0 picks a free one)."""
+    default_k: int = Field(default=5, ge=1)
+    """Top-k when a request does not say (a model's config.json may override it)."""
+    max_k: int = Field(default=1000, ge=1)
+    """Largest k a request may ask for."""
+    max_rows: int = Field(default=4096, ge=1)
+    """Most hidden-state rows (or input ids) in one request; more is refused with 413."""
+    max_body_bytes: int = Field(default=64 * 2**20, ge=1024)
+    """Largest request body; larger is refused with 413 before it is read."""
+    max_logits_bytes: int = Field(default=256 * 2**20, ge=1024)
+    """Largest full-logits answer (rows x vocab x 4 bytes) `/logits` will produce (413)."""
+    batching: bool = True
+    """Merge concurrent requests for one model into one onnxruntime run."""
+    max_batch_rows: int = Field(default=128, ge=1)
+    """Most rows merged into one run (a single larger request still runs, alone)."""
+    max_wait_ms: float = Field(default=2.0, ge=0)
+    """How long a batch waits for more requests once the first has arrived."""
+    max_queue_rows: int = Field(default=16384, ge=1)
+    """Rows waiting per model before new requests get 503 with Retry-After."""
+    inference_threads: int = Field(default=1, ge=1)
+    """Threads that run onnxruntime sessions (keep x intra_op_threads <= cores)."""
+    intra_op_threads: int = Field(default=0, ge=0)
+    """onnxruntime threads per run; 0 means one per physical core."""
+    memory_mode: MemoryMode = "shared"
+    """shared: a tied head holds its matrix once (~1.1x W, ~20% slower at 64 rows); fast: ~2x W."""
+    log_level: LogLevel = "info"
+    """Log level of the service and uvicorn."""
+
+    @model_validator(mode="after")
+    def _check_limits(self) -> Self:
+        if self.default_k > self.max_k:
+            raise ValueError(f"default_k ({self.default_k}) must be <= max_k ({self.max_k})")
+        return self
+
+
+def settings_table() -> str:
+    """The README's configuration table, generated from the fields above."""
+    lines = ["| variable | default | meaning |", "|---|---|---|"]
+    for name, field in Settings.model_fields.items():
+        default = field.default
+        shown = default.as_posix() if isinstance(default, Path) else default
+        lines.append(f"| `LMHEAD_{name.upper()}` | `{shown}` | {field.description} |")
+    return "\n".join(lines)
