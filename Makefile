@@ -21,10 +21,9 @@ install: $(STAMP)
 demo: install
 	$(BIN)/lmhead demo --repository $(REPOSITORY)
 
-## The main job: make the demo heads on first run and show how each is wired.
+## The main job: make the demo heads on first run, then serve the repository on :8000.
 run: demo
-	$(BIN)/lmhead inspect $(REPOSITORY)/demo-tied/1
-	$(BIN)/lmhead inspect $(REPOSITORY)/demo-untied/1
+	$(BIN)/lmhead serve --repository $(REPOSITORY)
 
 lint: install
 	$(BIN)/ruff check .
@@ -40,7 +39,8 @@ pytest: install
 test: lint typecheck pytest
 
 bench: install
-	$(BIN)/python bench/heads.py --output bench/results-heads.md
+	$(BIN)/python -m bench.heads --output bench/results-heads.md
+	$(BIN)/python -m bench.serve --output bench/results-serve.md
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache

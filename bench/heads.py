@@ -3,7 +3,7 @@
 Every configuration runs in the same process, interleaved run by run, so the ratios hold on a
 shared, noisy machine; resident memory is measured in a fresh subprocess per configuration.
 
-    python bench/heads.py [--sizes 32000x512,50257x768] [--output bench/results-heads.md]
+    python -m bench.heads [--sizes 32000x512,50257x768] [--output bench/results-heads.md]
 """
 
 from __future__ import annotations

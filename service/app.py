@@ -41,6 +41,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         registry = Registry(settings, executor, metrics)
         app.state.registry = registry
         loading = asyncio.create_task(registry.load_all(), name="lmhead-startup-load")
+        app.state.loading = loading  # awaitable by embedders and in-process tests
         try:
             yield
         finally:
@@ -99,5 +100,4 @@ class RequestMetrics:
         registry = getattr(scope["app"].state, "registry", None)
         # Only known model names become label values: unknown ones would grow the series set.
         model = name if registry is not None and registry.knows(name) else ""
-        self.metrics.requests.labels(model, version, endpoint, str(status)).inc()
-        self.metrics.request_duration.labels(model, endpoint).observe(seconds)
+        self.metrics.observe_request(model, version, endpoint, status, seconds)

@@ -142,6 +142,7 @@ def describe_validation_errors(errors: Any) -> str:
     """pydantic errors as ``field: message`` lines, without the offending input values."""
     parts = []
     for error in errors:
-        location = ".".join(str(part) for part in error.get("loc", ()) if part != "body")
+        # Field names can come from the client (unknown keys): name them, but never at length.
+        location = ".".join(str(part)[:64] for part in error.get("loc", ()) if part != "body")
         parts.append(f"{location or 'body'}: {error.get('msg', 'invalid')}")
     return "; ".join(parts)

@@ -84,5 +84,22 @@ class Metrics:
             registry=self.registry,
         )
 
+        self._request_children: dict[tuple[str, str, str, int], tuple[Counter, Histogram]] = {}
+
+    def observe_request(
+        self, model: str, version: str, endpoint: str, status: int, seconds: float
+    ) -> None:
+        """Count and time one HTTP request; label children are cached (hot path)."""
+        key = (model, version, endpoint, status)
+        children = self._request_children.get(key)
+        if children is None:
+            children = (
+                self.requests.labels(model, version, endpoint, str(status)),
+                self.request_duration.labels(model, endpoint),
+            )
+            self._request_children[key] = children
+        children[0].inc()
+        children[1].observe(seconds)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -64,7 +64,11 @@ class LoadedVersion:
         return self.session.vocab_size
 
     def start(
-        self, executor: Executor, limits: BatchLimits, on_batch: Callable[[BatchStats], None]
+        self,
+        executor: Executor,
+        limits: BatchLimits,
+        on_batch: Callable[[BatchStats], None],
+        on_reject: Callable[[], None],
     ) -> None:
         if self.config.max_batch_rows is not None:
             limits = BatchLimits(
@@ -74,7 +78,9 @@ class LoadedVersion:
                 limits.max_queue_rows,
             )
         self.executor = executor
-        self.batcher = Batcher(self._run, executor, limits, label=self.label, on_batch=on_batch)
+        self.batcher = Batcher(
+            self._run, executor, limits, label=self.label, on_batch=on_batch, on_reject=on_reject
+        )
         self.batcher.start()
 
     async def close(self) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -132,7 +133,8 @@ class Registry:
                 self._metrics.load_failures.labels(name).inc()
                 logger.warning("failed to load %s/%d: %s", name, version, failed[version])
                 continue
-            model.start(self._executor, self._limits, self._observer(model))
+            rejected = self._metrics.queue_full.labels(name, str(version))
+            model.start(self._executor, self._limits, self._observer(model), rejected.inc)
             self._metrics.models_loaded.labels(name, str(version), str(model.tied).lower()).set(1)
             loaded[version] = model
         if loaded:
@@ -174,18 +176,24 @@ class Registry:
                 await version.close()
         self._loader.shutdown(wait=False, cancel_futures=True)
 
-    def _observer(self, model: LoadedVersion) -> Any:
+    def _observer(self, model: LoadedVersion) -> Callable[[BatchStats], None]:
+        """Per-batch metrics; the labelled children are looked up once per version."""
         labels = (model.name, str(model.version))
         metrics = self._metrics
+        rows = metrics.batch_rows.labels(*labels)
+        requests = metrics.batch_requests.labels(*labels)
+        run = metrics.inference_duration.labels(*labels)
+        queue = metrics.queue_duration.labels(*labels)
+        failures = metrics.inference_failures.labels(*labels)
 
         def observe(stats: BatchStats) -> None:
-            metrics.batch_rows.labels(*labels).observe(stats.rows)
-            metrics.batch_requests.labels(*labels).observe(stats.requests)
-            metrics.inference_duration.labels(*labels).observe(stats.run_seconds)
+            rows.observe(stats.rows)
+            requests.observe(stats.requests)
+            run.observe(stats.run_seconds)
             for seconds in stats.queue_seconds:
-                metrics.queue_duration.labels(*labels).observe(seconds)
+                queue.observe(seconds)
             if stats.failed:
-                metrics.inference_failures.labels(*labels).inc()
+                failures.inc()
 
         return observe
 

@@ -56,6 +56,8 @@ class Settings(BaseSettings):
     """shared: a tied head holds its matrix once (~1.1x W, ~20% slower at 64 rows); fast: ~2x W."""
     log_level: LogLevel = "info"
     """Log level of the service and uvicorn."""
+    access_log: bool = False
+    """Log every HTTP request (uvicorn's access log); off by default at inference rates."""
 
     @model_validator(mode="after")
     def _check_limits(self) -> Self:

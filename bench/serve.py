@@ -1,0 +1,179 @@
+"""Benchmark the service against a bare onnxruntime session, JSON vs .npy, batching on vs off.
+
+Starts the real service (``python -m service serve``) on loopback on freshly made demo heads,
+drives it with concurrent aiohttp clients (bounded in count and time; httpx's async pool
+itself tops out near 60 requests/s at 64 connections here), and measures the bare
+``HeadSession`` on the same head in the same run, so every ratio comes from one run on one
+(shared, noisy) machine. Writes a markdown report.
+
+    python -m bench.serve [--model demo-tied] [--output bench/results-serve.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import os
+import platform
+import statistics
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+import numpy.typing as npt
+import onnxruntime as ort
+import orjson
+
+from service.demo import write_demo_models
+from service.runtime import HeadSession
+from tests.server import running_server
+
+ROWS = (1, 8, 64)
+CLIENTS = (1, 16, 64)
+MAX_SECONDS = 4.0
+K = 10
+
+
+@dataclass(frozen=True)
+class Result:
+    rows_per_s: float
+    p50_ms: float
+    p99_ms: float
+    requests: int
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default="demo-tied")
+    parser.add_argument("--output", type=Path)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as scratch:
+        repository = Path(scratch)
+        write_demo_models(repository)
+        report = _run(repository, args.model)
+    print(report)
+    if args.output:
+        args.output.write_text(report + "\n", encoding="utf-8")
+    return 0
+
+
+def _run(repository: Path, model: str) -> str:
+    session = HeadSession(repository / model / "1" / "model.onnx", tied=model.endswith("tied"))
+    bare = {rows: _bare(session, rows) for rows in ROWS}
+    url_path = f"/v1/models/{model}/topk"
+    lines = [_machine(), "", f"Head `{model}` (32000 x 512), k={K}, loopback, aiohttp clients.", ""]
+    lines += ["| body | rows/req | clients | rows/s | p50 ms | p99 ms | vs bare session |"]
+    lines += ["|---|---|---|---|---|---|---|"]
+    lines += [
+        f"| bare session | {r} | 1 | {bare[r].rows_per_s:.0f} | {bare[r].p50_ms:.2f} | "
+        f"{bare[r].p99_ms:.2f} | 1.00x |"
+        for r in ROWS
+    ]
+    with running_server(repository, log_level="warning") as url:
+        for kind in ("json", "npy"):
+            for rows in ROWS:
+                for clients in CLIENTS:
+                    result = asyncio.run(_drive(url + url_path, kind, rows, clients))
+                    ratio = result.rows_per_s / bare[rows].rows_per_s
+                    lines.append(
+                        f"| {kind} | {rows} | {clients} | {result.rows_per_s:.0f} | "
+                        f"{result.p50_ms:.2f} | {result.p99_ms:.2f} | {ratio:.2f}x |"
+                    )
+    lines += ["", "Dynamic batching, 64 concurrent clients sending one row each (JSON):", ""]
+    lines += ["| batching | rows/s | p50 ms | p99 ms | speed-up |", "|---|---|---|---|---|"]
+    results = {}
+    for batching in ("false", "true"):
+        with running_server(repository, log_level="warning", batching=batching) as url:
+            results[batching] = asyncio.run(_drive(url + url_path, "json", 1, 64))
+    for batching, result in results.items():
+        gain = result.rows_per_s / results["false"].rows_per_s
+        lines.append(
+            f"| {'on' if batching == 'true' else 'off'} | {result.rows_per_s:.0f} | "
+            f"{result.p50_ms:.2f} | {result.p99_ms:.2f} | {gain:.1f}x |"
+        )
+    return "\n".join(lines)
+
+
+def _machine() -> str:
+    cpu = platform.machine()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            cpu = line.split(":", 1)[1].strip()
+            break
+    return f"Machine: {cpu}, {os.cpu_count()} cores; onnxruntime {ort.__version__}."
+
+
+def _hidden(rows: int) -> npt.NDArray[np.float32]:
+    return np.random.default_rng(rows).standard_normal((rows, 512)).astype(np.float32)
+
+
+def _bare(session: HeadSession, rows: int) -> Result:
+    hidden = _hidden(rows)
+    session.project(hidden, K)
+    latencies: list[float] = []
+    start = time.perf_counter()
+    while time.perf_counter() - start < MAX_SECONDS / 2 and len(latencies) < 2000:
+        begin = time.perf_counter()
+        session.project(hidden, K)
+        latencies.append(time.perf_counter() - begin)
+    return _result(latencies, rows, sum(latencies))
+
+
+def _body(kind: str, rows: int) -> tuple[bytes, dict[str, str], str]:
+    hidden = _hidden(rows)
+    if kind == "json":
+        payload = orjson.dumps({"hidden_states": hidden.tolist(), "k": K})
+        return payload, {"content-type": "application/json"}, ""
+    stream = io.BytesIO()
+    np.save(stream, hidden)
+    return stream.getvalue(), {"content-type": "application/x-npy"}, f"?k={K}"
+
+
+async def _drive(url: str, kind: str, rows: int, clients: int) -> Result:
+    body, headers, query = _body(kind, rows)
+    budget = max(8 * clients, 200 // rows + 16)
+    latencies: list[float] = []
+    connector = aiohttp.TCPConnector(limit=clients)
+    async with aiohttp.ClientSession(connector=connector, raise_for_status=True) as client:
+        async with client.post(url + query, data=body, headers=headers) as warm:
+            await warm.read()
+        tickets = iter(range(budget))
+        start = time.perf_counter()
+
+        async def worker() -> None:
+            for _ in _until(tickets, start):
+                begin = time.perf_counter()
+                async with client.post(url + query, data=body, headers=headers) as response:
+                    await response.read()
+                latencies.append(time.perf_counter() - begin)
+
+        await asyncio.gather(*(worker() for _ in range(clients)))
+        elapsed = time.perf_counter() - start
+    return _result(latencies, rows, elapsed)
+
+
+def _until(tickets: Iterator[int], start: float) -> Iterator[int]:
+    for ticket in tickets:
+        if time.perf_counter() - start > MAX_SECONDS:
+            return
+        yield ticket
+
+
+def _result(latencies: list[float], rows: int, elapsed: float) -> Result:
+    ordered = sorted(latencies)
+    p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+    return Result(
+        rows_per_s=len(latencies) * rows / elapsed,
+        p50_ms=statistics.median(ordered) * 1e3,
+        p99_ms=p99 * 1e3,
+        requests=len(latencies),
+    )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,328 @@
+"""Every bad input gets a clear 4xx with a JSON error; the next valid request still works."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from service.heads import HeadWeights, save_head
+from tests.conftest import D_MODEL, VOCAB
+from tests.server import running_server
+
+MAX_ROWS = 64
+MAX_BODY = 2**20
+MARKER = "SECRET-MARKER-9431"  # must never be echoed back
+
+
+def _npy(array: npt.NDArray[Any]) -> bytes:
+    stream = io.BytesIO()
+    np.save(stream, array)
+    return stream.getvalue()
+
+
+def _rows(count: int) -> list[list[float]]:
+    rng = np.random.default_rng(count)
+    rows: list[list[float]] = rng.standard_normal((count, D_MODEL)).tolist()
+    return rows
+
+
+@pytest.fixture(scope="module")
+def client(
+    tmp_path_factory: pytest.TempPathFactory, table: npt.NDArray[np.float32]
+) -> Iterator[httpx.Client]:
+    root = tmp_path_factory.mktemp("repository")
+    save_head(HeadWeights.from_arrays(table), root / "tied" / "1")
+    settings = {"max_rows": str(MAX_ROWS), "max_body_bytes": str(MAX_BODY), "max_k": "50"}
+    with running_server(Path(root), **settings) as url, httpx.Client(base_url=url) as http:
+        yield http
+
+
+JSON_CASES: list[tuple[str, str, Any, int, str]] = [
+    ("unknown model", "/v1/models/nope/topk", {"hidden_states": _rows(1)}, 404, "model_not_found"),
+    (
+        "unknown version",
+        "/v1/models/tied/versions/7/topk",
+        {"hidden_states": _rows(1)},
+        404,
+        "version_not_found",
+    ),
+    ("wrong d_model", "/v1/models/tied/topk", {"hidden_states": [[0.5] * 3]}, 422, "invalid_input"),
+    ("rank 1", "/v1/models/tied/topk", {"hidden_states": [0.5] * D_MODEL}, 422, "invalid_input"),
+    (
+        "rank 4",
+        "/v1/models/tied/topk",
+        {"hidden_states": [[[[0.5] * D_MODEL]]]},
+        422,
+        "invalid_input",
+    ),
+    (
+        "ragged rows",
+        "/v1/models/tied/topk",
+        {"hidden_states": [[0.5] * D_MODEL, [0.5] * 3]},
+        422,
+        "invalid_input",
+    ),
+    (
+        "non-numeric",
+        "/v1/models/tied/topk",
+        {"hidden_states": [[MARKER] + [0.5] * (D_MODEL - 1)]},
+        422,
+        "invalid_input",
+    ),
+    (
+        "null value",
+        "/v1/models/tied/topk",
+        {"hidden_states": [[None] + [0.5] * (D_MODEL - 1)]},
+        422,
+        "invalid_input",
+    ),
+    (
+        "beyond float32 (Inf)",
+        "/v1/models/tied/topk",
+        {"hidden_states": [[1e39] + [0.5] * (D_MODEL - 1)]},
+        422,
+        "invalid_input",
+    ),
+    ("empty batch", "/v1/models/tied/topk", {"hidden_states": []}, 422, "invalid_input"),
+    ("hidden_states missing", "/v1/models/tied/topk", {"k": 3}, 422, "invalid_input"),
+    (
+        "hidden_states not a list",
+        "/v1/models/tied/topk",
+        {"hidden_states": 3},
+        422,
+        "invalid_input",
+    ),
+    ("k = 0", "/v1/models/tied/topk", {"hidden_states": _rows(1), "k": 0}, 422, "invalid_input"),
+    (
+        "k > max_k",
+        "/v1/models/tied/topk",
+        {"hidden_states": _rows(1), "k": 51},
+        422,
+        "invalid_input",
+    ),
+    (
+        "k not int",
+        "/v1/models/tied/topk",
+        {"hidden_states": _rows(1), "k": "x"},
+        422,
+        "invalid_input",
+    ),
+    (
+        "temperature 0",
+        "/v1/models/tied/topk",
+        {"hidden_states": _rows(1), "temperature": 0},
+        422,
+        "invalid_input",
+    ),
+    (
+        "unknown option",
+        "/v1/models/tied/topk",
+        {"hidden_states": _rows(1), "top_k" + "x" * 5000: 1},
+        422,
+        "invalid_input",
+    ),
+    (
+        "too many rows",
+        "/v1/models/tied/topk",
+        {"hidden_states": _rows(65)},
+        413,
+        "payload_too_large",
+    ),
+    (
+        "ids out of range",
+        "/v1/models/tied/embed",
+        {"input_ids": [[0, VOCAB]]},
+        422,
+        "invalid_input",
+    ),
+    ("negative id", "/v1/models/tied/embed", {"input_ids": [-1]}, 422, "invalid_input"),
+    ("float ids", "/v1/models/tied/embed", {"input_ids": [[1.5]]}, 422, "invalid_input"),
+    ("empty ids", "/v1/models/tied/embed", {"input_ids": []}, 422, "invalid_input"),
+    ("ids missing", "/v1/models/tied/embed", {}, 422, "invalid_input"),
+]
+
+
+def _assert_error(response: httpx.Response, status: int, code: str) -> None:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/json"
+    error = response.json()["error"]
+    assert error["code"] == code
+    assert error["message"]
+    assert MARKER not in response.text
+    assert "Traceback" not in response.text
+
+
+def _assert_still_serving(client: httpx.Client) -> None:
+    response = client.post("/v1/models/tied/topk", json={"hidden_states": _rows(2), "k": 2})
+    assert response.status_code == 200
+    assert len(response.json()["results"]) == 2
+
+
+@pytest.mark.parametrize(
+    ("url", "body", "status", "code"),
+    [case[1:] for case in JSON_CASES],
+    ids=[case[0] for case in JSON_CASES],
+)
+def test_bad_json_requests(
+    client: httpx.Client, url: str, body: Any, status: int, code: str
+) -> None:
+    _assert_error(client.post(url, json=body), status, code)
+    _assert_still_serving(client)
+
+
+RAW_CASES: list[tuple[str, str, bytes, dict[str, str], int, str]] = [
+    (
+        "malformed JSON",
+        "/v1/models/tied/topk",
+        b'{"hidden_states": [[1,',
+        {},
+        400,
+        "malformed_body",
+    ),
+    ("JSON array body", "/v1/models/tied/topk", b"[1, 2]", {}, 400, "malformed_body"),
+    (
+        "NaN literal",
+        "/v1/models/tied/topk",
+        b'{"hidden_states": [[NaN]]}',
+        {},
+        400,
+        "malformed_body",
+    ),
+    (
+        "malformed npy",
+        "/v1/models/tied/topk",
+        b"\x93NUMPY garbage",
+        {"content-type": "application/x-npy"},
+        400,
+        "malformed_body",
+    ),
+    (
+        "npy with NaN",
+        "/v1/models/tied/topk",
+        _npy(np.full((1, D_MODEL), np.nan, np.float32)),
+        {"content-type": "application/x-npy"},
+        422,
+        "invalid_input",
+    ),
+    (
+        "npy empty batch",
+        "/v1/models/tied/topk",
+        _npy(np.zeros((0, D_MODEL), np.float32)),
+        {"content-type": "application/x-npy"},
+        422,
+        "invalid_input",
+    ),
+    (
+        "npy integer dtype",
+        "/v1/models/tied/topk",
+        _npy(np.ones((1, D_MODEL), np.int32)),
+        {"content-type": "application/x-npy"},
+        422,
+        "invalid_input",
+    ),
+    (
+        "npy object array (pickle)",
+        "/v1/models/tied/topk",
+        b"",
+        {"content-type": "application/x-npy"},
+        400,
+        "malformed_body",
+    ),
+    (
+        "npy bad query option",
+        "/v1/models/tied/topk?k=abc",
+        _npy(np.ones((1, D_MODEL), np.float32)),
+        {"content-type": "application/x-npy"},
+        422,
+        "invalid_input",
+    ),
+    (
+        "unsupported content type",
+        "/v1/models/tied/topk",
+        b"hello",
+        {"content-type": "text/plain"},
+        415,
+        "unsupported_media_type",
+    ),
+    (
+        "unacceptable Accept",
+        "/v1/models/tied/topk",
+        b'{"hidden_states": [[1]]}',
+        {"accept": "text/csv"},
+        406,
+        "not_acceptable",
+    ),
+    (
+        "body too large",
+        "/v1/models/tied/topk",
+        b" " * (MAX_BODY + 1),
+        {},
+        413,
+        "payload_too_large",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("url", "body", "headers", "status", "code"),
+    [case[1:] for case in RAW_CASES],
+    ids=[case[0] for case in RAW_CASES],
+)
+def test_bad_raw_requests(
+    client: httpx.Client, url: str, body: bytes, headers: dict[str, str], status: int, code: str
+) -> None:
+    headers = {"content-type": "application/json", **headers}
+    _assert_error(client.post(url, content=body, headers=headers), status, code)
+    _assert_still_serving(client)
+
+
+def test_a_pickled_object_array_is_refused(client: httpx.Client) -> None:
+    stream = io.BytesIO()
+    np.save(stream, np.array([{"x": 1}], dtype=object), allow_pickle=True)
+    response = client.post(
+        "/v1/models/tied/topk",
+        content=stream.getvalue(),
+        headers={"content-type": "application/x-npy"},
+    )
+    _assert_error(response, 400, "malformed_body")
+    _assert_still_serving(client)
+
+
+def test_a_chunked_body_is_cut_off_at_the_limit(client: httpx.Client) -> None:
+    def chunks() -> Iterator[bytes]:
+        for _ in range(3):
+            yield b" " * (MAX_BODY // 2)
+
+    response = client.post(
+        "/v1/models/tied/topk", content=chunks(), headers={"content-type": "application/json"}
+    )
+    _assert_error(response, 413, "payload_too_large")
+    _assert_still_serving(client)
+
+
+def test_unknown_paths_and_methods_answer_json(client: httpx.Client) -> None:
+    _assert_error(client.get("/v1/nothing-here"), 404, "not_found")
+    _assert_error(client.get("/v1/models/tied/topk"), 405, "method_not_allowed")
+    _assert_error(client.post("/v1/models/tied/versions/x/topk", json={}), 422, "invalid_input")
+
+
+def test_errors_name_field_expected_and_actual(client: httpx.Client) -> None:
+    wrong = client.post("/v1/models/tied/topk", json={"hidden_states": [[0.5] * 3]}).json()
+    assert wrong["error"]["message"] == (
+        f"hidden_states rows must have d_model={D_MODEL} values, got 3"
+    )
+    too_big = client.post("/v1/models/tied/topk", json={"hidden_states": _rows(1), "k": 51}).json()
+    assert too_big["error"]["message"] == "k must be between 1 and 50 (max_k), got 51"
+    unknown = client.post("/v1/models/tied/topk", json={"hidden_states": _rows(1), "kk": 2})
+    assert unknown.json()["error"]["message"] == "kk: Extra inputs are not permitted"
+    long_key = {"hidden_states": _rows(1), "y" * 5000: 1}
+    assert len(client.post("/v1/models/tied/topk", json=long_key).text) < 200
+    many = client.post("/v1/models/tied/topk", json={"hidden_states": _rows(65)}).json()
+    assert many["error"]["message"] == "hidden_states has 65 rows; the limit is 64 per request"

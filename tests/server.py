@@ -1,0 +1,80 @@
+"""Run the real service in a subprocess (``python -m service serve``) for integration tests.
+
+Readiness is polled on ``/health/ready`` until a deadline. Between polls the helper waits on
+the process itself (``Popen.wait`` with a short timeout), so a server that dies is noticed at
+once, with its log in the failure message. Output goes to a file, so a chatty server can
+never block on a full pipe.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO
+
+import httpx
+
+READY_DEADLINE_S = 60.0
+POLL_INTERVAL_S = 0.05
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+@contextmanager
+def running_server(repository: Path, **settings: str) -> Iterator[str]:
+    """Start the service on a free loopback port; yield its base URL once ready."""
+    port = free_port()
+    env = {**os.environ, **{f"LMHEAD_{key.upper()}": value for key, value in settings.items()}}
+    command = [sys.executable, "-m", "service", "serve", "--repository", str(repository)]
+    with tempfile.TemporaryFile() as log:
+        process = subprocess.Popen(
+            [*command, "--host", "127.0.0.1", "--port", str(port)],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        base_url = f"http://127.0.0.1:{port}"
+        try:
+            _wait_ready(process, base_url, log)
+            yield base_url
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def _wait_ready(process: subprocess.Popen[bytes], base_url: str, log: IO[bytes]) -> None:
+    deadline = time.monotonic() + READY_DEADLINE_S
+    with httpx.Client(base_url=base_url, timeout=5) as client:
+        while time.monotonic() < deadline:
+            try:
+                if client.get("/health/ready").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            try:
+                process.wait(timeout=POLL_INTERVAL_S)
+            except subprocess.TimeoutExpired:
+                continue
+            raise RuntimeError(f"server exited with {process.returncode}:\n{_text(log)}")
+    raise TimeoutError(f"server not ready within {READY_DEADLINE_S}s:\n{_text(log)}")
+
+
+def _text(log: IO[bytes]) -> str:
+    log.seek(0)
+    return log.read().decode(errors="replace")

@@ -1,0 +1,111 @@
+"""In-process checks of the app factory, readiness and settings (no network, no subprocess)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import httpx
+import numpy as np
+import numpy.typing as npt
+import pytest
+from fastapi import FastAPI
+from pydantic import ValidationError
+
+from service.app import create_app
+from service.heads import HeadWeights, save_head
+from service.metrics import Metrics
+from service.reference import output_projection_tied, top_k
+from service.registry import Registry
+from service.settings import Settings, settings_table
+from tests.conftest import D_MODEL
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+@asynccontextmanager
+async def serving(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
+    """Run the app's lifespan in-process and wait for start-up loading to finish."""
+    async with app.router.lifespan_context(app):
+        await app.state.loading
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
+            yield client
+
+
+@pytest.fixture
+def repository(tmp_path: Path, table: npt.NDArray[np.float32]) -> Path:
+    save_head(HeadWeights.from_arrays(table), tmp_path / "tied" / "1")
+    return tmp_path
+
+
+def test_ready_is_503_until_the_repository_is_loaded(repository: Path) -> None:
+    settings = Settings(repository=repository)
+    app = create_app(settings)
+
+    async def scenario() -> tuple[int, int, str]:
+        with ThreadPoolExecutor(1) as executor:
+            registry = Registry(settings, executor, Metrics())
+            app.state.registry = registry
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
+                before = await client.get("/health/ready")
+                live = await client.get("/health/live")
+                await registry.load_all()
+                after = await client.get("/health/ready")
+            await registry.close()
+        return before.status_code, after.status_code, before.json()["error"]["code"] + live.text
+
+    before, after, detail = asyncio.run(scenario())
+    assert (before, after) == (503, 200)
+    assert detail.startswith("model_not_ready")
+
+
+def test_in_process_topk_matches_reference(
+    repository: Path, table: npt.NDArray[np.float32]
+) -> None:
+    hidden = np.random.default_rng(3).standard_normal((3, D_MODEL)).astype(np.float32)
+
+    async def scenario() -> httpx.Response:
+        async with serving(create_app(Settings(repository=repository))) as client:
+            assert (await client.get("/health/ready")).status_code == 200
+            body = {"hidden_states": hidden.tolist()}
+            return await client.post("/v1/models/tied/topk", json=body)
+
+    response = asyncio.run(scenario())
+    ids = [result["token_ids"] for result in response.json()["results"]]
+    expected = top_k(output_projection_tied(hidden.astype(np.float64), table), 5)[1]
+    np.testing.assert_array_equal(ids, expected)
+
+
+def test_empty_repository_is_ready_with_no_models(tmp_path: Path) -> None:
+    async def scenario() -> tuple[object, object]:
+        async with serving(create_app(Settings(repository=tmp_path / "none"))) as client:
+            ready = (await client.get("/health/ready")).json()
+            return ready, (await client.get("/v1/models")).json()
+
+    assert asyncio.run(scenario()) == ({"status": "ready", "models": {}}, {"models": []})
+
+
+def test_settings_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LMHEAD_PORT", "9123")
+    monkeypatch.setenv("LMHEAD_MEMORY_MODE", "fast")
+    settings = Settings()
+    assert (settings.port, settings.memory_mode) == (9123, "fast")
+    assert Settings(port=1).port == 1  # explicit values (CLI flags) win over the environment
+
+
+def test_settings_fail_fast_on_inconsistent_values() -> None:
+    with pytest.raises(ValidationError, match=r"default_k \(9\) must be <= max_k \(3\)"):
+        Settings(default_k=9, max_k=3)
+    with pytest.raises(ValidationError, match="memory_mode"):
+        Settings(memory_mode="tiny")
+    with pytest.raises(ValidationError, match="max_wait_ms"):
+        Settings(max_wait_ms=-1)
+
+
+def test_readme_configuration_table_matches_the_settings_class() -> None:
+    assert settings_table() in README.read_text(encoding="utf-8")

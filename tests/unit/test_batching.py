@@ -1,0 +1,192 @@
+"""The batcher merges concurrent requests into one run and splits the answers back exactly.
+
+A gate (a threading.Event) holds the first run inside the executor while the test queues more
+requests behind it, so what gets merged is decided by the test, not by timing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from service.batching import Batcher, BatchLimits, BatchStats
+from service.errors import InferenceFailed, ModelNotReady, QueueFull
+from service.runtime import HeadSession, Projection
+from tests.conftest import D_MODEL
+
+WAIT = 30.0
+
+
+def _rows(count: int, seed: int) -> npt.NDArray[np.float32]:
+    return np.random.default_rng(seed).standard_normal((count, D_MODEL)).astype(np.float32)
+
+
+class GatedRun:
+    """A real session run that signals it started, then waits for the gate to open."""
+
+    def __init__(self, session: HeadSession) -> None:
+        self.session = session
+        self.started = threading.Event()
+        self.gate = threading.Event()
+        self.calls: list[int] = []
+
+    def __call__(self, rows: npt.NDArray[np.float32], k: int, full: bool) -> Projection:
+        self.started.set()
+        self.gate.wait(timeout=WAIT)
+        self.calls.append(len(rows))
+        return self.session.project(rows, k, full_logits=full)
+
+    async def wait_started(self) -> None:
+        assert await asyncio.to_thread(self.started.wait, WAIT)
+
+
+def _with_batcher(
+    run: Callable[[npt.NDArray[np.float32], int, bool], Projection],
+    limits: BatchLimits,
+    scenario: Callable[[Batcher], object],
+    on_batch: Callable[[BatchStats], None] = lambda stats: None,
+) -> object:
+    async def main() -> object:
+        with ThreadPoolExecutor(1) as executor:
+            batcher = Batcher(run, executor, limits, label="t/1", on_batch=on_batch)
+            batcher.start()
+            result = await scenario(batcher)  # type: ignore[misc]
+            await batcher.close()
+            return result
+
+    return asyncio.run(main())
+
+
+def test_queued_requests_share_one_run_and_get_their_own_rows(tied_path: Path) -> None:
+    session = HeadSession(tied_path, tied=True)
+    run = GatedRun(session)
+    stats: list[BatchStats] = []
+    requests = [(_rows(1 + i % 3, seed=i), 2 + i % 4, i % 5 == 0) for i in range(12)]
+
+    async def scenario(batcher: Batcher) -> list[Projection]:
+        first = batcher.enqueue(_rows(1, seed=99), 1)
+        await run.wait_started()
+        queued = [batcher.enqueue(rows, k, full) for rows, k, full in requests]
+        assert batcher.queued_rows == sum(len(rows) for rows, _, _ in requests)
+        run.gate.set()
+        await first
+        return list(await asyncio.gather(*queued))
+
+    results = _with_batcher(run, BatchLimits(max_wait_s=0.01), scenario, stats.append)
+    assert isinstance(results, list)
+    assert run.calls == [1, sum(len(rows) for rows, _, _ in requests)]
+    assert [(s.rows, s.requests) for s in stats] == [(1, 1), (run.calls[1], 12)]
+    for (rows, k, full), result in zip(requests, results, strict=True):
+        alone = session.project(rows, k, full_logits=full)
+        np.testing.assert_array_equal(result.topk_token_ids, alone.topk_token_ids)
+        np.testing.assert_allclose(result.topk_logits, alone.topk_logits, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(result.logsumexp, alone.logsumexp, rtol=1e-5, atol=1e-5)
+        assert (result.logits is None) == (not full)
+        if full:
+            assert result.logits is not None
+            assert alone.logits is not None
+            np.testing.assert_allclose(result.logits, alone.logits, rtol=1e-5, atol=1e-5)
+
+
+def test_batches_never_exceed_max_rows_unless_one_request_is_larger(tied_path: Path) -> None:
+    run = GatedRun(HeadSession(tied_path, tied=True))
+
+    async def scenario(batcher: Batcher) -> None:
+        first = batcher.enqueue(_rows(1, 0), 1)
+        await run.wait_started()
+        queued = [batcher.enqueue(_rows(n, n), 1) for n in (1, 3, 2, 2, 9, 1)]
+        run.gate.set()
+        await asyncio.gather(first, *queued)
+
+    _with_batcher(run, BatchLimits(max_batch_rows=4, max_wait_s=0.01), scenario)
+    assert run.calls == [1, 4, 4, 9, 1]
+
+
+def test_without_merging_each_request_runs_alone(tied_path: Path) -> None:
+    run = GatedRun(HeadSession(tied_path, tied=True))
+
+    async def scenario(batcher: Batcher) -> None:
+        first = batcher.enqueue(_rows(2, 0), 1)
+        await run.wait_started()
+        queued = [batcher.enqueue(_rows(2, i), 1) for i in range(1, 5)]
+        run.gate.set()
+        await asyncio.gather(first, *queued)
+
+    _with_batcher(run, BatchLimits(merge=False), scenario)
+    assert run.calls == [2] * 5
+
+
+def test_a_failing_run_fails_every_caller_and_the_next_batch_runs(tied_path: Path) -> None:
+    session = HeadSession(tied_path, tied=True)
+    gated = GatedRun(session)
+    failures = iter([False, True, False])
+
+    def flaky(rows: npt.NDArray[np.float32], k: int, full: bool) -> Projection:
+        result = gated(rows, k, full)
+        if next(failures):
+            raise RuntimeError("onnxruntime exploded")
+        return result
+
+    async def scenario(batcher: Batcher) -> tuple[list[object], Projection]:
+        first = batcher.enqueue(_rows(1, 0), 1)
+        await gated.wait_started()
+        doomed = [batcher.enqueue(_rows(1, i), 1) for i in range(1, 4)]
+        gated.gate.set()
+        await first
+        outcomes = await asyncio.gather(*doomed, return_exceptions=True)
+        return list(outcomes), await batcher.submit(_rows(1, 7), 1)
+
+    outcome = _with_batcher(flaky, BatchLimits(max_wait_s=0.01), scenario)
+    assert isinstance(outcome, tuple)
+    failed, after = outcome
+    assert gated.calls == [1, 3, 1]
+    assert all(isinstance(error, InferenceFailed) for error in failed)
+    assert "onnxruntime exploded" not in str(failed[0])
+    assert after.topk_token_ids.shape == (1, 1)
+
+
+def test_a_full_queue_refuses_at_once_with_retry_after(tied_path: Path) -> None:
+    run = GatedRun(HeadSession(tied_path, tied=True))
+
+    async def scenario(batcher: Batcher) -> QueueFull:
+        running = batcher.enqueue(_rows(2, 0), 1)
+        await run.wait_started()
+        queued = [batcher.enqueue(_rows(2, i), 1) for i in (1, 2)]
+        with pytest.raises(QueueFull) as refused:
+            batcher.enqueue(_rows(1, 3), 1)
+        run.gate.set()
+        await asyncio.gather(running, *queued)
+        return refused.value
+
+    error = _with_batcher(run, BatchLimits(max_batch_rows=2, max_queue_rows=4), scenario)
+    assert isinstance(error, QueueFull)
+    assert error.headers == {"Retry-After": "1"}
+    assert "4 rows queued" in error.message
+
+
+def test_close_lets_the_running_batch_finish_and_fails_the_queued(tied_path: Path) -> None:
+    run = GatedRun(HeadSession(tied_path, tied=True))
+
+    async def main() -> tuple[list[object], Batcher]:
+        with ThreadPoolExecutor(1) as executor:
+            batcher = Batcher(run, executor, BatchLimits(max_batch_rows=1), label="t/1")
+            batcher.start()
+            futures = [batcher.enqueue(_rows(1, i), 1) for i in range(3)]
+            await run.wait_started()
+            closing = asyncio.ensure_future(batcher.close())
+            run.gate.set()
+            await closing
+            return list(await asyncio.gather(*futures, return_exceptions=True)), batcher
+
+    outcomes, batcher = asyncio.run(main())
+    assert isinstance(outcomes[0], Projection)
+    assert all(isinstance(outcome, ModelNotReady) for outcome in outcomes[1:])
+    with pytest.raises(ModelNotReady):
+        batcher.enqueue(_rows(1, 0), 1)
