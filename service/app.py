@@ -22,8 +22,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from service import __version__
 from service.errors import install_error_handlers
 from service.metrics import Metrics
+from service.poller import RepositoryPoller
 from service.registry import Registry
-from service.routes import health, native
+from service.routes import health, native, repository
 from service.settings import Settings
 
 logger = logging.getLogger("lmhead")
@@ -42,11 +43,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.registry = registry
         loading = asyncio.create_task(registry.load_all(), name="lmhead-startup-load")
         app.state.loading = loading  # awaitable by embedders and in-process tests
+        background = [loading]
+        if settings.control_mode == "poll":
+            poller = RepositoryPoller(
+                registry, settings.repository, settings.poll_interval_s, metrics
+            )
+            background.append(asyncio.create_task(_follow(loading, poller), name="lmhead-poll"))
         try:
             yield
         finally:
-            loading.cancel()
-            await asyncio.gather(loading, return_exceptions=True)
+            for task in background:
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
             await registry.close()
             executor.shutdown(wait=True, cancel_futures=True)
 
@@ -61,8 +69,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_error_handlers(app)
     app.include_router(health.router)
     app.include_router(native.router)
+    app.include_router(repository.router)
     app.add_middleware(RequestMetrics, metrics=metrics)
     return app
+
+
+async def _follow(loading: asyncio.Task[None], poller: RepositoryPoller) -> None:
+    """Poll mode: once start-up loading is done, follow the repository until shutdown."""
+    await loading
+    await poller.prime()
+    await poller.run()
 
 
 class RequestMetrics:

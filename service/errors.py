@@ -146,3 +146,34 @@ def describe_validation_errors(errors: Any) -> str:
         location = ".".join(str(part)[:64] for part in error.get("loc", ()) if part != "body")
         parts.append(f"{location or 'body'}: {error.get('msg', 'invalid')}")
     return "; ".join(parts)
+
+
+class InvalidModelName(ServiceError):
+    """400: a model name that could address something outside the repository."""
+
+    status = 400
+    code = "invalid_model_name"
+
+
+class Unauthorized(ServiceError):
+    """401: the repository API needs ``Authorization: Bearer <LMHEAD_ADMIN_TOKEN>``."""
+
+    status = 401
+    code = "unauthorized"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, headers={"WWW-Authenticate": "Bearer"})
+
+
+class Forbidden(ServiceError):
+    """403: the repository API is off (read-only service, or control_mode none)."""
+
+    status = 403
+    code = "forbidden"
+
+
+class ModelLoadFailed(ServiceError):
+    """500, on the load endpoint only: the new version failed; the old one keeps serving."""
+
+    status = 500
+    code = "model_load_failed"

@@ -11,6 +11,7 @@ Weights are compared without loading the file twice: external data is memory-map
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -85,6 +86,7 @@ def inspect_head(path: str | Path) -> HeadReport:
     weights = {
         name: t for name, t in initializers.items() if len(t.dims) == 2 and name not in inputs
     }
+    _check_external_locations(model_path.parent, initializers.values())
     producers = {out: node for node in graph.node for out in node.output}
     gather = _find_gather(graph, producers, weights)
     vocab_size, d_model = (int(dim) for dim in weights[gather.initializer].dims)
@@ -228,6 +230,18 @@ def _array(tensor: onnx.TensorProto, base_dir: Path) -> npt.NDArray[Any]:
         offset=int(info.get("offset", 0)),
         shape=tuple(int(dim) for dim in tensor.dims),
     )
+
+
+def _check_external_locations(base_dir: Path, tensors: Iterable[onnx.TensorProto]) -> None:
+    """External data must live inside the model's own directory (no ``..``, no absolute path)."""
+    root = base_dir.resolve()
+    for tensor in tensors:
+        for entry in tensor.external_data:
+            if entry.key == "location" and not (root / entry.value).resolve().is_relative_to(root):
+                raise HeadInspectionError(
+                    f"external data of {tensor.name!r} points outside {base_dir}: "
+                    f"{entry.value[:128]!r}"
+                )
 
 
 def _external_files(base_dir: Path, weights: dict[str, onnx.TensorProto]) -> set[Path]:

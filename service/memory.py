@@ -8,6 +8,7 @@ subprocess and read the one JSON line it prints.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import resource
@@ -45,6 +46,16 @@ class LoadFootprint:
 def resident_bytes() -> int:
     """Resident set size of this process (anonymous and file-backed pages)."""
     return int(psutil.Process().memory_info().rss)
+
+
+def trim_heap() -> None:
+    """Hand freed heap pages back to the OS (glibc keeps them otherwise); no-op elsewhere."""
+    gc.collect()
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    libc.malloc_trim(0)
 
 
 def measure_load(path: str, *, tied: bool, memory_mode: MemoryMode, rows: int) -> LoadFootprint:

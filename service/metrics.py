@@ -6,7 +6,14 @@ vs compute time, and the batch-size histogram (mean batch = rows / batches).
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
@@ -17,6 +24,7 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)  # process_resident_memory_bytes and friends
         model_version = ["model", "version"]
         self.requests = Counter(
             "lmhead_requests",
@@ -81,6 +89,30 @@ class Metrics:
             "lmhead_model_load_failures",
             "Model versions that failed to load.",
             ["model"],
+            registry=self.registry,
+        )
+        self.loads = Counter(
+            "lmhead_model_loads",
+            "Load or reload calls by outcome (published, kept_previous, failed).",
+            ["model", "outcome"],
+            registry=self.registry,
+        )
+        self.unloads = Counter(
+            "lmhead_model_unloads",
+            "Model versions released (replaced or unloaded).",
+            ["model"],
+            registry=self.registry,
+        )
+        self.swap_duration = Histogram(
+            "lmhead_model_swap_seconds",
+            "Load call to publication: read, inspect, open, warm, then one atomic swap.",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.repository_scans = Counter(
+            "lmhead_repository_scans",
+            "Repository scans done by the poller.",
             registry=self.registry,
         )
 

@@ -9,8 +9,9 @@ one real run whose output shapes are checked. Requests hold a reference to a
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ import numpy.typing as npt
 from service.batching import Batcher, BatchLimits, BatchStats
 from service.heads import MODEL_FILE
 from service.inspect import HeadReport, inspect_head
-from service.repository import ModelConfig, read_labels
+from service.repository import ModelConfig, Signature, read_labels
 from service.runtime import HeadSession, MemoryMode, Projection
 
 
@@ -44,8 +45,49 @@ class LoadedVersion:
     config: ModelConfig
     labels: list[str] | None
     default_k: int
+    signature: Signature = ()
     batcher: Batcher | None = field(default=None, repr=False)
     executor: Executor | None = field(default=None, repr=False)
+    _inflight: int = field(default=0, repr=False)
+    _idle: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+
+    def __post_init__(self) -> None:
+        self._idle.set()
+
+    @contextmanager
+    def lease(self) -> Iterator[LoadedVersion]:
+        """Hold this version for one request: ``retire`` waits until every lease is returned.
+
+        Take it right after ``Registry.get`` with no ``await`` between, so a swap can never
+        release a version that a request has already been given.
+        """
+        self._inflight += 1
+        self._idle.clear()
+        try:
+            yield self
+        finally:
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._idle.set()
+
+    @property
+    def inflight(self) -> int:
+        return self._inflight
+
+    async def retire(self, timeout_s: float) -> bool:
+        """Let admitted requests finish (up to ``timeout_s``), then release the session.
+
+        Returns whether it drained in time; after the timeout the remaining requests fail
+        with 503 rather than hold the old weights forever.
+        """
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            drained = True
+        except TimeoutError:
+            drained = False
+        await self.close()
+        self.session.close()
+        return drained
 
     @property
     def label(self) -> str:
@@ -146,7 +188,12 @@ class LoadedVersion:
 
 
 def load_version(
-    name: str, version: int, directory: Path, config: ModelConfig, options: LoadOptions
+    name: str,
+    version: int,
+    directory: Path,
+    config: ModelConfig,
+    options: LoadOptions,
+    signature: Signature = (),
 ) -> LoadedVersion:
     """Inspect, open, label and warm one version (blocking; run it off the event loop)."""
     report = inspect_head(directory / MODEL_FILE)
@@ -172,6 +219,7 @@ def load_version(
         config=config,
         labels=labels,
         default_k=config.default_k or options.default_k,
+        signature=signature,
     )
 
 

@@ -1,27 +1,37 @@
 """Memory side of the repository: model name -> loaded versions, with state and reasons.
 
-Loading is serialized (one loader thread: concurrent onnxruntime session creation has been
-reported to race) and happens off the event loop. A model's record is replaced in one
-assignment once every version has been tried, so readers see the old record or the new one,
-never a mix. A version that fails to load is kept with its reason and does not stop the
-others; the highest loaded version is served unless a request names one.
+Loading is serialized per name (and onnxruntime session creation runs in one loader thread:
+concurrent creation has been reported to race) and happens off the event loop. A swap is
+*load before you retire*: the new version is read, inspected, opened, warmed and only then
+published by replacing the model's record in one assignment. Requests hold a lease on the
+``LoadedVersion`` they were given, so they finish on it; the replaced version is released once
+its last lease is returned (bounded by ``drain_timeout_s``) and its memory goes back to the OS.
+A load that fails leaves the serving version untouched and records the reason.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
 from service.batching import BatchLimits, BatchStats
-from service.errors import ModelNotFound, ModelNotReady, VersionNotFound
+from service.errors import InvalidModelName, ModelNotFound, ModelNotReady, VersionNotFound
+from service.memory import trim_heap
 from service.metrics import Metrics
 from service.model import LoadedVersion, LoadOptions, load_version
-from service.repository import RepositoryError, model_names, read_source
+from service.repository import (
+    ModelSource,
+    RepositoryError,
+    is_valid_name,
+    model_names,
+    read_source,
+)
 from service.settings import Settings
 
 logger = logging.getLogger("lmhead")
@@ -32,6 +42,7 @@ class ModelState(StrEnum):
     LOADING = "LOADING"
     READY = "READY"
     FAILED = "FAILED"
+    UNAVAILABLE = "UNAVAILABLE"
 
 
 @dataclass(frozen=True)
@@ -43,26 +54,51 @@ class ModelRecord:
     reason: str = ""
     versions: dict[int, LoadedVersion] = field(default_factory=dict)
     failed: dict[int, str] = field(default_factory=dict)
+    pinned: int | None = None
+    notes: tuple[str, ...] = ()
 
     @property
     def latest(self) -> LoadedVersion | None:
+        if self.pinned in self.versions:
+            return self.versions[self.pinned]
         return self.versions[max(self.versions)] if self.versions else None
 
     def describe(self) -> dict[str, Any]:
         latest = self.latest
+        details = latest.describe() if latest else {}
+        details.pop("version", None)
         return {
             "name": self.name,
             "state": self.state.value,
             "reason": self.reason,
             "versions": sorted(self.versions),
             "served_version": latest.version if latest else None,
+            "pinned_version": self.pinned,
             "failed_versions": {str(v): reason for v, reason in sorted(self.failed.items())},
-            **({k: v for k, v in latest.describe().items() if k != "version"} if latest else {}),
+            "notes": list(self.notes),
+            **details,
         }
+
+    def index_rows(self) -> list[dict[str, Any]]:
+        """Triton's repository index: one row per version (or one for the model)."""
+        rows = [
+            {"name": self.name, "version": str(v), "state": "READY", "reason": ""}
+            for v in sorted(self.versions)
+        ]
+        rows += [
+            {"name": self.name, "version": str(v), "state": "FAILED", "reason": reason}
+            for v, reason in sorted(self.failed.items())
+            if v not in self.versions
+        ]
+        if not rows:
+            rows.append(
+                {"name": self.name, "version": "", "state": self.state.value, "reason": self.reason}
+            )
+        return rows
 
 
 class Registry:
-    """Loads models from the repository and hands out loaded versions."""
+    """Loads, swaps and unloads models from the repository and hands out loaded versions."""
 
     def __init__(self, settings: Settings, executor: Executor, metrics: Metrics) -> None:
         self._settings = settings
@@ -71,6 +107,7 @@ class Registry:
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="lmhead-load")
         self._records: dict[str, ModelRecord] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self._retiring: set[asyncio.Task[None]] = set()
         self._options = LoadOptions(
             settings.memory_mode, settings.intra_op_threads, settings.default_k
         )
@@ -88,68 +125,63 @@ class Registry:
     async def load_all(self) -> None:
         """Load every model in the repository, then report ready (failures included)."""
         for name in model_names(self._settings.repository):
-            await self.load(name)
+            try:
+                await self.load(name)
+            except Exception as error:  # one bad model must not keep the service unready
+                logger.exception("loading %s failed", name)
+                self._records[name] = ModelRecord(name, ModelState.FAILED, _reason(error))
         self.ready = True
         states = {record.name: record.state.value for record in self.records()}
         logger.info("lmhead ready: %s", states or "no models in the repository")
 
-    async def load(self, name: str) -> ModelRecord:
-        """(Re)load every version of ``name`` from disk and publish the result at once."""
+    async def load(self, name: str, pin: int | None = None) -> ModelRecord:
+        """(Re)load ``name`` from disk and publish the result in one step.
+
+        Versions whose files are unchanged stay as they are; new or changed ones are loaded
+        and warmed first. If nothing new could be loaded, the serving versions stay.
+        """
+        _check_name(name)
         async with self._locks.setdefault(name, asyncio.Lock()):
+            started = time.monotonic()
             previous = self._records.get(name)
             if previous is None:
                 self._records[name] = ModelRecord(name, ModelState.LOADING)
-            record = await self._load_record(name)
+            record = await self._build_record(name, previous, pin)
             self._records[name] = record
-            if previous is not None:
-                for version in previous.versions.values():
-                    await version.close()
+            self._metrics.swap_duration.labels(name).observe(time.monotonic() - started)
+            kept = {id(version) for version in record.versions.values()}
+            for version in previous.versions.values() if previous else ():
+                if id(version) not in kept:
+                    self._retire_later(version)
             return record
 
-    async def _load_record(self, name: str) -> ModelRecord:
-        loop = asyncio.get_running_loop()
-        try:
-            source = await loop.run_in_executor(
-                self._loader, read_source, self._settings.repository, name
-            )
-        except RepositoryError as error:
-            self._metrics.load_failures.labels(name).inc()
-            return ModelRecord(name, ModelState.FAILED, str(error))
-        loaded: dict[int, LoadedVersion] = {}
-        failed: dict[int, str] = {}
-        for version, directory in source.versions.items():
-            try:
-                model = await loop.run_in_executor(
-                    self._loader,
-                    load_version,
-                    name,
-                    version,
-                    directory,
-                    source.config,
-                    self._options,
-                )
-            except Exception as error:  # any load failure is reported, never fatal
-                failed[version] = _reason(error)
-                self._metrics.load_failures.labels(name).inc()
-                logger.warning("failed to load %s/%d: %s", name, version, failed[version])
-                continue
-            rejected = self._metrics.queue_full.labels(name, str(version))
-            model.start(self._executor, self._limits, self._observer(model), rejected.inc)
-            self._metrics.models_loaded.labels(name, str(version), str(model.tied).lower()).set(1)
-            loaded[version] = model
-        if loaded:
-            return ModelRecord(name, ModelState.READY, "", loaded, failed)
-        reason = "; ".join(f"version {v}: {r}" for v, r in failed.items()) or (
-            f"no version directory with a model.onnx in {source.directory}"
-        )
-        return ModelRecord(name, ModelState.FAILED, reason, {}, failed)
+    async def unload(self, name: str) -> ModelRecord:
+        """Stop serving ``name``; returns once its versions are drained and released."""
+        _check_name(name)
+        async with self._locks.setdefault(name, asyncio.Lock()):
+            previous = self._records.get(name)
+            if previous is None:
+                raise ModelNotFound(f"model {name!r} is not loaded")
+            record = ModelRecord(name, ModelState.UNAVAILABLE, "unloaded")
+            self._records[name] = record
+            await asyncio.gather(*(self._retire(v) for v in previous.versions.values()))
+            return record
+
+    def index(self) -> list[dict[str, Any]]:
+        """Every model in memory or on disk, one row per version, with state and reason."""
+        names = set(self._records) | set(model_names(self._settings.repository))
+        rows = []
+        for name in sorted(names):
+            record = self._records.get(name, ModelRecord(name, ModelState.UNAVAILABLE))
+            rows += record.index_rows()
+        return rows
 
     def get(self, name: str, version: int | None = None) -> LoadedVersion:
         """The version to serve; raises 404/503 errors that say what exists."""
         record = self._records.get(name)
         if record is None:
             known = ", ".join(sorted(self._records)) or "none"
-            raise ModelNotFound(f"model {name!r} not found; models: {known}")
+            raise ModelNotFound(f"model {name[:64]!r} not found; models: {known}")
         if version is None:
             if record.latest is None:
                 detail = f": {record.reason}" if record.reason else ""
@@ -167,14 +199,94 @@ class Registry:
 
     def record(self, name: str) -> ModelRecord:
         if name not in self._records:
-            raise ModelNotFound(f"model {name!r} not found")
+            raise ModelNotFound(f"model {name[:64]!r} not found")
         return self._records[name]
 
     async def close(self) -> None:
         for record in self._records.values():
             for version in record.versions.values():
                 await version.close()
+        await asyncio.gather(*self._retiring, return_exceptions=True)
         self._loader.shutdown(wait=False, cancel_futures=True)
+
+    async def _build_record(
+        self, name: str, previous: ModelRecord | None, pin: int | None
+    ) -> ModelRecord:
+        loop = asyncio.get_running_loop()
+        try:
+            source = await loop.run_in_executor(
+                self._loader, read_source, self._settings.repository, name
+            )
+            selected = source.selected(pin)
+        except RepositoryError as error:
+            return self._failed(name, previous, str(error), {})
+        loaded: dict[int, LoadedVersion] = {}
+        failed: dict[int, str] = {}
+        for version in selected:
+            reused = previous.versions.get(version) if previous else None
+            if reused is not None and reused.signature == source.signatures[version]:
+                loaded[version] = reused
+                continue
+            try:
+                loaded[version] = await self._load_version(source, version)
+            except Exception as error:  # any load failure is reported, never fatal
+                failed[version] = _reason(error)
+                self._metrics.load_failures.labels(name).inc()
+                logger.warning("failed to load %s/%d: %s", name, version, failed[version])
+        if not loaded:
+            reason = "; ".join(f"version {v}: {r}" for v, r in failed.items()) or (
+                "no version directory with a model.onnx"
+            )
+            return self._failed(name, previous, reason, failed)
+        self._metrics.loads.labels(name, "published").inc()
+        notes = _changes(previous, loaded[pin] if pin in loaded else loaded[max(loaded)])
+        for note in notes:
+            logger.info("%s: %s", name, note)
+        return ModelRecord(name, ModelState.READY, "", loaded, failed, pin, notes)
+
+    async def _load_version(self, source: ModelSource, version: int) -> LoadedVersion:
+        loop = asyncio.get_running_loop()
+        model = await loop.run_in_executor(
+            self._loader,
+            load_version,
+            source.name,
+            version,
+            source.versions[version],
+            source.config,
+            self._options,
+            source.signatures[version],
+        )
+        rejected = self._metrics.queue_full.labels(source.name, str(version))
+        model.start(self._executor, self._limits, self._observer(model), rejected.inc)
+        tied = str(model.tied).lower()
+        self._metrics.models_loaded.labels(source.name, str(version), tied).set(1)
+        return model
+
+    def _failed(
+        self, name: str, previous: ModelRecord | None, reason: str, failed: dict[int, str]
+    ) -> ModelRecord:
+        """A load that published nothing: keep what was serving, and say why."""
+        if previous is not None and previous.versions:
+            self._metrics.loads.labels(name, "kept_previous").inc()
+            return replace(previous, reason=reason, failed={**previous.failed, **failed})
+        self._metrics.loads.labels(name, "failed").inc()
+        return ModelRecord(name, ModelState.FAILED, reason, {}, failed)
+
+    def _retire_later(self, version: LoadedVersion) -> None:
+        task = asyncio.get_running_loop().create_task(self._retire(version))
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+
+    async def _retire(self, version: LoadedVersion) -> None:
+        drained = await version.retire(self._settings.drain_timeout_s)
+        if not drained:
+            logger.warning("%s released with requests still running", version.label)
+        self._metrics.unloads.labels(version.name).inc()
+        self._metrics.models_loaded.remove(
+            version.name, str(version.version), str(version.tied).lower()
+        )
+        del version
+        trim_heap()
 
     def _observer(self, model: LoadedVersion) -> Callable[[BatchStats], None]:
         """Per-batch metrics; the labelled children are looked up once per version."""
@@ -196,6 +308,29 @@ class Registry:
                 failures.inc()
 
         return observe
+
+
+def _check_name(name: str) -> None:
+    if not is_valid_name(name):
+        raise InvalidModelName(
+            f"invalid model name {name[:64]!r}: letters, digits, '.', '_', '-', "
+            "starting with a letter or digit"
+        )
+
+
+def _changes(previous: ModelRecord | None, new: LoadedVersion) -> tuple[str, ...]:
+    """What a swap changed that a client may care about (tie, d_model, vocab)."""
+    old = previous.latest if previous else None
+    if old is None or old is new:
+        return ()
+    notes = [f"serving version {new.version} (was {old.version})"]
+    if old.tied != new.tied:
+        notes.append(f"head is now {'tied' if new.tied else 'untied'}")
+    if old.d_model != new.d_model:
+        notes.append(f"d_model changed from {old.d_model} to {new.d_model}")
+    if old.vocab_size != new.vocab_size:
+        notes.append(f"vocab_size changed from {old.vocab_size} to {new.vocab_size}")
+    return tuple(notes)
 
 
 def _reason(error: Exception) -> str:

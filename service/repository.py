@@ -8,7 +8,12 @@ Layout (Triton's)::
       <name>/<version>/vocab.txt  optional token strings, line i = token id i
 
 Names and versions are validated here so that nothing taken from a request can address a
-path outside the repository.
+path outside the repository: names are a strict pattern, and every model and version directory
+must resolve (symlinks followed) to a place inside the repository.
+
+A version's *signature* is the name, size and modification time of each of its files. The
+registry reuses a loaded version whose signature is unchanged, and the poller only considers a
+version once its signature has been stable across two scans (a copy in progress changes it).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -24,6 +30,7 @@ from service.heads import MODEL_FILE
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 CONFIG_FILE = "config.json"
+Signature = tuple[tuple[str, int, int], ...]
 
 
 class RepositoryError(ValueError):
@@ -35,6 +42,8 @@ class ModelConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    versions: Literal["latest", "all"] | list[int] = "latest"
+    """Which versions to load: the highest only (default, like Triton), all, or a list."""
     labels: str = "vocab.txt"
     """Token strings file inside each version directory (one token per line)."""
     default_k: int | None = Field(default=None, ge=1)
@@ -52,6 +61,25 @@ class ModelSource:
     directory: Path
     config: ModelConfig
     versions: dict[int, Path] = field(default_factory=dict)
+    signatures: dict[int, Signature] = field(default_factory=dict)
+
+    def selected(self, pin: int | None = None) -> list[int]:
+        """The versions to serve: the pinned one, or those the config's policy names."""
+        if pin is not None:
+            if pin not in self.versions:
+                raise RepositoryError(
+                    f"model {self.name!r} has no complete version {pin} on disk; "
+                    f"versions: {sorted(self.versions) or 'none'}"
+                )
+            return [pin]
+        policy = self.config.versions
+        if not self.versions:
+            return []
+        if policy == "latest":
+            return [max(self.versions)]
+        if policy == "all":
+            return sorted(self.versions)
+        return sorted(set(policy) & set(self.versions))
 
 
 def is_valid_name(name: str) -> bool:
@@ -68,18 +96,40 @@ def model_names(repository: Path) -> list[str]:
 
 
 def read_source(repository: Path, name: str) -> ModelSource:
-    """Read one model directory; raise RepositoryError when its config is unusable."""
+    """Read one model directory; raise RepositoryError when it is missing or unusable."""
     if not is_valid_name(name):
-        raise RepositoryError(f"invalid model name {name!r}: use letters, digits, '.', '_', '-'")
+        raise RepositoryError(
+            f"invalid model name {name[:64]!r}: use letters, digits, '.', '_', '-' "
+            "(starting with a letter or digit)"
+        )
+    root = repository.resolve()
     directory = repository / name
     if not directory.is_dir():
-        raise RepositoryError(f"no model directory {directory}")
-    versions = {
-        int(entry.name): entry
-        for entry in directory.iterdir()
-        if entry.is_dir() and entry.name.isdigit() and (entry / MODEL_FILE).is_file()
-    }
-    return ModelSource(name, directory, read_config(directory), dict(sorted(versions.items())))
+        raise RepositoryError(f"no model directory {name!r} in the repository")
+    _check_inside(directory, root)
+    versions: dict[int, Path] = {}
+    for entry in directory.iterdir():
+        if entry.is_dir() and entry.name.isdigit() and (entry / MODEL_FILE).is_file():
+            _check_inside(entry, root)
+            versions[int(entry.name)] = entry
+    ordered = dict(sorted(versions.items()))
+    signatures = {version: signature(path) for version, path in ordered.items()}
+    return ModelSource(name, directory, read_config(directory), ordered, signatures)
+
+
+def signature(version_dir: Path) -> Signature:
+    """Name, size and mtime of each file in a version directory (cheap: stat only)."""
+    entries = []
+    for entry in sorted(version_dir.iterdir()):
+        if entry.is_file():
+            stat = entry.stat()
+            entries.append((entry.name, stat.st_size, stat.st_mtime_ns))
+    return tuple(entries)
+
+
+def _check_inside(path: Path, root: Path) -> None:
+    if not path.resolve().is_relative_to(root):
+        raise RepositoryError(f"{path.name!r} resolves outside the repository (symlink?)")
 
 
 def read_config(directory: Path) -> ModelConfig:

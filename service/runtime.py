@@ -95,7 +95,9 @@ class HeadSession:
         options = session_options(
             shares_weight=tied, memory_mode=memory_mode, intra_op_threads=intra_op_threads
         )
-        self._session = ort.InferenceSession(str(self.path), options, providers=list(providers))
+        self._session: ort.InferenceSession | None = ort.InferenceSession(
+            str(self.path), options, providers=list(providers)
+        )
         shapes = {value.name: value.shape for value in self._session.get_outputs()}
         self.vocab_size = int(shapes[LOGITS][1])
         self.d_model = int(shapes[EMBEDDINGS][1])
@@ -104,7 +106,11 @@ class HeadSession:
 
     @property
     def providers(self) -> list[str]:
-        return list(self._session.get_providers())
+        return [] if self._session is None else list(self._session.get_providers())
+
+    def close(self) -> None:
+        """Release the onnxruntime session (weights, arena) now rather than at GC time."""
+        self._session = None
 
     def project(
         self,
@@ -159,4 +165,6 @@ class HeadSession:
             K: np.array([k], np.int64),
             TEMPERATURE: np.array([temperature], np.float32),
         }
+        if self._session is None:
+            raise RuntimeError(f"session for {self.path} was closed")
         return list(self._session.run(names, feeds))

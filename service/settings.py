@@ -9,12 +9,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal, Self
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.runtime import MemoryMode
 
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
+ControlMode = Literal["none", "explicit", "poll"]
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 
 
 class Settings(BaseSettings):
@@ -58,12 +60,35 @@ class Settings(BaseSettings):
     """Log level of the service and uvicorn."""
     access_log: bool = False
     """Log every HTTP request (uvicorn's access log); off by default at inference rates."""
+    control_mode: ControlMode = "explicit"
+    """none: models fixed at start; explicit: load/unload API; poll: rescan the repository too."""
+    poll_interval_s: float = Field(default=5.0, ge=0.05)
+    """Seconds between repository scans in poll mode."""
+    admin_token: SecretStr | None = None
+    """When set, the repository API needs `Authorization: Bearer <token>`."""
+    read_only: bool = False
+    """Refuse repository load/unload calls with 403 (poll mode still follows the disk)."""
+    drain_timeout_s: float = Field(default=30.0, ge=0)
+    """How long a replaced or unloaded version may finish admitted requests before release."""
 
     @model_validator(mode="after")
     def _check_limits(self) -> Self:
         if self.default_k > self.max_k:
             raise ValueError(f"default_k ({self.default_k}) must be <= max_k ({self.max_k})")
+        if self.admin_api_writable and self.admin_token is None and not self.loopback:
+            raise ValueError(
+                f"host {self.host} exposes the repository load/unload API without a token: "
+                "set LMHEAD_ADMIN_TOKEN, LMHEAD_READ_ONLY=true or LMHEAD_CONTROL_MODE=none"
+            )
         return self
+
+    @property
+    def loopback(self) -> bool:
+        return self.host in LOOPBACK_HOSTS
+
+    @property
+    def admin_api_writable(self) -> bool:
+        return self.control_mode != "none" and not self.read_only
 
 
 def settings_table() -> str:
@@ -72,5 +97,6 @@ def settings_table() -> str:
     for name, field in Settings.model_fields.items():
         default = field.default
         shown = default.as_posix() if isinstance(default, Path) else default
+        shown = "unset" if default is None else shown
         lines.append(f"| `LMHEAD_{name.upper()}` | `{shown}` | {field.description} |")
     return "\n".join(lines)

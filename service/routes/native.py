@@ -71,7 +71,11 @@ def _body_schema(array_field: str) -> dict[str, Any]:
 
 
 def _target(request: Request) -> tuple[LoadedVersion, Settings]:
-    """The model version a request addresses (path or ``?version=``), and the settings."""
+    """The model version a request addresses (path or ``?version=``), and the settings.
+
+    Callers take ``model.lease()`` right away, before any ``await``, so a concurrent swap
+    cannot release the version this request was given.
+    """
     state = request.app.state
     registry: Registry = state.registry
     raw = request.path_params.get("version", request.query_params.get("version"))
@@ -96,6 +100,11 @@ async def get_model(name: str, registry: RegistryDep) -> dict[str, Any]:
 async def topk(request: Request) -> Response:
     """Top-k token ids and logits (and log-probs) for each row of hidden states."""
     model, settings = _target(request)
+    with model.lease():
+        return await _topk(request, model, settings)
+
+
+async def _topk(request: Request, model: LoadedVersion, settings: Settings) -> Response:
     answer = response_type(request, (JSON, NPY, NPZ), JSON)
     hidden, opts = await _hidden_states(request, model, settings, TopKOptions)
     k = opts.k or model.default_k
@@ -122,6 +131,11 @@ async def topk(request: Request) -> Response:
 async def logits(request: Request) -> Response:
     """All (rows, vocab) logits: ``.npy`` by default, JSON when asked; bounded in size."""
     model, settings = _target(request)
+    with model.lease():
+        return await _logits(request, model, settings)
+
+
+async def _logits(request: Request, model: LoadedVersion, settings: Settings) -> Response:
     answer = response_type(request, (NPY, JSON), NPY)
     hidden, opts = await _hidden_states(request, model, settings, LogitsOptions)
     size = int(np.prod(hidden.shape[:-1])) * model.vocab_size * 4
@@ -142,6 +156,11 @@ async def logits(request: Request) -> Response:
 async def embed(request: Request) -> Response:
     """Input embeddings for token ids: the Gather side of the same head."""
     model, settings = _target(request)
+    with model.lease():
+        return await _embed(request, model, settings)
+
+
+async def _embed(request: Request, model: LoadedVersion, settings: Settings) -> Response:
     answer = response_type(request, (JSON, NPY), JSON)
     body = await read_body(request, settings.max_body_bytes)
     if content_type(request, (JSON, NPY)) == NPY:

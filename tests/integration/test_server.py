@@ -33,6 +33,7 @@ def repository(
     (root / "tied" / "1" / "vocab.txt").write_text("\n".join(demo_tokens(VOCAB)) + "\n")
     save_head(HeadWeights.from_arrays(table, output_weight), root / "untied" / "1")
     save_head(HeadWeights.from_arrays(table, output_weight[::-1]), root / "untied" / "2")
+    (root / "untied" / "config.json").write_text(json.dumps({"versions": "all"}))
     save_head(HeadWeights.from_arrays(table), root / "configured" / "1")
     (root / "configured" / "config.json").write_text(json.dumps({"default_k": 3}))
     (root / "broken" / "1").mkdir(parents=True)
