@@ -9,7 +9,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from service.demo import DemoSpec, write_demo_models
+from service.errors import describe_validation_errors
 from service.inspect import HeadInspectionError, HeadReport, inspect_head
 
 
@@ -20,6 +23,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.handler(args))
     except HeadInspectionError as error:
         print(f"lmhead: {error}", file=sys.stderr)
+        return 2
+    except ValidationError as error:
+        print(
+            f"lmhead: invalid settings: {describe_validation_errors(error.errors())}",
+            file=sys.stderr,
+        )
         return 2
 
 

@@ -208,6 +208,10 @@ def load_version(
             f"graph outputs say vocab {session.vocab_size} x d_model {session.d_model} but the "
             f"weights are {report.vocab_size} x {report.d_model}"
         )
+    if config.d_model is not None and report.d_model != config.d_model:
+        raise ValueError(
+            f"head has d_model {report.d_model} but config.json requires {config.d_model}"
+        )
     labels = read_labels(directory, config.labels, report.vocab_size)
     _warm(session)
     return LoadedVersion(

@@ -48,6 +48,8 @@ class ModelConfig(BaseModel):
     """Token strings file inside each version directory (one token per line)."""
     default_k: int | None = Field(default=None, ge=1)
     """Top-k for requests that do not say; the service setting applies when absent."""
+    d_model: int | None = Field(default=None, ge=1)
+    """When set, a version with another d_model fails to load (protects a trunk's callers)."""
     max_batch_rows: int | None = Field(default=None, ge=1)
     """Cap on rows merged into one run for this model."""
     description: str = ""

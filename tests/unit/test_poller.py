@@ -1,0 +1,128 @@
+"""Poll mode, driven scan by scan: a version is loaded only once its files stopped changing."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+
+from service.heads import MODEL_FILE, HeadWeights, save_head
+from service.metrics import Metrics
+from service.poller import RepositoryPoller
+from service.registry import Registry
+from service.settings import Settings
+
+Scenario = Callable[[Registry, RepositoryPoller], Awaitable[None]]
+
+
+def _run(repository: Path, scenario: Scenario) -> None:
+    async def main() -> None:
+        with ThreadPoolExecutor(1) as executor:
+            metrics = Metrics()
+            registry = Registry(Settings(repository=repository), executor, metrics)
+            await registry.load_all()
+            poller = RepositoryPoller(registry, repository, 1.0, metrics)
+            await poller.prime()
+            try:
+                await scenario(registry, poller)
+            finally:
+                await registry.close()
+
+    asyncio.run(main())
+
+
+def _staged_copy(source: Path, target: Path) -> list[bytes]:
+    """The model file of ``source`` split in chunks, with the other files copied already."""
+    target.mkdir(parents=True)
+    data = (source / MODEL_FILE).read_bytes()
+    step = len(data) // 4 + 1
+    return [data[i : i + step] for i in range(0, len(data), step)]
+
+
+def test_a_copy_in_progress_is_never_loaded(
+    tmp_path: Path, table: npt.NDArray[np.float32], output_weight: npt.NDArray[np.float32]
+) -> None:
+    repository = tmp_path / "models"
+    save_head(HeadWeights.from_arrays(table), repository / "head" / "1")
+    staging = save_head(HeadWeights.from_arrays(table, output_weight), tmp_path / "v2").parent
+    chunks = _staged_copy(staging, repository / "head" / "2")
+
+    async def scenario(registry: Registry, poller: RepositoryPoller) -> None:
+        with (repository / "head" / "2" / MODEL_FILE).open("wb") as stream:
+            for chunk in chunks:  # a slow copy: the file grows between every two scans
+                stream.write(chunk)
+                stream.flush()
+                await poller.scan()
+                assert registry.get("head").version == 1
+                assert registry.record("head").failed == {}
+        # The last scan in the loop saw the finished file once; unchanged in the next: complete.
+        await poller.scan()
+        served = registry.get("head")
+        assert (served.version, served.tied) == (2, False)
+
+    _run(repository, scenario)
+
+
+def test_a_version_renamed_into_place_is_loaded_after_two_scans(
+    tmp_path: Path, table: npt.NDArray[np.float32]
+) -> None:
+    repository = tmp_path / "models"
+    save_head(HeadWeights.from_arrays(table), repository / "head" / "1")
+
+    async def scenario(registry: Registry, poller: RepositoryPoller) -> None:
+        incoming = repository / "head" / ".incoming"
+        save_head(HeadWeights.from_arrays(table * 2), incoming)
+        await poller.scan()
+        await poller.scan()
+        assert registry.get("head").version == 1  # hidden directories are not versions
+        incoming.rename(repository / "head" / "3")
+        await poller.scan()
+        await poller.scan()
+        assert registry.get("head").version == 3
+
+    _run(repository, scenario)
+
+
+def test_a_stalled_copy_fails_keeps_the_old_version_and_is_retried(
+    tmp_path: Path, table: npt.NDArray[np.float32]
+) -> None:
+    repository = tmp_path / "models"
+    save_head(HeadWeights.from_arrays(table), repository / "head" / "1")
+    staging = save_head(HeadWeights.from_arrays(table * 3), tmp_path / "v2").parent
+    chunks = _staged_copy(staging, repository / "head" / "2")
+    model_file = repository / "head" / "2" / MODEL_FILE
+
+    async def scenario(registry: Registry, poller: RepositoryPoller) -> None:
+        model_file.write_bytes(chunks[0])  # the copy stalls for longer than two scans
+        await poller.scan()
+        await poller.scan()
+        assert registry.get("head").version == 1
+        assert "not a readable ONNX model" in registry.record("head").failed[2]
+        model_file.write_bytes(b"".join(chunks))  # the copy finishes
+        await poller.scan()
+        await poller.scan()
+        assert registry.get("head").version == 2
+
+    _run(repository, scenario)
+
+
+def test_a_removed_model_is_unloaded_and_a_new_one_loaded(
+    tmp_path: Path, table: npt.NDArray[np.float32]
+) -> None:
+    repository = tmp_path / "models"
+    save_head(HeadWeights.from_arrays(table), repository / "old" / "1")
+
+    async def scenario(registry: Registry, poller: RepositoryPoller) -> None:
+        shutil.rmtree(repository / "old")
+        save_head(HeadWeights.from_arrays(table), repository / "new" / "1")
+        await poller.scan()
+        assert registry.record("old").state == "UNAVAILABLE"
+        await poller.scan()
+        assert registry.get("new").version == 1
+
+    _run(repository, scenario)
