@@ -41,6 +41,7 @@ test: lint typecheck pytest
 bench: install
 	$(BIN)/python -m bench.heads --output bench/results-heads.md
 	$(BIN)/python -m bench.serve --output bench/results-serve.md
+	$(BIN)/python -m bench.swap --large --output bench/results-swap.md
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache
