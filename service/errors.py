@@ -106,31 +106,39 @@ def error_body(code: str, message: str) -> bytes:
     return orjson.dumps({"error": {"code": code, "message": message}})
 
 
-def _json(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> Response:
-    return Response(
-        error_body(code, message), status, headers=headers, media_type="application/json"
-    )
+def _json(
+    request: Request, status: int, code: str, message: str, headers: dict[str, str] | None = None
+) -> Response:
+    """Native paths: ``{"error": {"code", "message"}}``. V2 paths speak the Open Inference
+    Protocol's ``{"error": "message"}``, with 400 for every bad request (422 is native only)."""
+    if request.url.path.startswith("/v2"):
+        body = orjson.dumps({"error": message})
+        return Response(body, 400 if status == 422 else status, headers, "application/json")
+    return Response(error_body(code, message), status, headers, "application/json")
 
 
 def install_error_handlers(app: FastAPI) -> None:
     """Register the one mapping from exceptions to HTTP answers."""
 
-    async def service_error(_: Request, error: Exception) -> Response:
+    async def service_error(request: Request, error: Exception) -> Response:
         assert isinstance(error, ServiceError)
-        return _json(error.status, error.code, error.message, error.headers)
+        return _json(request, error.status, error.code, error.message, error.headers)
 
-    async def validation_error(_: Request, error: Exception) -> Response:
+    async def validation_error(request: Request, error: Exception) -> Response:
         assert isinstance(error, RequestValidationError)
-        return _json(422, InvalidInput.code, describe_validation_errors(error.errors()))
+        message = describe_validation_errors(error.errors())
+        return _json(request, 422, InvalidInput.code, message)
 
-    async def http_error(_: Request, error: Exception) -> Response:
+    async def http_error(request: Request, error: Exception) -> Response:
         assert isinstance(error, StarletteHTTPException)
         code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code, "http_error")
-        return _json(error.status_code, code, str(error.detail), dict(error.headers or {}))
+        headers = dict(error.headers or {})
+        return _json(request, error.status_code, code, str(error.detail), headers)
 
     async def unexpected(request: Request, error: Exception) -> Response:
         logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        return _json(500, "internal_error", "internal error; the server log has the details")
+        message = "internal error; the server log has the details"
+        return _json(request, 500, "internal_error", message)
 
     app.add_exception_handler(ServiceError, service_error)
     app.add_exception_handler(RequestValidationError, validation_error)

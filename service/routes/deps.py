@@ -10,7 +10,9 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from service.errors import InvalidInput
 from service.metrics import Metrics
+from service.model import LoadedVersion
 from service.registry import Registry
 from service.settings import Settings
 
@@ -33,3 +35,18 @@ async def _metrics(request: Request) -> Metrics:
 RegistryDep = Annotated[Registry, Depends(_registry)]
 SettingsDep = Annotated[Settings, Depends(_settings)]
 MetricsDep = Annotated[Metrics, Depends(_metrics)]
+
+
+def target_version(request: Request) -> tuple[LoadedVersion, Settings]:
+    """The model version a request addresses (path or ``?version=``), and the settings.
+
+    Callers take ``model.lease()`` right away, before any ``await``, so a concurrent swap
+    cannot release the version this request was given.
+    """
+    state = request.app.state
+    registry: Registry = state.registry
+    raw = request.path_params.get("version", request.query_params.get("version"))
+    if raw is not None and not raw.isdigit():
+        raise InvalidInput(f"version must be a non-negative integer, got {raw[:32]!r}")
+    model = registry.get(request.path_params["name"], None if raw is None else int(raw))
+    return model, state.settings

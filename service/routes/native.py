@@ -42,8 +42,7 @@ from service.codec import (
 from service.errors import InvalidInput, PayloadTooLarge
 from service.model import LoadedVersion
 from service.protocol import EmbedOptions, LogitsOptions, TopKOptions
-from service.registry import Registry
-from service.routes.deps import RegistryDep
+from service.routes.deps import RegistryDep, target_version
 from service.runtime import Projection
 from service.settings import Settings
 
@@ -70,21 +69,6 @@ def _body_schema(array_field: str) -> dict[str, Any]:
     }
 
 
-def _target(request: Request) -> tuple[LoadedVersion, Settings]:
-    """The model version a request addresses (path or ``?version=``), and the settings.
-
-    Callers take ``model.lease()`` right away, before any ``await``, so a concurrent swap
-    cannot release the version this request was given.
-    """
-    state = request.app.state
-    registry: Registry = state.registry
-    raw = request.path_params.get("version", request.query_params.get("version"))
-    if raw is not None and not raw.isdigit():
-        raise InvalidInput(f"version must be a non-negative integer, got {raw[:32]!r}")
-    model = registry.get(request.path_params["name"], None if raw is None else int(raw))
-    return model, state.settings
-
-
 @router.get("/models")
 async def list_models(registry: RegistryDep) -> dict[str, Any]:
     return {"models": [record.describe() for record in registry.records()]}
@@ -99,7 +83,7 @@ async def get_model(name: str, registry: RegistryDep) -> dict[str, Any]:
 @router.post("/models/{name}/versions/{version}/topk", openapi_extra=_body_schema("hidden_states"))
 async def topk(request: Request) -> Response:
     """Top-k token ids and logits (and log-probs) for each row of hidden states."""
-    model, settings = _target(request)
+    model, settings = target_version(request)
     with model.lease():
         return await _topk(request, model, settings)
 
@@ -130,7 +114,7 @@ async def _topk(request: Request, model: LoadedVersion, settings: Settings) -> R
 )
 async def logits(request: Request) -> Response:
     """All (rows, vocab) logits: ``.npy`` by default, JSON when asked; bounded in size."""
-    model, settings = _target(request)
+    model, settings = target_version(request)
     with model.lease():
         return await _logits(request, model, settings)
 
@@ -155,7 +139,7 @@ async def _logits(request: Request, model: LoadedVersion, settings: Settings) ->
 @router.post("/models/{name}/versions/{version}/embed", openapi_extra=_body_schema("input_ids"))
 async def embed(request: Request) -> Response:
     """Input embeddings for token ids: the Gather side of the same head."""
-    model, settings = _target(request)
+    model, settings = target_version(request)
     with model.lease():
         return await _embed(request, model, settings)
 
