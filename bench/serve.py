@@ -84,6 +84,25 @@ def _run(repository: Path, model: str) -> str:
                         f"| {kind} | {rows} | {clients} | {result.rows_per_s:.0f} | "
                         f"{result.p50_ms:.2f} | {result.p99_ms:.2f} | {ratio:.2f}x |"
                     )
+    lines += ["", "Open Inference Protocol (V2) against the native API, 64 rows per request:", ""]
+    lines += ["| API and body | clients | rows/s | p50 ms | p99 ms | vs native npy |"]
+    lines += ["|---|---|---|---|---|---|"]
+    v2_path = f"/v2/models/{model}/infer"
+    with running_server(repository, log_level="warning") as url:
+        for clients in (1, 16):
+            runs = {
+                "native npy": _drive(url + url_path, "npy", 64, clients),
+                "native json": _drive(url + url_path, "json", 64, clients),
+                "v2 binary": _drive(url + v2_path, "v2-binary", 64, clients),
+                "v2 json": _drive(url + v2_path, "v2-json", 64, clients),
+            }
+            measured = {name: asyncio.run(run) for name, run in runs.items()}
+            base = measured["native npy"].rows_per_s
+            for name, result in measured.items():
+                lines.append(
+                    f"| {name} | {clients} | {result.rows_per_s:.0f} | {result.p50_ms:.2f} | "
+                    f"{result.p99_ms:.2f} | {result.rows_per_s / base:.2f}x |"
+                )
     lines += ["", "Dynamic batching, 64 concurrent clients sending one row each (JSON):", ""]
     lines += ["| batching | rows/s | p50 ms | p99 ms | speed-up |", "|---|---|---|---|---|"]
     results = {}
@@ -126,6 +145,20 @@ def _bare(session: HeadSession, rows: int) -> Result:
 
 def _body(kind: str, rows: int) -> tuple[bytes, dict[str, str], str]:
     hidden = _hidden(rows)
+    if kind.startswith("v2"):
+        tensor: dict[str, object] = {"name": "hidden_states", "shape": list(hidden.shape)}
+        tensor["datatype"] = "FP32"
+        if kind == "v2-json":
+            tensor["data"] = hidden.reshape(-1).tolist()
+            header = orjson.dumps({"inputs": [tensor], "parameters": {"k": K}})
+            return header, {"content-type": "application/json"}, ""
+        tensor["parameters"] = {"binary_data_size": hidden.nbytes}
+        header = orjson.dumps({"inputs": [tensor], "parameters": {"k": K}})
+        headers = {
+            "content-type": "application/octet-stream",
+            "inference-header-content-length": str(len(header)),
+        }
+        return header + hidden.tobytes(), headers, ""
     if kind == "json":
         payload = orjson.dumps({"hidden_states": hidden.tolist(), "k": K})
         return payload, {"content-type": "application/json"}, ""
