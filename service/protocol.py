@@ -16,32 +16,25 @@ class _Options(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class TopKOptions(_Options):
-    """Options of ``/topk``: in the JSON body beside ``hidden_states``, or as query parameters."""
+class LogitsOptions(_Options):
+    """Options of ``/logits``: in the JSON body beside ``hidden_states``, or as query
+    parameters with a ``.npy`` body."""
+
+    temperature: float = Field(default=1.0, gt=0)
+
+    @field_validator("temperature")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError("must be a finite number")
+        return value
+
+
+class TopKOptions(LogitsOptions):
+    """Options of ``/topk``: the temperature, plus k and whether to return log-probs."""
 
     k: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    temperature: float = Field(default=1.0, gt=0)
-
-    @field_validator("temperature")
-    @classmethod
-    def _finite(cls, value: float) -> float:
-        if not math.isfinite(value):
-            raise ValueError("must be a finite number")
-        return value
-
-
-class LogitsOptions(_Options):
-    """Options of ``/logits``."""
-
-    temperature: float = Field(default=1.0, gt=0)
-
-    @field_validator("temperature")
-    @classmethod
-    def _finite(cls, value: float) -> float:
-        if not math.isfinite(value):
-            raise ValueError("must be a finite number")
-        return value
 
 
 class EmbedOptions(_Options):
