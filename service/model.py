@@ -31,6 +31,7 @@ class LoadOptions:
     memory_mode: MemoryMode
     intra_op_threads: int
     default_k: int
+    providers: tuple[str, ...] = ("CPUExecutionProvider",)
 
 
 @dataclass
@@ -202,6 +203,7 @@ def load_version(
         tied=report.tied,
         memory_mode=options.memory_mode,
         intra_op_threads=options.intra_op_threads,
+        providers=options.providers,
     )
     if (session.vocab_size, session.d_model) != (report.vocab_size, report.d_model):
         raise ValueError(

@@ -21,6 +21,7 @@ from enum import StrEnum
 from typing import Any
 
 from service.batching import BatchLimits, BatchStats
+from service.demo import write_demo_models
 from service.errors import InvalidModelName, ModelNotFound, ModelNotReady, VersionNotFound
 from service.memory import trim_heap
 from service.metrics import Metrics
@@ -32,6 +33,7 @@ from service.repository import (
     model_names,
     read_source,
 )
+from service.runtime import select_providers
 from service.settings import Settings
 
 logger = logging.getLogger("lmhead")
@@ -109,7 +111,10 @@ class Registry:
         self._locks: dict[str, asyncio.Lock] = {}
         self._retiring: set[asyncio.Task[None]] = set()
         self._options = LoadOptions(
-            settings.memory_mode, settings.intra_op_threads, settings.default_k
+            settings.memory_mode,
+            settings.intra_op_threads,
+            settings.default_k,
+            select_providers(settings.provider),
         )
         self._limits = BatchLimits(
             merge=settings.batching,
@@ -124,7 +129,11 @@ class Registry:
 
     async def load_all(self) -> None:
         """Load every model in the repository, then report ready (failures included)."""
-        for name in model_names(self._settings.repository):
+        repository = self._settings.repository
+        if self._settings.create_demo_models and not model_names(repository):
+            written = await asyncio.to_thread(write_demo_models, repository)
+            logger.info("repository was empty: wrote the demo heads %s", written)
+        for name in model_names(repository):
             try:
                 await self.load(name)
             except Exception as error:  # one bad model must not keep the service unready

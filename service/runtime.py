@@ -16,6 +16,7 @@ The session options decide what a tied head costs in memory (FACTS.md section 1)
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -36,8 +37,29 @@ from service.heads import (
     K,
 )
 
+logger = logging.getLogger("lmhead")
 MemoryMode = Literal["shared", "fast"]
 MEMORY_MODES: tuple[MemoryMode, ...] = ("shared", "fast")
+ProviderChoice = Literal["auto", "cpu", "cuda"]
+CPU = "CPUExecutionProvider"
+CUDA = "CUDAExecutionProvider"
+
+
+def select_providers(choice: ProviderChoice, available: list[str] | None = None) -> tuple[str, ...]:
+    """Execution providers for a session, CPU always last as the fallback.
+
+    ``cuda`` and ``auto`` use CUDA when this onnxruntime build has it (the ``gpu`` extra
+    installs onnxruntime-gpu); otherwise they fall back to CPU, and the model metadata shows
+    which provider each model really runs on.
+    """
+    present = ort.get_available_providers() if available is None else available
+    if choice != "cpu" and CUDA in present:
+        return (CUDA, CPU)
+    if choice == "cuda":
+        logger.warning("CUDA requested but this onnxruntime has no CUDA provider; using CPU")
+    return (CPU,)
+
+
 FOLDING_CAP_BYTES = 4 * 2**20
 
 

@@ -12,7 +12,7 @@ from typing import Literal, Self
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from service.runtime import MemoryMode
+from service.runtime import MemoryMode, ProviderChoice
 
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
 ControlMode = Literal["none", "explicit", "poll"]
@@ -56,6 +56,10 @@ class Settings(BaseSettings):
     """onnxruntime threads per run; 0 means one per physical core."""
     memory_mode: MemoryMode = "shared"
     """shared: a tied head holds its matrix once (~1.1x W, ~20% slower at 64 rows); fast: ~2x W."""
+    provider: ProviderChoice = "auto"
+    """Execution provider: auto (CUDA when present, else CPU), cuda (falls back to CPU), cpu."""
+    create_demo_models: bool = False
+    """Write the demo heads at start when the repository has no models (the image sets it)."""
     log_level: LogLevel = "info"
     """Log level of the service and uvicorn."""
     access_log: bool = False

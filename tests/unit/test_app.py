@@ -109,3 +109,17 @@ def test_settings_fail_fast_on_inconsistent_values() -> None:
 
 def test_readme_configuration_table_matches_the_settings_class() -> None:
     assert settings_table() in README.read_text(encoding="utf-8")
+
+
+def test_demo_heads_are_written_into_an_empty_repository_when_asked(tmp_path: Path) -> None:
+    settings = Settings(repository=tmp_path / "models", create_demo_models=True)
+
+    async def scenario() -> object:
+        async with serving(create_app(settings)) as client:
+            return (await client.get("/health/ready")).json()
+
+    assert asyncio.run(scenario()) == {
+        "status": "ready",
+        "models": {"demo-tied": "READY", "demo-untied": "READY"},
+    }
+    assert (tmp_path / "models" / "demo-tied" / "1" / "vocab.txt").is_file()

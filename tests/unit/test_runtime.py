@@ -11,7 +11,16 @@ import pytest
 from service import output_projection_tied, output_projection_untied
 from service.heads import HeadWeights, save_head
 from service.reference import log_softmax, logsumexp, top_k
-from service.runtime import MEMORY_MODES, HeadSession, MemoryMode, session_options
+from service.runtime import (
+    CPU,
+    CUDA,
+    MEMORY_MODES,
+    HeadSession,
+    MemoryMode,
+    ProviderChoice,
+    select_providers,
+    session_options,
+)
 from tests.conftest import D_MODEL, VOCAB, initializers
 
 LEADING_SHAPES = [(1,), (5,), (2, 3), (2, 2, 3)]
@@ -156,3 +165,29 @@ def test_prepacking_is_disabled_only_where_it_would_copy_a_shared_weight(
 def test_unknown_memory_mode_is_refused() -> None:
     with pytest.raises(ValueError, match="memory_mode must be one of"):
         session_options(shares_weight=True, memory_mode="tiny")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("choice", "available", "expected"),
+    [
+        ("cpu", [CUDA, CPU], (CPU,)),
+        ("auto", [CUDA, CPU], (CUDA, CPU)),
+        ("auto", [CPU], (CPU,)),
+        ("cuda", [CUDA, CPU], (CUDA, CPU)),
+        ("cuda", [CPU], (CPU,)),  # falls back, with a warning
+    ],
+)
+def test_provider_selection_falls_back_to_cpu(
+    choice: ProviderChoice, available: list[str], expected: tuple[str, ...]
+) -> None:
+    assert select_providers(choice, available) == expected
+
+
+def test_cuda_request_on_a_cpu_build_runs_on_cpu(
+    tied_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    providers = select_providers("cuda")  # this test environment has the CPU build
+    assert "CUDA requested" in caplog.text
+    session = HeadSession(tied_path, tied=True, providers=providers)
+    assert session.providers == [CPU]
+    assert session.project(np.ones((1, D_MODEL), np.float32), 2).topk_token_ids.shape == (1, 2)
