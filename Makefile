@@ -7,7 +7,7 @@ EXTRAS ?= cpu,dev
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run demo test lint typecheck pytest bench clean
+.PHONY: install run demo test lint typecheck pytest docker-test bench clean
 
 $(STAMP): pyproject.toml
 	rm -rf $(VENV)
@@ -37,6 +37,11 @@ pytest: install
 
 ## Everything CI checks: install, lint, type-check, the whole test suite.
 test: lint typecheck pytest
+
+## CI's second stage: build and run the image and the compose service (needs a Docker engine;
+## on machines without Docker Hub or a bridge network, ../shared/docker/up.sh provides one).
+docker-test: install
+	bash .ci/docker
 
 bench: install
 	$(BIN)/python -m bench.heads --output bench/results-heads.md

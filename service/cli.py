@@ -50,6 +50,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, help="overrides LMHEAD_PORT")
     serve.set_defaults(handler=_serve)
 
+    health = commands.add_parser("health", help="exit 0 when the local service is ready")
+    health.add_argument("--port", type=int, help="overrides LMHEAD_PORT")
+    health.set_defaults(handler=_health)
+
     inspect = commands.add_parser("inspect", help="report how an ONNX head's weights are wired")
     inspect.add_argument("path", type=Path, help="model.onnx or a version directory")
     inspect.add_argument("--json", action="store_true", help="print one JSON object")
@@ -87,6 +91,22 @@ def _serve(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=10,
     )
     return 0
+
+
+def _health(args: argparse.Namespace) -> int:
+    """For container health checks: GET /health/ready on this machine's port."""
+    import httpx
+
+    from service.settings import Settings
+
+    port = args.port or Settings(host="127.0.0.1").port
+    try:
+        response = httpx.get(f"http://127.0.0.1:{port}/health/ready", timeout=3)
+    except httpx.TransportError as error:
+        print(f"lmhead: not reachable on port {port}: {error}", file=sys.stderr)
+        return 1
+    print(response.text)
+    return 0 if response.status_code == 200 else 1
 
 
 def _inspect(args: argparse.Namespace) -> int:

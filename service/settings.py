@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal, Self
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.runtime import MemoryMode, ProviderChoice
@@ -74,6 +74,12 @@ class Settings(BaseSettings):
     """Refuse repository load/unload calls with 403 (poll mode still follows the disk)."""
     drain_timeout_s: float = Field(default=30.0, ge=0)
     """How long a replaced or unloaded version may finish admitted requests before release."""
+
+    @field_validator("admin_token", mode="before")
+    @classmethod
+    def _empty_token_is_unset(cls, value: object) -> object:
+        """`LMHEAD_ADMIN_TOKEN=` (compose's default substitution) means no token, never ""."""
+        return None if value in ("", None) else value
 
     @model_validator(mode="after")
     def _check_limits(self) -> Self:
