@@ -13,7 +13,7 @@ FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 RUN python -m venv /opt/lmhead
-COPY pyproject.toml README.md ./
+COPY pyproject.toml ./
 # A stub package lets pip resolve and install the dependencies from pyproject.toml alone, so
 # this layer is rebuilt only when the dependencies change, not on every source edit.
 RUN mkdir service && touch service/__init__.py \
@@ -31,7 +31,7 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/* \
     && python3 -m venv /opt/lmhead
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml ./
 COPY service ./service
 RUN /opt/lmhead/bin/pip install ".[gpu]" && rm -rf /src
 RUN groupadd --system --gid 10001 lmhead \
