@@ -11,8 +11,10 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from service.checkpoints import CheckpointError
 from service.demo import DemoSpec, write_demo_models
 from service.errors import describe_validation_errors
+from service.importer import ImportOptions, import_checkpoint
 from service.inspect import HeadInspectionError, HeadReport, inspect_head
 
 
@@ -21,7 +23,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.handler(args))
-    except HeadInspectionError as error:
+    except (HeadInspectionError, CheckpointError) as error:
         print(f"lmhead: {error}", file=sys.stderr)
         return 2
     except ValidationError as error:
@@ -49,6 +51,19 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="overrides LMHEAD_HOST")
     serve.add_argument("--port", type=int, help="overrides LMHEAD_PORT")
     serve.set_defaults(handler=_serve)
+
+    importer = commands.add_parser("import", help="make a head from a HF safetensors checkpoint")
+    importer.add_argument("checkpoint", type=Path, help="directory with config.json, *.safetensors")
+    importer.add_argument("--name", required=True, help="model name in the repository")
+    importer.add_argument("--repository", type=Path, default=Path("models"))
+    importer.add_argument("--version", type=int, help="default: the next free version")
+    importer.add_argument("--embedding-tensor", help="override the input embedding tensor name")
+    importer.add_argument("--head-tensor", help="override the output head tensor name")
+    tying = importer.add_mutually_exclusive_group()
+    tying.add_argument("--tie", action="store_true", help="force one shared matrix")
+    tying.add_argument("--untie", action="store_true", help="separate copy of W for the head")
+    importer.add_argument("--external-data", action="store_true", help="weights in model.onnx.data")
+    importer.set_defaults(handler=_import)
 
     health = commands.add_parser("health", help="exit 0 when the local service is ready")
     health.add_argument("--port", type=int, help="overrides LMHEAD_PORT")
@@ -90,6 +105,23 @@ def _serve(args: argparse.Namespace) -> int:
         access_log=settings.access_log,
         timeout_graceful_shutdown=10,
     )
+    return 0
+
+
+def _import(args: argparse.Namespace) -> int:
+    options = ImportOptions(
+        version=args.version,
+        embedding_tensor=args.embedding_tensor,
+        head_tensor=args.head_tensor,
+        tie=args.tie,
+        untie=args.untie,
+        external_data=True if args.external_data else None,
+    )
+    result = import_checkpoint(args.checkpoint, args.repository, args.name, options)
+    kind = "tied" if result.tied else "untied"
+    print(f"wrote {result.directory}: {kind} head, {result.vocab_size} x {result.d_model}")
+    for note in result.notes:
+        print(f"  note: {note}")
     return 0
 
 

@@ -294,7 +294,6 @@ class Registry:
         self._metrics.models_loaded.remove(
             version.name, str(version.version), str(version.tied).lower()
         )
-        del version
         trim_heap()
 
     def _observer(self, model: LoadedVersion) -> Callable[[BatchStats], None]:

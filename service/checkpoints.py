@@ -1,0 +1,163 @@
+"""Read Hugging Face safetensors checkpoints without torch: only the embedding and head tensors.
+
+``safetensors`` memory-maps the files and ``get_tensor`` copies out one tensor at a time, so
+importing a head never loads the whole checkpoint: the peak is the tensor in its stored dtype
+plus its float32 copy (1.5x the float32 head for bf16). bf16 and fp16 convert to float32
+exactly (numpy reads bf16 through ml_dtypes, which onnx already depends on).
+
+Tying follows the checkpoint (FACTS.md section 4): no head tensor and ``tie_word_embeddings``
+true (the default) -> tied; a head tensor equal to the embedding (OPT-125m, Qwen1.5 ship a
+redundant copy) -> tied, with a note; no head but ``tie_word_embeddings: false`` -> an error,
+never a random head.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from safetensors import safe_open
+
+EMBEDDING_TENSORS = (
+    "model.embed_tokens.weight",  # Llama, Mistral, Qwen, Gemma, SmolLM, Phi
+    "transformer.wte.weight",  # GPT-2 (with the model prefix)
+    "wte.weight",  # GPT-2 (bare)
+    "model.decoder.embed_tokens.weight",  # OPT
+    "gpt_neox.embed_in.weight",  # GPT-NeoX, Pythia
+    "shared.weight",  # T5
+)
+HEAD_TENSORS = ("lm_head.weight", "embed_out.weight")
+UNSUPPORTED_TRANSFORMS = {
+    "final_logit_softcapping": "Gemma-2 logit soft-capping",
+    "logit_scale": "Cohere logit scale",
+}
+
+
+class CheckpointError(ValueError):
+    """The checkpoint cannot become a head; the message says what was found and expected."""
+
+
+@dataclass(frozen=True)
+class HeadPlan:
+    """Which tensors make the head, whether it is tied, and what the user should know."""
+
+    embedding: str
+    head: str | None
+    tied: bool
+    notes: list[str] = field(default_factory=list)
+
+
+class Checkpoint:
+    """A checkpoint directory: ``config.json`` and one or more ``.safetensors`` files."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        if not self.directory.is_dir():
+            raise CheckpointError(f"no checkpoint directory {self.directory}")
+        config_path = self.directory / "config.json"
+        self.config: dict[str, Any] = (
+            json.loads(config_path.read_text()) if config_path.is_file() else {}
+        )
+        self._files = self._tensor_files()
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self._files)
+
+    def tensor(self, name: str) -> npt.NDArray[np.float32]:
+        """One tensor as float32 (exact for fp16 and bf16)."""
+        with safe_open(self._files[name], framework="numpy") as handle:
+            stored = handle.get_tensor(name)
+        if stored.dtype.kind not in "fV" and "float" not in str(stored.dtype):
+            raise CheckpointError(f"tensor {name} has dtype {stored.dtype}, expected a float")
+        return np.ascontiguousarray(stored.astype(np.float32))
+
+    def plan(
+        self,
+        *,
+        embedding: str | None = None,
+        head: str | None = None,
+        tie: bool = False,
+        untie: bool = False,
+    ) -> HeadPlan:
+        """Decide the head's tensors and tying (see the module docstring)."""
+        self._refuse_transforms()
+        embedding = embedding or _first(EMBEDDING_TENSORS, self._files)
+        if embedding is None or embedding not in self._files:
+            raise CheckpointError(
+                "no input embedding tensor found; looked for "
+                f"{', '.join(EMBEDDING_TENSORS)}; the checkpoint has: {_listing(self.names)} "
+                "(name one with --embedding-tensor)"
+            )
+        head = head or _first(HEAD_TENSORS, self._files)
+        if head is not None and head not in self._files:
+            raise CheckpointError(f"no tensor {head!r}; the checkpoint has: {_listing(self.names)}")
+        if head is None:
+            if self.config.get("tie_word_embeddings", True) is False:
+                raise CheckpointError(
+                    "config.json says tie_word_embeddings: false but no head tensor was found "
+                    f"(looked for {', '.join(HEAD_TENSORS)}); refusing to invent a random head"
+                )
+            notes = ["no head tensor: tied to the input embedding (tie_word_embeddings)"]
+            return HeadPlan(embedding, None, tied=not untie, notes=notes)
+        if tie:
+            return HeadPlan(embedding, head, tied=True, notes=["--tie: the head tensor is dropped"])
+        return HeadPlan(embedding, head, tied=False)
+
+    def _refuse_transforms(self) -> None:
+        for key, what in UNSUPPORTED_TRANSFORMS.items():
+            if self.config.get(key):
+                raise CheckpointError(f"{what} ({key} in config.json) is not supported yet")
+        if self.config.get("model_type") == "t5":
+            raise CheckpointError("T5's d_model**-0.5 head rescale is not supported yet")
+        if "lm_head.bias" in self._files:
+            raise CheckpointError("an output bias (lm_head.bias) is not supported yet")
+
+    def _tensor_files(self) -> dict[str, Path]:
+        index = self.directory / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            return {name: self.directory / file for name, file in weight_map.items()}
+        files = sorted(self.directory.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"no .safetensors files in {self.directory}")
+        found: dict[str, Path] = {}
+        for path in files:
+            with safe_open(path, framework="numpy") as handle:
+                found.update(dict.fromkeys(handle.keys(), path))
+        return found
+
+
+def read_labels(directory: Path, vocab_size: int) -> list[str] | None:
+    """Token strings by id from ``tokenizer.json`` or ``vocab.json``; None when neither."""
+    vocab: dict[str, int] | None = None
+    tokenizer = directory / "tokenizer.json"
+    if tokenizer.is_file():
+        model = json.loads(tokenizer.read_text(encoding="utf-8")).get("model", {})
+        raw = model.get("vocab")
+        if isinstance(raw, dict):
+            vocab = raw
+        elif isinstance(raw, list):  # Unigram: [[piece, score], ...]
+            vocab = {entry[0]: i for i, entry in enumerate(raw)}
+    elif (directory / "vocab.json").is_file():
+        vocab = json.loads((directory / "vocab.json").read_text(encoding="utf-8"))
+    if vocab is None:
+        return None
+    labels = [""] * vocab_size
+    for token, index in vocab.items():
+        if 0 <= index < vocab_size:
+            labels[index] = token.replace("\n", "\\n")
+    return labels
+
+
+def _first(candidates: tuple[str, ...], present: dict[str, Path]) -> str | None:
+    return next((name for name in candidates if name in present), None)
+
+
+def _listing(names: list[str]) -> str:
+    shown = ", ".join(names[:40])
+    return shown + (f", ... ({len(names)} in all)" if len(names) > 40 else "")

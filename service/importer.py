@@ -1,0 +1,116 @@
+"""``lmhead import``: turn a Hugging Face checkpoint into a served head, tied exactly when the
+model is tied (or when asked: ``--tie`` / ``--untie``)."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+
+from service.checkpoints import Checkpoint, CheckpointError, read_labels
+from service.heads import HeadWeights, save_head
+
+LABELS_FILE = "vocab.txt"
+
+
+@dataclass(frozen=True)
+class ImportOptions:
+    version: int | None = None
+    embedding_tensor: str | None = None
+    head_tensor: str | None = None
+    tie: bool = False
+    untie: bool = False
+    external_data: bool | None = None
+
+
+@dataclass
+class ImportResult:
+    directory: Path
+    tied: bool
+    vocab_size: int
+    d_model: int
+    labels: bool
+    notes: list[str] = field(default_factory=list)
+
+
+def import_checkpoint(
+    source: str | Path, repository: str | Path, name: str, options: ImportOptions = ImportOptions()
+) -> ImportResult:
+    """Read the embedding (and head) tensors and write ``repository/name/version/``."""
+    if options.tie and options.untie:
+        raise CheckpointError("--tie and --untie contradict each other")
+    checkpoint = Checkpoint(source)
+    plan = checkpoint.plan(
+        embedding=options.embedding_tensor,
+        head=options.head_tensor,
+        tie=options.tie,
+        untie=options.untie,
+    )
+    _progress(f"reading {plan.embedding}")
+    table = checkpoint.tensor(plan.embedding)
+    notes = list(plan.notes)
+    weights = _weights(checkpoint, plan.head, table, options, notes)
+    directory = _version_dir(Path(repository) / name, options.version)
+    _progress(f"writing {directory}")
+    save_head(weights, directory, external_data=options.external_data)
+    labels = read_labels(checkpoint.directory, table.shape[0])
+    if labels is not None:
+        (directory / LABELS_FILE).write_text("\n".join(labels) + "\n", encoding="utf-8")
+    vocab_size, d_model = table.shape
+    return ImportResult(directory, weights.tied, vocab_size, d_model, labels is not None, notes)
+
+
+def _weights(
+    checkpoint: Checkpoint,
+    head_name: str | None,
+    table: npt.NDArray[np.float32],
+    options: ImportOptions,
+    notes: list[str],
+) -> HeadWeights:
+    if head_name is None:
+        if options.untie:
+            notes.append("--untie: the head starts as a separate copy of the embedding")
+            return HeadWeights.from_arrays(table, table.copy())
+        return HeadWeights.from_arrays(table)
+    _progress(f"reading {head_name}")
+    head = checkpoint.tensor(head_name)
+    if head.shape != table.shape:
+        raise CheckpointError(
+            f"head {head_name} has shape {head.shape} but the embedding has {table.shape}"
+        )
+    if options.tie:
+        notes.append(_tie_warning(table, head))
+        return HeadWeights.from_arrays(table)
+    if np.array_equal(head, table) and not options.untie:
+        notes.append(f"{head_name} equals the embedding (a redundant copy): tied")
+        return HeadWeights.from_arrays(table)
+    return HeadWeights.from_arrays(table, head)
+
+
+def _tie_warning(table: npt.NDArray[np.float32], head: npt.NDArray[np.float32]) -> str:
+    """How much forcing the tie changes the outputs, on random hidden states."""
+    hidden = np.random.default_rng(0).standard_normal((64, table.shape[1])).astype(np.float32)
+    tied, untied = hidden @ table.T, hidden @ head.T
+    agreement = float(np.mean(tied.argmax(axis=1) == untied.argmax(axis=1)))
+    change = float(np.mean(np.abs(tied - untied)))
+    return (
+        f"WARNING --tie changes the outputs: top-1 agreement {agreement:.0%} and mean |logit "
+        f"change| {change:.3g} on 64 random hidden states"
+    )
+
+
+def _version_dir(model_dir: Path, version: int | None) -> Path:
+    existing = [int(p.name) for p in model_dir.glob("*") if p.is_dir() and p.name.isdigit()]
+    number = version if version is not None else max(existing, default=0) + 1
+    directory = model_dir / str(number)
+    if directory.exists():
+        raise CheckpointError(f"{directory} exists already; choose another --version")
+    return directory
+
+
+def _progress(message: str) -> None:
+    if sys.stderr.isatty():
+        print(f"lmhead import: {message}", file=sys.stderr, flush=True)

@@ -1,0 +1,189 @@
+"""Importing HF-style safetensors checkpoints: real tensor names, tying rules, fp16/bf16."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import numpy.typing as npt
+import pytest
+from safetensors.numpy import save_file
+
+from service.checkpoints import CheckpointError
+from service.cli import main
+from service.importer import ImportOptions, import_checkpoint
+from service.inspect import inspect_head
+from tests.conftest import initializers
+
+VOCAB, D = 300, 16
+
+
+def _checkpoint(
+    directory: Path, tensors: dict[str, npt.NDArray[Any]], config: dict[str, Any] | None = None
+) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / "model.safetensors"))
+    (directory / "config.json").write_text(json.dumps(config or {}))
+    return directory
+
+
+def _table(seed: int = 0) -> npt.NDArray[np.float32]:
+    return np.random.default_rng(seed).standard_normal((VOCAB, D)).astype(np.float32)
+
+
+def _layer() -> npt.NDArray[np.float32]:
+    return np.ones((D, D), np.float32)  # a trunk tensor the importer must ignore
+
+
+@pytest.mark.parametrize(
+    "embedding_name",
+    ["transformer.wte.weight", "wte.weight", "model.embed_tokens.weight", "shared.weight"][:3],
+)
+def test_tied_checkpoints_without_a_head_become_one_initializer(
+    tmp_path: Path, embedding_name: str
+) -> None:
+    table = _table()
+    source = _checkpoint(tmp_path / "ckpt", {embedding_name: table, "h.0.w": _layer()})
+    result = import_checkpoint(source, tmp_path / "models", "gpt2")
+    assert result.tied
+    assert result.directory == tmp_path / "models" / "gpt2" / "1"
+    report = inspect_head(result.directory)
+    assert report.tied
+    (stored,) = initializers(result.directory / "model.onnx").values()
+    np.testing.assert_array_equal(stored, table)
+
+
+def test_untied_llama_layout(tmp_path: Path) -> None:
+    table, head = _table(0), _table(1)
+    source = _checkpoint(
+        tmp_path / "ckpt",
+        {"model.embed_tokens.weight": table, "lm_head.weight": head},
+        {"tie_word_embeddings": False},
+    )
+    result = import_checkpoint(source, tmp_path / "models", "llama")
+    assert not result.tied
+    embedding, output = initializers(result.directory / "model.onnx").values()
+    np.testing.assert_array_equal(embedding, table)
+    np.testing.assert_array_equal(output, head)
+
+
+def test_pythia_layout(tmp_path: Path) -> None:
+    source = _checkpoint(
+        tmp_path / "ckpt",
+        {"gpt_neox.embed_in.weight": _table(0), "embed_out.weight": _table(1)},
+        {"tie_word_embeddings": False},
+    )
+    assert not import_checkpoint(source, tmp_path / "models", "pythia").tied
+
+
+def test_a_redundant_head_copy_is_tied_with_a_note(tmp_path: Path) -> None:
+    table = _table()
+    source = _checkpoint(
+        tmp_path / "ckpt",
+        {"model.decoder.embed_tokens.weight": table, "lm_head.weight": table.copy()},
+    )
+    result = import_checkpoint(source, tmp_path / "models", "opt")
+    assert result.tied
+    assert any("redundant copy" in note for note in result.notes)
+
+
+def test_missing_head_with_tie_false_is_an_error(tmp_path: Path) -> None:
+    source = _checkpoint(
+        tmp_path / "ckpt", {"model.embed_tokens.weight": _table()}, {"tie_word_embeddings": False}
+    )
+    with pytest.raises(CheckpointError, match="refusing to invent a random head"):
+        import_checkpoint(source, tmp_path / "models", "broken")
+
+
+def test_unknown_layout_lists_the_tensors_found(tmp_path: Path) -> None:
+    source = _checkpoint(tmp_path / "ckpt", {"encoder.tok.weight": _table(), "x.y": _layer()})
+    with pytest.raises(CheckpointError, match=r"has: encoder\.tok\.weight, x\.y"):
+        import_checkpoint(source, tmp_path / "models", "odd")
+    options = ImportOptions(embedding_tensor="encoder.tok.weight")
+    assert import_checkpoint(source, tmp_path / "models", "odd", options).tied
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])
+def test_half_precision_converts_exactly(tmp_path: Path, dtype: Any) -> None:
+    stored = _table().astype(dtype)
+    source = _checkpoint(tmp_path / "ckpt", {"model.embed_tokens.weight": stored})
+    result = import_checkpoint(source, tmp_path / "models", "half")
+    (weight,) = initializers(result.directory / "model.onnx").values()
+    assert weight.dtype == np.float32
+    np.testing.assert_array_equal(weight, stored.astype(np.float32))
+
+
+def test_sharded_checkpoints_are_read_through_the_index(tmp_path: Path) -> None:
+    source = tmp_path / "ckpt"
+    source.mkdir()
+    table, head = _table(0), _table(1)
+    save_file({"model.embed_tokens.weight": table}, str(source / "model-00001.safetensors"))
+    save_file({"lm_head.weight": head}, str(source / "model-00002.safetensors"))
+    weight_map = {
+        "model.embed_tokens.weight": "model-00001.safetensors",
+        "lm_head.weight": "model-00002.safetensors",
+    }
+    (source / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    result = import_checkpoint(source, tmp_path / "models", "sharded")
+    _, output = initializers(result.directory / "model.onnx").values()
+    np.testing.assert_array_equal(output, head)
+
+
+def test_untie_and_tie_flags(tmp_path: Path) -> None:
+    table, head = _table(0), _table(1)
+    tied = _checkpoint(tmp_path / "tied", {"model.embed_tokens.weight": table})
+    untied = import_checkpoint(tied, tmp_path / "models", "twin", ImportOptions(untie=True))
+    assert not untied.tied
+    assert inspect_head(untied.directory).duplicate == "identical"  # a copy, to fine-tune apart
+    separate = _checkpoint(
+        tmp_path / "untied", {"model.embed_tokens.weight": table, "lm_head.weight": head}
+    )
+    forced = import_checkpoint(separate, tmp_path / "models", "forced", ImportOptions(tie=True))
+    assert forced.tied
+    assert any("top-1 agreement" in note for note in forced.notes)
+
+
+def test_unsupported_head_transforms_are_refused(tmp_path: Path) -> None:
+    gemma = _checkpoint(
+        tmp_path / "gemma", {"model.embed_tokens.weight": _table()}, {"final_logit_softcapping": 30}
+    )
+    with pytest.raises(CheckpointError, match="soft-capping"):
+        import_checkpoint(gemma, tmp_path / "models", "gemma")
+    phi = _checkpoint(
+        tmp_path / "phi",
+        {
+            "model.embed_tokens.weight": _table(),
+            "lm_head.weight": _table(1),
+            "lm_head.bias": np.zeros(VOCAB, np.float32),
+        },
+    )
+    with pytest.raises(CheckpointError, match="bias"):
+        import_checkpoint(phi, tmp_path / "models", "phi")
+
+
+def test_labels_from_tokenizer_json_and_versions_count_up(tmp_path: Path) -> None:
+    source = _checkpoint(tmp_path / "ckpt", {"wte.weight": _table()})
+    vocab = {f"tok{i}": i for i in range(VOCAB)} | {"line\nbreak": 7}
+    (source / "tokenizer.json").write_text(json.dumps({"model": {"vocab": vocab}}))
+    first = import_checkpoint(source, tmp_path / "models", "labelled")
+    second = import_checkpoint(source, tmp_path / "models", "labelled")
+    assert (first.directory.name, second.directory.name) == ("1", "2")
+    labels = (second.directory / "vocab.txt").read_text(encoding="utf-8").splitlines()
+    assert labels[3] == "tok3"
+    assert labels[7] == "line\\nbreak"
+    with pytest.raises(CheckpointError, match="exists already"):
+        import_checkpoint(source, tmp_path / "models", "labelled", ImportOptions(version=1))
+
+
+def test_cli_import(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    source = _checkpoint(tmp_path / "ckpt", {"model.embed_tokens.weight": _table()})
+    args = ["import", str(source), "--name", "cli", "--repository", str(tmp_path / "models")]
+    assert main(args) == 0
+    assert "tied head, 300 x 16" in capsys.readouterr().out
+    assert (
+        main([*args[:4], "--name", "x", "--tie", "--untie"][:0] or [*args, "--version", "1"]) == 2
+    )
+    assert "exists already" in capsys.readouterr().err
