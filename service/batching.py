@@ -32,7 +32,7 @@ from service.runtime import Projection
 
 logger = logging.getLogger("lmhead")
 
-RunBatch = Callable[[npt.NDArray[np.float32], int, bool], Projection]
+RunBatch = Callable[[npt.NDArray[np.float32], int, bool, float], Projection]
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,7 @@ class _Pending:
     k: int
     full_logits: bool
     future: asyncio.Future[Projection]
+    temperature: float = 1.0
     enqueued: float = field(default_factory=time.monotonic)
 
 
@@ -98,13 +99,21 @@ class Batcher:
         return self._queued_rows
 
     async def submit(
-        self, rows: npt.NDArray[np.float32], k: int, full_logits: bool = False
+        self,
+        rows: npt.NDArray[np.float32],
+        k: int,
+        full_logits: bool = False,
+        temperature: float = 1.0,
     ) -> Projection:
         """Queue (rows, d_model) float32 rows; return their projection once their batch ran."""
-        return await self.enqueue(rows, k, full_logits)
+        return await self.enqueue(rows, k, full_logits, temperature)
 
     def enqueue(
-        self, rows: npt.NDArray[np.float32], k: int, full_logits: bool = False
+        self,
+        rows: npt.NDArray[np.float32],
+        k: int,
+        full_logits: bool = False,
+        temperature: float = 1.0,
     ) -> asyncio.Future[Projection]:
         """Queue rows now (or raise QueueFull/ModelNotReady); the future resolves after the run."""
         if self._task is None or self._task.done():
@@ -119,7 +128,7 @@ class Batcher:
             )
         future: asyncio.Future[Projection] = asyncio.get_running_loop().create_future()
         self._queued_rows += count
-        self._queue.put_nowait(_Pending(rows, k, full_logits, future))
+        self._queue.put_nowait(_Pending(rows, k, full_logits, future, temperature))
         return future
 
     async def close(self) -> None:
@@ -160,7 +169,11 @@ class Batcher:
             item = await self._next_before(deadline)
             if item is None:
                 break
-            if rows + len(item.rows) > self._limits.max_batch_rows:
+            # A run has one temperature input: heads that need it in the graph (soft-cap, bias)
+            # merge only requests that agree; others pre-scale their rows and send 1.0.
+            if rows + len(item.rows) > self._limits.max_batch_rows or (
+                item.temperature != first.temperature
+            ):
                 self._carry = item
                 break
             batch.append(item)
@@ -184,10 +197,13 @@ class Batcher:
         rows = batch[0].rows if len(batch) == 1 else np.concatenate([p.rows for p in batch])
         k = max(item.k for item in batch)
         full_logits = any(item.full_logits for item in batch)
+        temperature = batch[0].temperature
         loop = asyncio.get_running_loop()
         failed = False
         try:
-            result = await loop.run_in_executor(self._executor, self._run, rows, k, full_logits)
+            result = await loop.run_in_executor(
+                self._executor, self._run, rows, k, full_logits, temperature
+            )
         except Exception:
             logger.exception(
                 "inference failed for %s on a batch of %d rows", self._label, len(rows)

@@ -5,6 +5,9 @@ importing a head never loads the whole checkpoint: the peak is the tensor in its
 plus its float32 copy (1.5x the float32 head for bf16). bf16 and fp16 convert to float32
 exactly (numpy reads bf16 through ml_dtypes, which onnx already depends on).
 
+Head transforms from the config (Gemma-2 ``final_logit_softcapping``, Cohere ``logit_scale``,
+T5's tied ``d_model ** -0.5`` rescale) and Phi-2's ``lm_head.bias`` go into the graph.
+
 Tying follows the checkpoint (FACTS.md section 4): no head tensor and ``tie_word_embeddings``
 true (the default) -> tied; a head tensor equal to the embedding (OPT-125m, Qwen1.5 ship a
 redundant copy) -> tied, with a note; no head but ``tie_word_embeddings: false`` -> an error,
@@ -22,6 +25,8 @@ import numpy as np
 import numpy.typing as npt
 from safetensors import safe_open
 
+from service.heads import HeadTransforms
+
 EMBEDDING_TENSORS = (
     "model.embed_tokens.weight",  # Llama, Mistral, Qwen, Gemma, SmolLM, Phi
     "transformer.wte.weight",  # GPT-2 (with the model prefix)
@@ -31,10 +36,7 @@ EMBEDDING_TENSORS = (
     "shared.weight",  # T5
 )
 HEAD_TENSORS = ("lm_head.weight", "embed_out.weight")
-UNSUPPORTED_TRANSFORMS = {
-    "final_logit_softcapping": "Gemma-2 logit soft-capping",
-    "logit_scale": "Cohere logit scale",
-}
+BIAS_TENSOR = "lm_head.bias"
 
 
 class CheckpointError(ValueError):
@@ -85,7 +87,6 @@ class Checkpoint:
         untie: bool = False,
     ) -> HeadPlan:
         """Decide the head's tensors and tying (see the module docstring)."""
-        self._refuse_transforms()
         embedding = embedding or _first(EMBEDDING_TENSORS, self._files)
         if embedding is None or embedding not in self._files:
             raise CheckpointError(
@@ -108,14 +109,21 @@ class Checkpoint:
             return HeadPlan(embedding, head, tied=True, notes=["--tie: the head tensor is dropped"])
         return HeadPlan(embedding, head, tied=False)
 
-    def _refuse_transforms(self) -> None:
-        for key, what in UNSUPPORTED_TRANSFORMS.items():
-            if self.config.get(key):
-                raise CheckpointError(f"{what} ({key} in config.json) is not supported yet")
-        if self.config.get("model_type") == "t5":
-            raise CheckpointError("T5's d_model**-0.5 head rescale is not supported yet")
-        if "lm_head.bias" in self._files:
-            raise CheckpointError("an output bias (lm_head.bias) is not supported yet")
+    def transforms(self, d_model: int) -> HeadTransforms:
+        """Head transforms the config asks for (FACTS.md section 4)."""
+        softcap = self.config.get("final_logit_softcapping")
+        t5_tied = self.config.get("model_type") == "t5" and self.config.get(
+            "tie_word_embeddings", True
+        )
+        return HeadTransforms(
+            input_scale=d_model**-0.5 if t5_tied else 1.0,
+            logit_scale=float(self.config.get("logit_scale") or 1.0),
+            softcap=float(softcap) if softcap else None,
+        )
+
+    def bias(self) -> npt.NDArray[np.float32] | None:
+        """The output bias (Phi-2), when the checkpoint has one."""
+        return self.tensor(BIAS_TENSOR) if BIAS_TENSOR in self._files else None
 
     def _tensor_files(self) -> dict[str, Path]:
         index = self.directory / "model.safetensors.index.json"
@@ -127,8 +135,13 @@ class Checkpoint:
             raise CheckpointError(f"no .safetensors files in {self.directory}")
         found: dict[str, Path] = {}
         for path in files:
-            with safe_open(path, framework="numpy") as handle:
-                found.update(dict.fromkeys(handle.keys(), path))
+            try:
+                with safe_open(path, framework="numpy") as handle:
+                    found.update(dict.fromkeys(handle.keys(), path))
+            except Exception as error:  # safetensors raises its own SafetensorError
+                raise CheckpointError(
+                    f"{path.name} is not a readable safetensors file: {error}"
+                ) from None
         return found
 
 

@@ -18,6 +18,7 @@ keeps ``InferenceSession.get_inputs()`` truthful and avoids overridable-initiali
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +39,7 @@ LOGITS = "logits"
 EMBEDDINGS = "embeddings"
 EMBEDDING_WEIGHT = "embedding.weight"
 OUTPUT_WEIGHT = "lm_head.weight"
+OUTPUT_BIAS = "lm_head.bias"
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
 
@@ -48,26 +50,58 @@ EXTERNAL_ALIGNMENT = 64 * 1024
 
 
 @dataclass(frozen=True)
+class HeadTransforms:
+    """Model-specific steps around the matmul, applied in the graph so every front end has them.
+
+    ``input_scale`` multiplies the hidden state (T5: d_model ** -0.5), ``bias`` is added to the
+    logits (Phi-2's lm_head.bias), ``logit_scale`` multiplies them (Cohere), ``softcap`` gives
+    ``tanh(logits / softcap) * softcap`` (Gemma-2). Temperature divides the result.
+    """
+
+    input_scale: float = 1.0
+    logit_scale: float = 1.0
+    softcap: float | None = None
+
+    @property
+    def linear(self) -> bool:
+        """True when temperature and scales can be folded into the hidden state."""
+        return self.softcap is None
+
+    def describe(self) -> dict[str, float]:
+        shown = {"input_scale": self.input_scale, "logit_scale": self.logit_scale}
+        shown = {key: value for key, value in shown.items() if value != 1.0}
+        return shown | ({"softcap": self.softcap} if self.softcap is not None else {})
+
+
+@dataclass(frozen=True)
 class HeadWeights:
     """The matrices of a head, each (vocab_size, d_model); ``output`` is None when tied."""
 
     embedding: npt.NDArray[np.float32]
     output: npt.NDArray[np.float32] | None = None
+    bias: npt.NDArray[np.float32] | None = None
+    transforms: HeadTransforms = HeadTransforms()
 
     @classmethod
     def from_arrays(
-        cls, embedding: npt.ArrayLike, output: npt.ArrayLike | None = None
+        cls,
+        embedding: npt.ArrayLike,
+        output: npt.ArrayLike | None = None,
+        *,
+        bias: npt.ArrayLike | None = None,
+        transforms: HeadTransforms = HeadTransforms(),
     ) -> HeadWeights:
         """Check shapes and convert to contiguous float32, the served dtype on CPU."""
         table = _as_weight(embedding, "embedding")
-        if output is None:
-            return cls(table)
-        head = _as_weight(output, "output")
-        if head.shape != table.shape:
+        head = None if output is None else _as_weight(output, "output")
+        if head is not None and head.shape != table.shape:
             raise ValueError(
                 f"output weight shape {head.shape} does not match embedding shape {table.shape}"
             )
-        return cls(table, head)
+        vector = None if bias is None else np.ascontiguousarray(bias, dtype=np.float32)
+        if vector is not None and vector.shape != (table.shape[0],):
+            raise ValueError(f"bias must have shape ({table.shape[0]},), got {vector.shape}")
+        return cls(table, head, vector, transforms)
 
     @property
     def tied(self) -> bool:
@@ -94,7 +128,7 @@ def build_head(weights: HeadWeights) -> onnx.ModelProto:
     initializers = [numpy_helper.from_array(weights.embedding, EMBEDDING_WEIGHT)]
     if weights.output is not None:
         initializers.append(numpy_helper.from_array(weights.output, OUTPUT_WEIGHT))
-    return _head_model(initializers, *weights.embedding.shape)
+    return _head_model(initializers, weights)
 
 
 def save_head(
@@ -124,7 +158,7 @@ def save_head(
     if weights.output is not None:
         named.append((OUTPUT_WEIGHT, weights.output))
     initializers = _write_external(named, directory / DATA_FILE)
-    onnx.save_model(_head_model(initializers, *weights.embedding.shape), path)
+    onnx.save_model(_head_model(initializers, weights), path)
     return path
 
 
@@ -149,21 +183,25 @@ def _write_external(
     return tensors
 
 
-def _head_model(weights: list[TensorProto], vocab_size: int, d_model: int) -> onnx.ModelProto:
-    tied = len(weights) == 1
-    embedding_name = weights[0].name
-    output_name = weights[0].name if tied else weights[1].name
+def _head_model(tensors: list[TensorProto], weights: HeadWeights) -> onnx.ModelProto:
+    vocab_size, d_model = weights.embedding.shape
+    tied = len(tensors) == 1
+    embedding_name = tensors[0].name
+    output_name = tensors[0].name if tied else tensors[1].name
     constants = [
         numpy_helper.from_array(np.array([vocab_size], np.int64), "vocab_size"),
         numpy_helper.from_array(np.array([0], np.int64), "zero"),
         numpy_helper.from_array(np.array([1], np.int64), "one"),
     ]
+    if weights.bias is not None:
+        constants.append(numpy_helper.from_array(weights.bias, OUTPUT_BIAS))
+    transform_nodes, transform_constants = _transform_nodes(weights)
     graph = helper.make_graph(
-        _embedding_nodes(embedding_name) + _projection_nodes(output_name),
+        _embedding_nodes(embedding_name) + _projection_nodes(output_name, weights, transform_nodes),
         "lmhead_tied" if tied else "lmhead_untied",
         _inputs(d_model),
         _outputs(vocab_size, d_model),
-        weights + constants,
+        tensors + constants + transform_constants,
     )
     model = helper.make_model(
         graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="lmhead"
@@ -175,6 +213,9 @@ def _head_model(weights: list[TensorProto], vocab_size: int, d_model: int) -> on
             "lmhead.tied": str(tied).lower(),
             "lmhead.vocab_size": str(vocab_size),
             "lmhead.d_model": str(d_model),
+            "lmhead.transforms": json.dumps(
+                weights.transforms.describe() | ({"bias": True} if weights.bias is not None else {})
+            ),
         },
     )
     return model
@@ -184,18 +225,72 @@ def _embedding_nodes(weight: str) -> list[onnx.NodeProto]:
     return [helper.make_node("Gather", [weight, INPUT_IDS], [EMBEDDINGS], "embedding_gather")]
 
 
-def _projection_nodes(weight: str) -> list[onnx.NodeProto]:
+def _transform_nodes(
+    weights: HeadWeights,
+) -> tuple[tuple[list[onnx.NodeProto], list[onnx.NodeProto]], list[TensorProto]]:
+    """Nodes before the matmul (on the hidden state) and after it (on the logits).
+
+    Without soft-cap or bias the scales and the temperature fold into the hidden state (exact:
+    the logits are linear in it). A bias or a soft-cap moves them after the matmul, where the
+    temperature then divides the final logits.
+    """
+    transforms = weights.transforms
+    node = helper.make_node
+    constants: list[TensorProto] = []
+    before: list[onnx.NodeProto] = []
+    after: list[onnx.NodeProto] = []
+
+    def scalar(name: str, value: float) -> str:
+        constants.append(numpy_helper.from_array(np.array([value], np.float32), name))
+        return name
+
+    on_hidden = transforms.linear and weights.bias is None
+    hidden_scale = transforms.input_scale * (transforms.logit_scale if on_hidden else 1.0)
+    current = HIDDEN_STATES
+    if hidden_scale != 1.0:
+        before.append(node("Mul", [current, scalar("input_scale", hidden_scale)], ["scaled_in"]))
+        current = "scaled_in"
+    if on_hidden:
+        before.append(node("Div", [current, TEMPERATURE], ["scaled_hidden"], "apply_temperature"))
+        return (before, after), constants
+    before.append(node("Identity", [current], ["scaled_hidden"]))
+    logits = "raw_logits"
+    if transforms.logit_scale != 1.0:
+        scale = scalar("logit_scale", transforms.logit_scale)
+        after.append(node("Mul", [logits, scale], ["scaled_logits"], "logit_scale"))
+        logits = "scaled_logits"
+    if transforms.softcap is not None:
+        cap = scalar("softcap", transforms.softcap)
+        after += [
+            node("Div", [logits, cap], ["capped_in"]),
+            node("Tanh", ["capped_in"], ["capped_tanh"]),
+            node("Mul", ["capped_tanh", cap], ["capped_logits"], "softcap"),
+        ]
+        logits = "capped_logits"
+    after.append(node("Div", [logits, TEMPERATURE], [LOGITS], "apply_temperature"))
+    return (before, after), constants
+
+
+def _projection_nodes(
+    weight: str,
+    weights: HeadWeights,
+    transforms: tuple[list[onnx.NodeProto], list[onnx.NodeProto]],
+) -> list[onnx.NodeProto]:
     """Projection, in-graph top-k and log-sum-exp.
 
-    Temperature scales the hidden state: logits are linear in it, so (h/T) W^T = (h W^T)/T at
+    Temperature scales the hidden state when the head is linear: (h/T) W^T = (h W^T)/T at
     d_model instead of vocab_size operations per row. The log-sum-exp comes from the fused
     LogSoftmax kernel (one pass, multi-threaded; ReduceLogSumExp measured ~4x slower):
     lse = max - log_softmax[argmax], and TopK already found the max and the argmax.
     """
     node = helper.make_node
+    before, after = transforms
+    gemm_inputs = ["scaled_hidden", weight] + ([OUTPUT_BIAS] if weights.bias is not None else [])
+    gemm_output = LOGITS if not after else "raw_logits"
     return [
-        node("Div", [HIDDEN_STATES, TEMPERATURE], ["scaled_hidden"], "apply_temperature"),
-        node("Gemm", ["scaled_hidden", weight], [LOGITS], "output_projection", transB=1),
+        *before,
+        node("Gemm", gemm_inputs, [gemm_output], "output_projection", transB=1),
+        *after,
         node("Min", [K, "vocab_size"], ["k_clamped"], "clamp_k"),
         node(
             "TopK",

@@ -53,6 +53,14 @@ def import_checkpoint(
     table = checkpoint.tensor(plan.embedding)
     notes = list(plan.notes)
     weights = _weights(checkpoint, plan.head, table, options, notes)
+    transforms = checkpoint.transforms(table.shape[1])
+    bias = checkpoint.bias()
+    if transforms.describe() or bias is not None:
+        weights = HeadWeights.from_arrays(
+            weights.embedding, weights.output, bias=bias, transforms=transforms
+        )
+        shown = transforms.describe() | ({"bias": True} if bias is not None else {})
+        notes.append(f"head transforms in the graph: {shown}")
     directory = _version_dir(Path(repository) / name, options.version)
     _progress(f"writing {directory}")
     save_head(weights, directory, external_data=options.external_data)

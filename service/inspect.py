@@ -11,6 +11,7 @@ Weights are compared without loading the file twice: external data is memory-map
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -51,6 +52,12 @@ class HeadReport:
     duplicate_bytes: int
     external_data: bool
     file_bytes: int
+    transforms: dict[str, Any]
+
+    @property
+    def temperature_in_graph(self) -> bool:
+        """Whether temperature must reach the graph (a soft-cap or a bias makes it non-linear)."""
+        return "softcap" in self.transforms or "bias" in self.transforms
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -91,7 +98,9 @@ def inspect_head(path: str | Path) -> HeadReport:
     gather = _find_gather(graph, producers, weights)
     vocab_size, d_model = (int(dim) for dim in weights[gather.initializer].dims)
     projection = _find_projection(graph, producers, weights, vocab_size, d_model)
-    return _report(model_path, weights, gather, projection, vocab_size, d_model)
+    props = {prop.key: prop.value for prop in model.metadata_props}
+    transforms = json.loads(props.get("lmhead.transforms", "{}"))
+    return _report(model_path, weights, gather, projection, vocab_size, d_model, transforms)
 
 
 def _trace(name: str, producers: dict[str, onnx.NodeProto]) -> tuple[str, bool]:
@@ -160,6 +169,7 @@ def _report(
     projection: _Use,
     vocab_size: int,
     d_model: int,
+    transforms: dict[str, Any],
 ) -> HeadReport:
     tied = gather.initializer == projection.initializer
     table = weights[gather.initializer]
@@ -197,6 +207,7 @@ def _report(
         duplicate_bytes=table_bytes if duplicate else 0,
         external_data=external,
         file_bytes=model_path.stat().st_size + data_bytes,
+        transforms=transforms,
     )
 
 

@@ -142,9 +142,11 @@ class LoadedVersion:
         assert self.batcher is not None, "start() the version before serving it"
         leading = hidden.shape[:-1]
         rows = hidden.reshape(-1, self.d_model)
-        if temperature != 1.0:  # exact: the graph divides the hidden state the same way
-            rows = rows / np.float32(temperature)
-        flat = await self.batcher.submit(rows, k, full_logits)
+        in_graph = self.report.temperature_in_graph
+        if temperature != 1.0 and not in_graph:
+            rows = rows / np.float32(temperature)  # exact: the graph divides h the same way
+            temperature = 1.0
+        flat = await self.batcher.submit(rows, k, full_logits, temperature)
         return Projection(
             flat.topk_logits.reshape(*leading, -1),
             flat.topk_token_ids.reshape(*leading, -1),
@@ -178,14 +180,17 @@ class LoadedVersion:
             "embedding_initializer": report.embedding_initializer,
             "projection_initializer": report.projection_initializer,
             "duplicate": report.duplicate,
+            "transforms": report.transforms,
             "memory_mode": self.session.memory_mode,
             "providers": self.session.providers,
             "labels": self.labels is not None,
             "default_k": self.default_k,
         }
 
-    def _run(self, rows: npt.NDArray[np.float32], k: int, full_logits: bool) -> Projection:
-        return self.session.project(rows, k, full_logits=full_logits)
+    def _run(
+        self, rows: npt.NDArray[np.float32], k: int, full_logits: bool, temperature: float
+    ) -> Projection:
+        return self.session.project(rows, k, temperature=temperature, full_logits=full_logits)
 
 
 def load_version(

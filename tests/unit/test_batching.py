@@ -36,19 +36,23 @@ class GatedRun:
         self.started = threading.Event()
         self.gate = threading.Event()
         self.calls: list[int] = []
+        self.temperatures: list[float] = []
 
-    def __call__(self, rows: npt.NDArray[np.float32], k: int, full: bool) -> Projection:
+    def __call__(
+        self, rows: npt.NDArray[np.float32], k: int, full: bool, temperature: float = 1.0
+    ) -> Projection:
         self.started.set()
         self.gate.wait(timeout=WAIT)
         self.calls.append(len(rows))
-        return self.session.project(rows, k, full_logits=full)
+        self.temperatures.append(temperature)
+        return self.session.project(rows, k, temperature=temperature, full_logits=full)
 
     async def wait_started(self) -> None:
         assert await asyncio.to_thread(self.started.wait, WAIT)
 
 
 def _with_batcher(
-    run: Callable[[npt.NDArray[np.float32], int, bool], Projection],
+    run: Callable[[npt.NDArray[np.float32], int, bool, float], Projection],
     limits: BatchLimits,
     scenario: Callable[[Batcher], object],
     on_batch: Callable[[BatchStats], None] = lambda stats: None,
@@ -128,8 +132,8 @@ def test_a_failing_run_fails_every_caller_and_the_next_batch_runs(tied_path: Pat
     gated = GatedRun(session)
     failures = iter([False, True, False])
 
-    def flaky(rows: npt.NDArray[np.float32], k: int, full: bool) -> Projection:
-        result = gated(rows, k, full)
+    def flaky(rows: npt.NDArray[np.float32], k: int, full: bool, temperature: float) -> Projection:
+        result = gated(rows, k, full, temperature)
         if next(failures):
             raise RuntimeError("onnxruntime exploded")
         return result
@@ -190,3 +194,23 @@ def test_close_lets_the_running_batch_finish_and_fails_the_queued(tied_path: Pat
     assert all(isinstance(outcome, ModelNotReady) for outcome in outcomes[1:])
     with pytest.raises(ModelNotReady):
         batcher.enqueue(_rows(1, 0), 1)
+
+
+def test_requests_with_other_temperatures_are_not_merged(tied_path: Path) -> None:
+    """For heads that need temperature in the graph (soft-cap, bias) a run has one value."""
+    run = GatedRun(HeadSession(tied_path, tied=True))
+
+    async def scenario(batcher: Batcher) -> None:
+        first = batcher.enqueue(_rows(1, 0), 1)
+        await run.wait_started()
+        queued = [
+            batcher.enqueue(_rows(1, 1), 1, temperature=0.5),
+            batcher.enqueue(_rows(1, 2), 1, temperature=0.5),
+            batcher.enqueue(_rows(1, 3), 1, temperature=2.0),
+        ]
+        run.gate.set()
+        await asyncio.gather(first, *queued)
+
+    _with_batcher(run, BatchLimits(max_wait_s=0.01), scenario)
+    assert run.calls == [1, 2, 1]
+    assert run.temperatures == [1.0, 0.5, 2.0]

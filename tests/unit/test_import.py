@@ -146,22 +146,19 @@ def test_untie_and_tie_flags(tmp_path: Path) -> None:
     assert any("top-1 agreement" in note for note in forced.notes)
 
 
-def test_unsupported_head_transforms_are_refused(tmp_path: Path) -> None:
-    gemma = _checkpoint(
-        tmp_path / "gemma", {"model.embed_tokens.weight": _table()}, {"final_logit_softcapping": 30}
+def test_corrupt_header_and_mismatched_head_are_errors(tmp_path: Path) -> None:
+    source = _checkpoint(tmp_path / "ckpt", {"model.embed_tokens.weight": _table()})
+    (source / "model.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(CheckpointError, match="not a readable safetensors file"):
+        import_checkpoint(source, tmp_path / "models", "corrupt")
+    mismatched = _checkpoint(
+        tmp_path / "mismatch",
+        {"model.embed_tokens.weight": _table(), "lm_head.weight": np.ones((VOCAB, 8), np.float32)},
     )
-    with pytest.raises(CheckpointError, match="soft-capping"):
-        import_checkpoint(gemma, tmp_path / "models", "gemma")
-    phi = _checkpoint(
-        tmp_path / "phi",
-        {
-            "model.embed_tokens.weight": _table(),
-            "lm_head.weight": _table(1),
-            "lm_head.bias": np.zeros(VOCAB, np.float32),
-        },
-    )
-    with pytest.raises(CheckpointError, match="bias"):
-        import_checkpoint(phi, tmp_path / "models", "phi")
+    with pytest.raises(
+        CheckpointError, match=r"shape \(300, 8\) but the embedding has \(300, 16\)"
+    ):
+        import_checkpoint(mismatched, tmp_path / "models", "mismatch")
 
 
 def test_labels_from_tokenizer_json_and_versions_count_up(tmp_path: Path) -> None:
