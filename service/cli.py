@@ -1,4 +1,4 @@
-"""``lmhead`` command line: serve, demo, inspect."""
+"""``lmhead`` command line: serve, demo, import, inspect, retie, health."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from service.demo import DemoSpec, write_demo_models
 from service.errors import describe_validation_errors
 from service.importer import ImportOptions, import_checkpoint
 from service.inspect import HeadInspectionError, HeadReport, inspect_head
+from service.retie import retie
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -64,6 +65,11 @@ def _parser() -> argparse.ArgumentParser:
     tying.add_argument("--untie", action="store_true", help="separate copy of W for the head")
     importer.add_argument("--external-data", action="store_true", help="weights in model.onnx.data")
     importer.set_defaults(handler=_import)
+
+    repair = commands.add_parser("retie", help="repair a duplicated tied weight in place or to -o")
+    repair.add_argument("path", type=Path, help="model.onnx or a version directory")
+    repair.add_argument("-o", "--output", type=Path, help="write here instead of in place")
+    repair.set_defaults(handler=_retie)
 
     health = commands.add_parser("health", help="exit 0 when the local service is ready")
     health.add_argument("--port", type=int, help="overrides LMHEAD_PORT")
@@ -122,6 +128,15 @@ def _import(args: argparse.Namespace) -> int:
     print(f"wrote {result.directory}: {kind} head, {result.vocab_size} x {result.d_model}")
     for note in result.notes:
         print(f"  note: {note}")
+    return 0
+
+
+def _retie(args: argparse.Namespace) -> int:
+    result = retie(args.path, args.output)
+    print(
+        f"wrote {result.output}: tied, {result.bytes_saved:,} bytes saved, outputs unchanged "
+        f"(max |difference| {result.max_abs_difference:.2g} on random inputs)"
+    )
     return 0
 
 

@@ -1,0 +1,148 @@
+"""``lmhead retie``: repair an exported head whose tied weight was duplicated.
+
+``torch.onnx.export`` with constant folding writes a tied W twice: as itself for the Gather and
+as a folded W^T for the MatMul (pytorch#108342); some checkpoints carry a redundant identical
+copy. The inspector finds these (``duplicate``); this rewires the projection to read the
+embedding initializer and drops the copy:
+
+* identical copy: every use of the copy reads the embedding instead;
+* transposed copy: ``MatMul(h, W^T)`` becomes ``FusedMatMul(h, W, transB=1)`` (onnxruntime's
+  contrib op, any rank, no transpose at run time), ``Gemm`` flips ``transB``, and a
+  ``Transpose`` of the copy is bypassed.
+
+The repaired model is checked on random inputs against the original: every output must match.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+import onnx
+import onnxruntime as ort
+from onnx import helper
+
+from service.inspect import HeadInspectionError, inspect_head, resolve_model_path
+
+CONTRIB_DOMAIN = "com.microsoft"
+
+
+@dataclass(frozen=True)
+class RetieResult:
+    output: Path
+    bytes_saved: int
+    max_abs_difference: float
+
+
+def retie(path: str | Path, output: str | Path | None = None) -> RetieResult:
+    """Rewire the duplicated weight to the embedding, verify, and save (in place by default)."""
+    source = resolve_model_path(path)
+    report = inspect_head(source)
+    if report.tied:
+        raise HeadInspectionError(f"{source} is tied already: nothing to repair")
+    if report.duplicate is None:
+        raise HeadInspectionError(
+            f"{source} is an honest untied head: {report.projection_initializer} differs from "
+            f"{report.embedding_initializer}; use `lmhead import --tie` to force a tie"
+        )
+    original = onnx.load(str(source))
+    repaired = onnx.load(str(source))
+    keep, drop = report.embedding_initializer, report.projection_initializer
+    if report.duplicate == "identical":
+        _rename_input(repaired.graph, drop, keep)
+    else:
+        _rewire_transposed(repaired, drop, keep)
+    remaining = [t for t in repaired.graph.initializer if t.name != drop]
+    del repaired.graph.initializer[:]
+    repaired.graph.initializer.extend(remaining)
+    onnx.checker.check_model(repaired)
+    difference = _compare(original, repaired)
+    target = Path(output) if output is not None else source
+    target.parent.mkdir(parents=True, exist_ok=True)
+    external = report.external_data or repaired.ByteSize() > 2**31 - 2**26
+    onnx.save_model(
+        repaired,
+        str(target),
+        save_as_external_data=external,
+        location=f"{target.name}.data",
+    )
+    return RetieResult(target, report.duplicate_bytes, difference)
+
+
+def _rename_input(graph: onnx.GraphProto, old: str, new: str) -> None:
+    for node in graph.node:
+        for index, name in enumerate(node.input):
+            if name == old:
+                node.input[index] = new
+
+
+def _rewire_transposed(model: onnx.ModelProto, drop: str, keep: str) -> None:
+    """Consumers of W^T read W, with the transposition moved into the operator."""
+    graph = model.graph
+    for node in list(graph.node):
+        if drop not in node.input:
+            continue
+        if node.op_type == "Transpose":  # Transpose(W^T) is W itself
+            _rename_input(graph, node.output[0], keep)
+            graph.node.remove(node)
+        elif node.op_type == "Gemm" and list(node.input).index(drop) == 1:
+            _flip_trans_b(node)
+            _rename_input_of(node, drop, keep)
+        elif node.op_type == "MatMul" and node.input[1] == drop:
+            fused = helper.make_node(
+                "FusedMatMul",
+                [node.input[0], keep],
+                list(node.output),
+                node.name,
+                domain=CONTRIB_DOMAIN,
+                transB=1,
+            )
+            graph.node.insert(list(graph.node).index(node), fused)
+            graph.node.remove(node)
+            if not any(o.domain == CONTRIB_DOMAIN for o in model.opset_import):
+                model.opset_import.append(helper.make_opsetid(CONTRIB_DOMAIN, 1))
+        else:
+            raise HeadInspectionError(f"cannot rewire a {node.op_type} that reads {drop!r}")
+
+
+def _flip_trans_b(node: onnx.NodeProto) -> None:
+    for attribute in node.attribute:
+        if attribute.name == "transB":
+            attribute.i = 1 - attribute.i
+            return
+    node.attribute.append(helper.make_attribute("transB", 1))
+
+
+def _rename_input_of(node: onnx.NodeProto, old: str, new: str) -> None:
+    for index, name in enumerate(node.input):
+        if name == old:
+            node.input[index] = new
+
+
+def _compare(original: onnx.ModelProto, repaired: onnx.ModelProto) -> float:
+    """Largest absolute output difference on random inputs (raises if any output differs)."""
+    first = ort.InferenceSession(original.SerializeToString(), providers=["CPUExecutionProvider"])
+    second = ort.InferenceSession(repaired.SerializeToString(), providers=["CPUExecutionProvider"])
+    feeds = {value.name: _random_input(value, original) for value in first.get_inputs()}
+    worst = 0.0
+    for before, after in zip(first.run(None, feeds), second.run(None, feeds), strict=True):
+        if not np.allclose(before, after, rtol=1e-5, atol=1e-5):
+            raise HeadInspectionError("the repaired graph changes the outputs; nothing was saved")
+        if np.issubdtype(np.asarray(before).dtype, np.floating):
+            worst = max(worst, float(np.max(np.abs(before - after), initial=0.0)))
+    return worst
+
+
+def _random_input(value: ort.NodeArg, model: onnx.ModelProto) -> npt.NDArray[np.generic]:
+    shape = [dim if isinstance(dim, int) else 2 for dim in value.shape]
+    rng = np.random.default_rng(0)
+    if value.name == "k":  # lmhead's own heads: a small top-k and temperature 1
+        return np.array([3], np.int64)
+    if value.name == "temperature":
+        return np.array([1.0], np.float32)
+    if "int" in value.type:  # token ids: below the smallest 2-D weight dimension
+        bound = min(min(t.dims) for t in model.graph.initializer if len(t.dims) == 2)
+        return rng.integers(0, bound, size=shape, dtype=np.int64)
+    return rng.standard_normal(shape).astype(np.float32)
