@@ -14,6 +14,10 @@ from service.checkpoints import Checkpoint, CheckpointError, read_labels
 from service.heads import HeadWeights, save_head
 
 LABELS_FILE = "vocab.txt"
+#: Above this the weights go to model.onnx.data: written straight from the numpy buffers (no
+#: protobuf copy, so the import peak stays near the checkpoint tensor plus its float32 copy)
+#: and memory-mapped by onnxruntime when served.
+EXTERNAL_DATA_ABOVE_BYTES = 256 * 2**20
 
 
 @dataclass(frozen=True)
@@ -49,7 +53,7 @@ def import_checkpoint(
         tie=options.tie,
         untie=options.untie,
     )
-    _progress(f"reading {plan.embedding}")
+    _progress(f"[1/3] reading and converting {plan.embedding}")
     table = checkpoint.tensor(plan.embedding)
     notes = list(plan.notes)
     weights = _weights(checkpoint, plan.head, table, options, notes)
@@ -62,8 +66,11 @@ def import_checkpoint(
         shown = transforms.describe() | ({"bias": True} if bias is not None else {})
         notes.append(f"head transforms in the graph: {shown}")
     directory = _version_dir(Path(repository) / name, options.version)
-    _progress(f"writing {directory}")
-    save_head(weights, directory, external_data=options.external_data)
+    _progress(f"[3/3] writing {directory}")
+    external = options.external_data
+    if external is None:
+        external = weights.nbytes > EXTERNAL_DATA_ABOVE_BYTES
+    save_head(weights, directory, external_data=external)
     labels = read_labels(checkpoint.directory, table.shape[0])
     if labels is not None:
         (directory / LABELS_FILE).write_text("\n".join(labels) + "\n", encoding="utf-8")
@@ -83,7 +90,7 @@ def _weights(
             notes.append("--untie: the head starts as a separate copy of the embedding")
             return HeadWeights.from_arrays(table, table.copy())
         return HeadWeights.from_arrays(table)
-    _progress(f"reading {head_name}")
+    _progress(f"[2/3] reading and converting {head_name}")
     head = checkpoint.tensor(head_name)
     if head.shape != table.shape:
         raise CheckpointError(
