@@ -1,9 +1,9 @@
 """Read Hugging Face safetensors checkpoints without torch: only the embedding and head tensors.
 
-``safetensors`` memory-maps the files and ``get_tensor`` copies out one tensor at a time, so
-importing a head never loads the whole checkpoint: the peak is the tensor in its stored dtype
-plus its float32 copy (1.5x the float32 head for bf16). bf16 and fp16 convert to float32
-exactly (numpy reads bf16 through ml_dtypes, which onnx already depends on).
+``safetensors`` memory-maps the files and slices are copied out row chunk by row chunk, so
+importing a head never loads the whole checkpoint and the peak is the float32 head plus one
+chunk. bf16 and fp16 convert to float32 exactly (numpy reads bf16 through ml_dtypes, which
+onnx already depends on).
 
 Head transforms from the config (Gemma-2 ``final_logit_softcapping``, Cohere ``logit_scale``,
 T5's tied ``d_model ** -0.5`` rescale) and Phi-2's ``lm_head.bias`` go into the graph.
@@ -17,10 +17,12 @@ never a random head.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, so bf16 slices read exactly)
 import numpy as np
 import numpy.typing as npt
 from safetensors import safe_open
@@ -36,6 +38,8 @@ EMBEDDING_TENSORS = (
     "shared.weight",  # T5
 )
 HEAD_TENSORS = ("lm_head.weight", "embed_out.weight")
+FLOAT_DTYPES = ("F32", "F16", "BF16")
+CHUNKS = 32
 BIAS_TENSOR = "lm_head.bias"
 
 
@@ -70,13 +74,29 @@ class Checkpoint:
     def names(self) -> list[str]:
         return sorted(self._files)
 
-    def tensor(self, name: str) -> npt.NDArray[np.float32]:
-        """One tensor as float32 (exact for fp16 and bf16)."""
+    def tensor(
+        self, name: str, progress: Callable[[int, int], None] = lambda done, total: None
+    ) -> npt.NDArray[np.float32]:
+        """One tensor as float32 (exact for fp16 and bf16), read and converted in row chunks.
+
+        Chunks keep the peak at the float32 result plus one chunk, and let a progress bar move.
+        """
         with safe_open(self._files[name], framework="numpy") as handle:
-            stored = handle.get_tensor(name)
-        if stored.dtype.kind not in "fV" and "float" not in str(stored.dtype):
-            raise CheckpointError(f"tensor {name} has dtype {stored.dtype}, expected a float")
-        return np.ascontiguousarray(stored.astype(np.float32))
+            view = handle.get_slice(name)
+            if view.get_dtype() not in FLOAT_DTYPES:
+                raise CheckpointError(
+                    f"tensor {name} has dtype {view.get_dtype()}, expected one of "
+                    f"{', '.join(FLOAT_DTYPES)}"
+                )
+            shape = tuple(view.get_shape())
+            result = np.empty(shape, np.float32)
+            rows = shape[0] if shape else 1
+            step = max(1, -(-rows // CHUNKS))
+            for start in range(0, rows, step):
+                end = min(start + step, rows)  # safetensors refuses slices past the end
+                result[start:end] = view[start:end]
+                progress(end, rows)
+        return result
 
     def plan(
         self,

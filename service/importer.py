@@ -53,8 +53,7 @@ def import_checkpoint(
         tie=options.tie,
         untie=options.untie,
     )
-    _progress(f"[1/3] reading and converting {plan.embedding}")
-    table = checkpoint.tensor(plan.embedding)
+    table = checkpoint.tensor(plan.embedding, Progress(f"[1/3] reading {plan.embedding}"))
     notes = list(plan.notes)
     weights = _weights(checkpoint, plan.head, table, options, notes)
     transforms = checkpoint.transforms(table.shape[1])
@@ -66,7 +65,7 @@ def import_checkpoint(
         shown = transforms.describe() | ({"bias": True} if bias is not None else {})
         notes.append(f"head transforms in the graph: {shown}")
     directory = _version_dir(Path(repository) / name, options.version)
-    _progress(f"[3/3] writing {directory}")
+    Progress(f"[3/3] writing {directory}")(0, 1)
     external = options.external_data
     if external is None:
         external = weights.nbytes > EXTERNAL_DATA_ABOVE_BYTES
@@ -90,8 +89,7 @@ def _weights(
             notes.append("--untie: the head starts as a separate copy of the embedding")
             return HeadWeights.from_arrays(table, table.copy())
         return HeadWeights.from_arrays(table)
-    _progress(f"[2/3] reading and converting {head_name}")
-    head = checkpoint.tensor(head_name)
+    head = checkpoint.tensor(head_name, Progress(f"[2/3] reading {head_name}"))
     if head.shape != table.shape:
         raise CheckpointError(
             f"head {head_name} has shape {head.shape} but the embedding has {table.shape}"
@@ -126,6 +124,24 @@ def _version_dir(model_dir: Path, version: int | None) -> Path:
     return directory
 
 
-def _progress(message: str) -> None:
-    if sys.stderr.isatty():
-        print(f"lmhead import: {message}", file=sys.stderr, flush=True)
+class Progress:
+    """A one-line progress bar on stderr; silent when stderr is not a terminal."""
+
+    WIDTH = 30
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.enabled = sys.stderr.isatty()
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        filled = self.WIDTH * done // max(total, 1)
+        bar = "#" * filled + "-" * (self.WIDTH - filled)
+        end = "\n" if done >= total else ""
+        print(
+            f"\r{self.label} [{bar}] {100 * done // max(total, 1):3d}%",
+            end=end,
+            file=sys.stderr,
+            flush=True,
+        )
