@@ -65,11 +65,13 @@ def import_checkpoint(
         shown = transforms.describe() | ({"bias": True} if bias is not None else {})
         notes.append(f"head transforms in the graph: {shown}")
     directory = _version_dir(Path(repository) / name, options.version)
-    Progress(f"[3/3] writing {directory}")(0, 1)
+    writing = Progress(f"[3/3] writing {directory}")
+    writing(0, 1)
     external = options.external_data
     if external is None:
         external = weights.nbytes > EXTERNAL_DATA_ABOVE_BYTES
     save_head(weights, directory, external_data=external)
+    writing(1, 1)
     labels = read_labels(checkpoint.directory, table.shape[0])
     if labels is not None:
         (directory / LABELS_FILE).write_text("\n".join(labels) + "\n", encoding="utf-8")
