@@ -24,7 +24,7 @@ from service.errors import install_error_handlers
 from service.metrics import Metrics
 from service.poller import RepositoryPoller
 from service.registry import Registry
-from service.routes import health, native, repository, v2
+from service.routes import contrast, health, native, repository, v2
 from service.settings import Settings
 
 logger = logging.getLogger("lmhead")
@@ -69,6 +69,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_error_handlers(app)
     app.include_router(health.router)
     app.include_router(native.router)
+    app.include_router(contrast.router)
     app.include_router(repository.router)
     app.include_router(v2.router)
     app.add_middleware(RequestMetrics, metrics=metrics)
