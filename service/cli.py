@@ -66,6 +66,22 @@ def _parser() -> argparse.ArgumentParser:
     importer.add_argument("--external-data", action="store_true", help="weights in model.onnx.data")
     importer.set_defaults(handler=_import)
 
+    versus = commands.add_parser("compare", help="contrast two served heads on your hidden states")
+    versus.add_argument("model_a")
+    versus.add_argument("model_b")
+    versus.add_argument("--hidden", type=Path, required=True, help=".npy of (rows, d_model)")
+    versus.add_argument("--targets", type=Path, help=".npy of the real next token ids")
+    versus.add_argument("--k", type=int, default=10)
+    versus.add_argument("--url", default="http://127.0.0.1:8000", help="the running service")
+    versus.add_argument(
+        "--repository",
+        type=Path,
+        default=Path("models"),
+        help="where the model files are, to measure resident memory",
+    )
+    versus.add_argument("--json", action="store_true")
+    versus.set_defaults(handler=_compare)
+
     repair = commands.add_parser("retie", help="repair a duplicated tied weight in place or to -o")
     repair.add_argument("path", type=Path, help="model.onnx or a version directory")
     repair.add_argument("-o", "--output", type=Path, help="write here instead of in place")
@@ -128,6 +144,16 @@ def _import(args: argparse.Namespace) -> int:
     print(f"wrote {result.directory}: {kind} head, {result.vocab_size} x {result.d_model}")
     for note in result.notes:
         print(f"  note: {note}")
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from service.comparison import compare_served, format_comparison
+
+    report = compare_served(
+        args.url, args.model_a, args.model_b, args.hidden, args.targets, args.k, args.repository
+    )
+    print(json.dumps(report, indent=2) if args.json else format_comparison(report))
     return 0
 
 

@@ -101,9 +101,7 @@ async def compare(request: Request) -> dict[str, Any]:
             targets = _target_array(raw_targets, hidden, a)
         full = await asyncio.gather(*(_full(head, hidden, settings) for head in heads))
         (logits_a, lse_a), (logits_b, lse_b) = full
-        answer: dict[str, Any] = await _offload(
-            a, contrast.agreement, logits_a, logits_b, opts.k
-        )
+        answer: dict[str, Any] = await _offload(a, contrast.agreement, logits_a, logits_b, opts.k)
         blocks = [_block(head) for head in heads]
         if targets is not None:
             answer |= await _targets_block(a, targets, full, blocks)
