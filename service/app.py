@@ -26,6 +26,7 @@ from service.poller import RepositoryPoller
 from service.registry import Registry
 from service.routes import contrast, health, native, repository, v2
 from service.settings import Settings
+from service.shadow import ShadowTraffic
 
 logger = logging.getLogger("lmhead")
 
@@ -41,6 +42,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         executor = ThreadPoolExecutor(settings.inference_threads, thread_name_prefix="lmhead-infer")
         registry = Registry(settings, executor, metrics)
         app.state.registry = registry
+        shadow = ShadowTraffic(registry, metrics, settings.shadow_max_pending)
+        app.state.shadow = shadow
         loading = asyncio.create_task(registry.load_all(), name="lmhead-startup-load")
         app.state.loading = loading  # awaitable by embedders and in-process tests
         background = [loading]
@@ -55,6 +58,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
+            await shadow.close()
             await registry.close()
             executor.shutdown(wait=True, cancel_futures=True)
 

@@ -110,6 +110,33 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+        pair = ["primary", "shadow"]
+        self.shadow_requests = Counter(
+            "lmhead_shadow_requests",
+            "Sampled requests replayed on a shadow model, by outcome (ran, dropped, failed).",
+            [*pair, "outcome"],
+            registry=self.registry,
+        )
+        self.shadow_rows = Counter(
+            "lmhead_shadow_top1_rows",
+            "Shadowed rows by whether primary and shadow agree on the top-1 token.",
+            [*pair, "agree"],
+            registry=self.registry,
+        )
+        self.shadow_topk_overlap = Histogram(
+            "lmhead_shadow_topk_overlap",
+            "Per-row top-k overlap (Jaccard) between primary and shadow.",
+            pair,
+            buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0),
+            registry=self.registry,
+        )
+        self.shadow_kl = Histogram(
+            "lmhead_shadow_kl",
+            "Per-row KL(primary || shadow) over the full softmax, in nats.",
+            pair,
+            buckets=(1e-6, 1e-4, 1e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0),
+            registry=self.registry,
+        )
         self.repository_scans = Counter(
             "lmhead_repository_scans",
             "Repository scans done by the poller.",

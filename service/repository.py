@@ -37,6 +37,15 @@ class RepositoryError(ValueError):
     """A file in the repository is unusable; the message names the file and the problem."""
 
 
+class ShadowConfig(BaseModel):
+    """Replay a sampled fraction of this model's requests on another served model."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str
+    fraction: float = Field(default=0.1, ge=0.0, le=1.0)
+
+
 class ModelConfig(BaseModel):
     """``<name>/config.json``: every field optional, unknown fields refused."""
 
@@ -53,6 +62,10 @@ class ModelConfig(BaseModel):
     max_batch_rows: int | None = Field(default=None, ge=1)
     """Cap on rows merged into one run for this model."""
     description: str = ""
+    shadow: ShadowConfig | None = None
+    """Shadow traffic: {"model": "candidate", "fraction": 0.1}."""
+    shadow_k: int = Field(default=10, ge=1)
+    """k of the top-k overlap that shadow metrics report."""
 
 
 @dataclass(frozen=True)

@@ -95,6 +95,7 @@ async def _topk(request: Request, model: LoadedVersion, settings: Settings) -> R
     if k > settings.max_k:
         raise InvalidInput(f"k must be between 1 and {settings.max_k} (max_k), got {k}")
     result = await model.project(hidden, k, temperature=opts.temperature)
+    request.app.state.shadow.offer(model, hidden)  # after the answer; never delays it
     if answer == JSON:
         return _reply(model, json_bytes(_topk_payload(model, result, opts.logprobs)), JSON)
     if answer == NPZ:

@@ -20,6 +20,7 @@ from service.errors import InvalidInput, ModelNotReady, PayloadTooLarge
 from service.model import LoadedVersion
 from service.routes.deps import RegistryDep, target_version
 from service.settings import Settings
+from service.shadow import ShadowTraffic
 
 router = APIRouter(prefix="/v2", tags=["v2"])
 PROJECTION_OUTPUTS = {"topk_token_ids", "topk_logits", "topk_logprobs", "logsumexp", "logits"}
@@ -86,20 +87,20 @@ async def infer(request: Request) -> Response:
     with model.lease():
         body = await read_body(request, settings.max_body_bytes)
         decoded = v2.decode(body, request.headers.get(v2.HEADER_LENGTH))
-        tensors = await _compute(model, settings, decoded)
+        tensors = await _compute(model, settings, decoded, request.app.state.shadow)
         payload, headers = v2.encode(model.name, model.version, decoded.id, tensors)
     headers |= {"x-lmhead-version": str(model.version), "x-lmhead-tied": str(model.tied).lower()}
     return Response(payload, headers=headers)
 
 
 async def _compute(
-    model: LoadedVersion, settings: Settings, request: v2.InferRequest
+    model: LoadedVersion, settings: Settings, request: v2.InferRequest, shadow: ShadowTraffic
 ) -> list[tuple[v2.OutputRequest, npt.NDArray[Any]]]:
     outputs = request.outputs or _default_outputs(request)
     names = {output.name for output in outputs}
     results: dict[str, npt.NDArray[Any]] = {}
     if names & PROJECTION_OUTPUTS:
-        results |= await _project(model, settings, request, outputs)
+        results |= await _project(model, settings, request, outputs, shadow)
     if "embeddings" in names:
         if "input_ids" not in request.inputs:
             raise InvalidInput("output embeddings needs the input input_ids")
@@ -123,6 +124,7 @@ async def _project(
     settings: Settings,
     request: v2.InferRequest,
     outputs: list[v2.OutputRequest],
+    shadow: ShadowTraffic,
 ) -> dict[str, npt.NDArray[Any]]:
     if "hidden_states" not in request.inputs:
         raise InvalidInput("projection outputs need the input hidden_states")
@@ -141,6 +143,7 @@ async def _project(
             f"the logits output would be {size} bytes; the limit is {settings.max_logits_bytes}"
         )
     result = await model.project(hidden, k, temperature=float(temperature), full_logits=full)
+    shadow.offer(model, hidden)
     arrays: dict[str, npt.NDArray[Any]] = {
         "topk_token_ids": result.topk_token_ids,
         "topk_logits": result.topk_logits,

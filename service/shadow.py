@@ -1,0 +1,112 @@
+"""Shadow traffic: replay a sampled fraction of a model's requests on a candidate head.
+
+A model's ``config.json`` names its shadow: ``{"shadow": {"model": "B", "fraction": 0.1}}``.
+After the primary answer is computed, a sampled request is queued for the shadow and the
+answer goes out at once: the shadow never delays or fails the primary. The queue is bounded;
+when it is full the sample is dropped and counted. Each shadow job projects the same hidden
+states through both heads (full logits, through their batchers) and records top-1 agreement,
+top-k overlap and KL(primary || shadow) per row (at temperature 1) in Prometheus, by
+primary/shadow pair.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+
+import numpy as np
+import numpy.typing as npt
+
+from service import contrast
+from service.metrics import Metrics
+from service.model import LoadedVersion
+from service.registry import Registry
+
+logger = logging.getLogger("lmhead")
+
+
+class ShadowTraffic:
+    """Bounded, fire-and-forget shadow runs with agreement metrics."""
+
+    def __init__(self, registry: Registry, metrics: Metrics, max_pending: int) -> None:
+        self._registry = registry
+        self._metrics = metrics
+        self._max_pending = max_pending
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._random = random.Random(0)
+
+    def offer(self, primary: LoadedVersion, hidden: npt.NDArray[np.float32]) -> None:
+        """Maybe queue a shadow run of these rows (returns at once)."""
+        shadow = primary.config.shadow
+        if shadow is None or self._random.random() >= shadow.fraction:
+            return
+        outcome = self._metrics.shadow_requests.labels
+        if len(self._tasks) >= self._max_pending:
+            outcome(primary.name, shadow.model, "dropped").inc()
+            return
+        rows = hidden.reshape(-1, primary.d_model)
+        task = asyncio.get_running_loop().create_task(self._run(primary, shadow.model, rows))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _run(self, primary: LoadedVersion, name: str, rows: npt.NDArray[np.float32]) -> None:
+        outcome = self._metrics.shadow_requests.labels
+        try:
+            shadow = self._registry.get(name)
+            if (shadow.d_model, shadow.vocab_size) != (primary.d_model, primary.vocab_size):
+                raise ValueError(f"{name} does not match {primary.name}'s d_model and vocab")
+            with primary.lease(), shadow.lease():
+                ours, theirs = await asyncio.gather(
+                    primary.project(rows, 1, full_logits=True),
+                    shadow.project(rows, 1, full_logits=True),
+                )
+            if ours.logits is None or theirs.logits is None:
+                raise RuntimeError("full logits were asked for but not returned")
+            loop = asyncio.get_running_loop()
+            stats = await loop.run_in_executor(
+                primary.executor, _per_row, ours.logits, theirs.logits, primary.config.shadow_k
+            )
+        except Exception as error:  # a shadow must never hurt the primary: count and go on
+            logger.warning("shadow %s for %s failed: %s", name, primary.name, error)
+            outcome(primary.name, name, "failed").inc()
+            return
+        self._record(primary.name, name, *stats)
+        outcome(primary.name, name, "ran").inc()
+
+    def _record(
+        self,
+        primary: str,
+        shadow: str,
+        agree: npt.NDArray[np.bool_],
+        overlap: list[float],
+        kl: npt.NDArray[np.float64],
+    ) -> None:
+        metrics = self._metrics
+        metrics.shadow_rows.labels(primary, shadow, "true").inc(int(agree.sum()))
+        metrics.shadow_rows.labels(primary, shadow, "false").inc(int((~agree).sum()))
+        overlap_histogram = metrics.shadow_topk_overlap.labels(primary, shadow)
+        kl_histogram = metrics.shadow_kl.labels(primary, shadow)
+        for value in overlap:
+            overlap_histogram.observe(value)
+        for value in kl.tolist():
+            kl_histogram.observe(value)
+
+
+def _per_row(
+    primary: npt.NDArray[np.float32], shadow: npt.NDArray[np.float32], k: int
+) -> tuple[npt.NDArray[np.bool_], list[float], npt.NDArray[np.float64]]:
+    """Top-1 agreement, Jaccard@k and KL(primary || shadow) for every row."""
+    top_p = np.argsort(-primary, axis=1, kind="stable")[:, :k]
+    top_s = np.argsort(-shadow, axis=1, kind="stable")[:, :k]
+    overlap = [
+        len(set(p.tolist()) & set(s.tolist())) / len(set(p.tolist()) | set(s.tolist()))
+        for p, s in zip(top_p, top_s, strict=True)
+    ]
+    kl: npt.NDArray[np.float64] = contrast.kl_rows(primary, shadow)
+    return top_p[:, 0] == top_s[:, 0], overlap, kl
