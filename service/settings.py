@@ -60,7 +60,7 @@ class Settings(BaseSettings):
     """Execution provider: auto (CUDA when present, else CPU), cuda (falls back to CPU), cpu."""
     create_demo_models: bool = False
     """Write the demo heads at start when the repository has no models (the image sets it)."""
-    shadow_max_pending: int = Field(default=64, ge=1)
+    shadow_max_pending: int = Field(default=8, ge=1)
     """Shadow runs in flight before further samples are dropped (and counted)."""
     log_level: LogLevel = "info"
     """Log level of the service and uvicorn."""

@@ -1,12 +1,14 @@
 """Shadow traffic: replay a sampled fraction of a model's requests on a candidate head.
 
 A model's ``config.json`` names its shadow: ``{"shadow": {"model": "B", "fraction": 0.1}}``.
-After the primary answer is computed, a sampled request is queued for the shadow and the
-answer goes out at once: the shadow never delays or fails the primary. The queue is bounded;
-when it is full the sample is dropped and counted. Each shadow job projects the same hidden
-states through both heads (full logits, through their batchers) and records top-1 agreement,
-top-k overlap and KL(primary || shadow) per row (at temperature 1) in Prometheus, by
-primary/shadow pair.
+A sampled request also fetches the primary's full logits (the graph computes them anyway, so
+this costs one output copy, not a second run); after the answer is computed the rows are
+queued for the shadow and the answer goes out at once: the shadow never delays or fails the
+primary answer. At most ``max_pending`` shadow jobs run; further samples are dropped and
+counted. A job projects the rows through the shadow (its own batcher) and computes top-1
+agreement, top-k overlap (argpartition, not a full sort) and KL(primary || shadow) per row in
+a thread of its own, so the statistics never hold up inference, and exports them by
+primary/shadow pair. The shadow runs at the request's temperature, so both sides compare alike.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import numpy.typing as npt
@@ -35,18 +38,32 @@ class ShadowTraffic:
         self._max_pending = max_pending
         self._tasks: set[asyncio.Task[None]] = set()
         self._random = random.Random(0)
+        self._stats = ThreadPoolExecutor(1, thread_name_prefix="lmhead-shadow")
 
-    def offer(self, primary: LoadedVersion, hidden: npt.NDArray[np.float32]) -> None:
-        """Maybe queue a shadow run of these rows (returns at once)."""
+    def wants(self, primary: LoadedVersion) -> bool:
+        """Sample this request for the shadow? (A full queue drops it and counts that.)"""
         shadow = primary.config.shadow
         if shadow is None or self._random.random() >= shadow.fraction:
-            return
-        outcome = self._metrics.shadow_requests.labels
+            return False
         if len(self._tasks) >= self._max_pending:
-            outcome(primary.name, shadow.model, "dropped").inc()
+            self._metrics.shadow_requests.labels(primary.name, shadow.model, "dropped").inc()
+            return False
+        return True
+
+    def submit(
+        self,
+        primary: LoadedVersion,
+        hidden: npt.NDArray[np.float32],
+        logits: npt.NDArray[np.float32] | None,
+        temperature: float = 1.0,
+    ) -> None:
+        """Queue the shadow run of a sampled request (returns at once)."""
+        shadow = primary.config.shadow
+        if shadow is None or logits is None:
             return
         rows = hidden.reshape(-1, primary.d_model)
-        task = asyncio.get_running_loop().create_task(self._run(primary, shadow.model, rows))
+        flat = logits.reshape(-1, primary.vocab_size)
+        task = asyncio.get_running_loop().create_task(self._run(primary, shadow.model, rows, flat))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -54,23 +71,27 @@ class ShadowTraffic:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._stats.shutdown(wait=False, cancel_futures=True)
 
-    async def _run(self, primary: LoadedVersion, name: str, rows: npt.NDArray[np.float32]) -> None:
+    async def _run(
+        self,
+        primary: LoadedVersion,
+        name: str,
+        rows: npt.NDArray[np.float32],
+        ours: npt.NDArray[np.float32],
+    ) -> None:
         outcome = self._metrics.shadow_requests.labels
         try:
             shadow = self._registry.get(name)
             if (shadow.d_model, shadow.vocab_size) != (primary.d_model, primary.vocab_size):
                 raise ValueError(f"{name} does not match {primary.name}'s d_model and vocab")
-            with primary.lease(), shadow.lease():
-                ours, theirs = await asyncio.gather(
-                    primary.project(rows, 1, full_logits=True),
-                    shadow.project(rows, 1, full_logits=True),
-                )
-            if ours.logits is None or theirs.logits is None:
+            with shadow.lease():
+                theirs = await shadow.project(rows, 1, full_logits=True)
+            if theirs.logits is None:
                 raise RuntimeError("full logits were asked for but not returned")
             loop = asyncio.get_running_loop()
             stats = await loop.run_in_executor(
-                primary.executor, _per_row, ours.logits, theirs.logits, primary.config.shadow_k
+                self._stats, _per_row, ours, theirs.logits, primary.config.shadow_k
             )
         except Exception as error:  # a shadow must never hurt the primary: count and go on
             logger.warning("shadow %s for %s failed: %s", name, primary.name, error)
@@ -102,11 +123,12 @@ def _per_row(
     primary: npt.NDArray[np.float32], shadow: npt.NDArray[np.float32], k: int
 ) -> tuple[npt.NDArray[np.bool_], list[float], npt.NDArray[np.float64]]:
     """Top-1 agreement, Jaccard@k and KL(primary || shadow) for every row."""
-    top_p = np.argsort(-primary, axis=1, kind="stable")[:, :k]
-    top_s = np.argsort(-shadow, axis=1, kind="stable")[:, :k]
+    k = min(k, primary.shape[1])
+    top_p = np.argpartition(-primary, k - 1, axis=1)[:, :k]
+    top_s = np.argpartition(-shadow, k - 1, axis=1)[:, :k]
     overlap = [
         len(set(p.tolist()) & set(s.tolist())) / len(set(p.tolist()) | set(s.tolist()))
         for p, s in zip(top_p, top_s, strict=True)
     ]
     kl: npt.NDArray[np.float64] = contrast.kl_rows(primary, shadow)
-    return top_p[:, 0] == top_s[:, 0], overlap, kl
+    return primary.argmax(axis=1) == shadow.argmax(axis=1), overlap, kl

@@ -94,8 +94,11 @@ async def _topk(request: Request, model: LoadedVersion, settings: Settings) -> R
     k = opts.k or model.default_k
     if k > settings.max_k:
         raise InvalidInput(f"k must be between 1 and {settings.max_k} (max_k), got {k}")
-    result = await model.project(hidden, k, temperature=opts.temperature)
-    request.app.state.shadow.offer(model, hidden)  # after the answer; never delays it
+    shadow = request.app.state.shadow
+    sampled = shadow.wants(model)  # a sampled request also fetches its full logits
+    result = await model.project(hidden, k, temperature=opts.temperature, full_logits=sampled)
+    if sampled:
+        shadow.submit(model, hidden, result.logits)  # queued; the answer does not wait
     if answer == JSON:
         return _reply(model, json_bytes(_topk_payload(model, result, opts.logprobs)), JSON)
     if answer == NPZ:

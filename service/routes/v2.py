@@ -142,8 +142,12 @@ async def _project(
         raise PayloadTooLarge(
             f"the logits output would be {size} bytes; the limit is {settings.max_logits_bytes}"
         )
-    result = await model.project(hidden, k, temperature=float(temperature), full_logits=full)
-    shadow.offer(model, hidden)
+    sampled = shadow.wants(model)
+    result = await model.project(
+        hidden, k, temperature=float(temperature), full_logits=full or sampled
+    )
+    if sampled:
+        shadow.submit(model, hidden, result.logits)
     arrays: dict[str, npt.NDArray[Any]] = {
         "topk_token_ids": result.topk_token_ids,
         "topk_logits": result.topk_logits,
