@@ -63,7 +63,9 @@ class ShadowTraffic:
             return
         rows = hidden.reshape(-1, primary.d_model)
         flat = logits.reshape(-1, primary.vocab_size)
-        task = asyncio.get_running_loop().create_task(self._run(primary, shadow.model, rows, flat))
+        task = asyncio.get_running_loop().create_task(
+            self._run(primary, shadow.model, rows, flat, temperature)
+        )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -79,6 +81,7 @@ class ShadowTraffic:
         name: str,
         rows: npt.NDArray[np.float32],
         ours: npt.NDArray[np.float32],
+        temperature: float,
     ) -> None:
         outcome = self._metrics.shadow_requests.labels
         try:
@@ -86,7 +89,7 @@ class ShadowTraffic:
             if (shadow.d_model, shadow.vocab_size) != (primary.d_model, primary.vocab_size):
                 raise ValueError(f"{name} does not match {primary.name}'s d_model and vocab")
             with shadow.lease():
-                theirs = await shadow.project(rows, 1, full_logits=True)
+                theirs = await shadow.project(rows, 1, temperature=temperature, full_logits=True)
             if theirs.logits is None:
                 raise RuntimeError("full logits were asked for but not returned")
             loop = asyncio.get_running_loop()

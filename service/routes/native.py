@@ -98,7 +98,7 @@ async def _topk(request: Request, model: LoadedVersion, settings: Settings) -> R
     sampled = shadow.wants(model)  # a sampled request also fetches its full logits
     result = await model.project(hidden, k, temperature=opts.temperature, full_logits=sampled)
     if sampled:
-        shadow.submit(model, hidden, result.logits)  # queued; the answer does not wait
+        shadow.submit(model, hidden, result.logits, opts.temperature)  # the answer won't wait
     if answer == JSON:
         return _reply(model, json_bytes(_topk_payload(model, result, opts.logprobs)), JSON)
     if answer == NPZ:

@@ -147,7 +147,7 @@ async def _project(
         hidden, k, temperature=float(temperature), full_logits=full or sampled
     )
     if sampled:
-        shadow.submit(model, hidden, result.logits)
+        shadow.submit(model, hidden, result.logits, float(temperature))
     arrays: dict[str, npt.NDArray[Any]] = {
         "topk_token_ids": result.topk_token_ids,
         "topk_logits": result.topk_logits,
