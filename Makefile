@@ -47,6 +47,8 @@ bench: install
 	$(BIN)/python -m bench.heads --output bench/results-heads.md
 	$(BIN)/python -m bench.serve --output bench/results-serve.md
 	$(BIN)/python -m bench.swap --large --output bench/results-swap.md
+	$(BIN)/python -m bench.shadow --output bench/results-shadow.md
+	$(BIN)/python -m bench.import_head
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache

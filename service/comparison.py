@@ -67,6 +67,7 @@ def format_comparison(report: dict[str, Any]) -> str:
             ("NLL", f"{a['nll']:.4f}", f"{b['nll']:.4f}"),
             ("perplexity", f"{a['perplexity']:.2f}", f"{b['perplexity']:.2f}"),
             ("rows won", f"{report['wins'][a['name']]:.1%}", f"{report['wins'][b['name']]:.1%}"),
+            ("rows tied", f"{report['wins']['tie']:.1%}", ""),
         ]
     width = max(len(cell) for row in rows for cell in row)
     lines = [" ".join(cell.ljust(width) for cell in row) for row in rows]
