@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ import pytest
 
 from service.contrast import kl_rows
 from service.heads import HeadWeights, save_head
-from service.reference import log_softmax, logsumexp
+from service.reference import log_softmax, logsumexp, top_k
 from tests.conftest import D_MODEL, VOCAB, initializers
 from tests.server import running_server
 
@@ -182,10 +183,17 @@ def _wait_for(url: str, name: str, value: float, **labels: str) -> str:
 
 
 def test_shadow_traffic_metrics_match_a_reference(url: str, repository: Path) -> None:
-    for row in HIDDEN:
+    def primary(row: npt.NDArray[np.float32]) -> list[int]:
         body = {"hidden_states": [row.tolist()], "k": 3}
-        answer = httpx.post(f"{url}/v1/models/shadowed/topk", json=body).json()
-        assert answer["model"] == "shadowed"  # the primary answers, unchanged
+        answer = httpx.post(f"{url}/v1/models/shadowed/topk", json=body, timeout=30).json()
+        assert answer["model"] == "shadowed"
+        ids: list[int] = answer["results"][0]["token_ids"]
+        return ids
+
+    with ThreadPoolExecutor(6) as clients:  # concurrent load, every request shadowed
+        answers = list(clients.map(primary, HIDDEN))
+    expected = top_k(_logits(repository, "shadowed", HIDDEN), 3)[1]
+    np.testing.assert_array_equal(answers, expected)  # primary answers stay exact
     pair = {"primary": "shadowed", "shadow": "perturbed"}
     text = _wait_for(url, "lmhead_shadow_requests_total", 12, outcome="ran", **pair)
     agree = _metric(text, "lmhead_shadow_top1_rows_total", agree="true", **pair)
