@@ -1,8 +1,10 @@
 """Benchmark the service against a bare onnxruntime session, JSON vs .npy, batching on vs off.
 
 Starts the real service (``python -m service serve``) on loopback on freshly made demo heads,
-drives it with concurrent aiohttp clients (bounded in count and time; httpx's async pool
-itself tops out near 60 requests/s at 64 connections here), and measures the bare
+drives it with concurrent aiohttp clients on uvloop (bounded in count and time; httpx's async
+pool itself tops out near 60 requests/s at 64 connections here, and the clients share the 2
+cores with the server, so a lighter load generator measures the server better), and measures
+the bare
 ``HeadSession`` on the same head in the same run, so every ratio comes from one run on one
 (shared, noisy) machine. Writes a markdown report.
 
@@ -28,6 +30,7 @@ import numpy as np
 import numpy.typing as npt
 import onnxruntime as ort
 import orjson
+import uvloop
 
 from service.demo import write_demo_models
 from service.runtime import HeadSession
@@ -78,7 +81,7 @@ def _run(repository: Path, model: str) -> str:
         for kind in ("json", "npy"):
             for rows in ROWS:
                 for clients in CLIENTS:
-                    result = asyncio.run(_drive(url + url_path, kind, rows, clients))
+                    result = uvloop.run(_drive(url + url_path, kind, rows, clients))
                     ratio = result.rows_per_s / bare[rows].rows_per_s
                     lines.append(
                         f"| {kind} | {rows} | {clients} | {result.rows_per_s:.0f} | "
@@ -96,7 +99,7 @@ def _run(repository: Path, model: str) -> str:
                 "v2 binary": _drive(url + v2_path, "v2-binary", 64, clients),
                 "v2 json": _drive(url + v2_path, "v2-json", 64, clients),
             }
-            measured = {name: asyncio.run(run) for name, run in runs.items()}
+            measured = {name: uvloop.run(run) for name, run in runs.items()}
             base = measured["native npy"].rows_per_s
             for name, result in measured.items():
                 lines.append(
@@ -108,7 +111,7 @@ def _run(repository: Path, model: str) -> str:
     results = {}
     for batching in ("false", "true"):
         with running_server(repository, log_level="warning", batching=batching) as url:
-            results[batching] = asyncio.run(_drive(url + url_path, "json", 1, 64))
+            results[batching] = uvloop.run(_drive(url + url_path, "json", 1, 64))
     for batching, result in results.items():
         gain = result.rows_per_s / results["false"].rows_per_s
         lines.append(
