@@ -199,16 +199,8 @@ async def _targets_block(
 
 
 def _block(head: LoadedVersion) -> dict[str, Any]:
-    report = head.report
-    return {
-        "name": head.name,
-        "version": head.version,
-        "tied": head.tied,
-        "parameters": report.parameters,
-        "weight_bytes": report.weight_bytes,
-        "file_bytes": report.file_bytes,
-        "memory_mode": head.session.memory_mode,
-    }
+    """The head's metadata (tie, sizes, memory mode, provider), as ``/v1/models`` gives it."""
+    return {"name": head.name, **head.describe()}
 
 
 def _speed(head: LoadedVersion, hidden: npt.NDArray[np.float32]) -> float:
