@@ -2,8 +2,8 @@
 
 The untied twin keeps the tied head's table as its input embedding and gets an output matrix
 that starts from the same table and drifts away (correlation 0.8), like a head fine-tuned
-apart from its embedding. That makes an A/B between the two meaningful: they mostly agree
-and sometimes do not. Everything is seeded, so every machine makes the same files.
+apart from its embedding: related but clearly different, so an A/B between the two has
+something to find. Everything is seeded, so every machine makes the same files.
 """
 
 from __future__ import annotations
