@@ -25,6 +25,7 @@ from service.metrics import Metrics
 from service.poller import RepositoryPoller
 from service.registry import Registry
 from service.routes import contrast, health, native, repository, v2
+from service.routes.fastpath import InferenceFastPath
 from service.settings import Settings
 from service.shadow import ShadowTraffic
 
@@ -76,6 +77,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(contrast.router)
     app.include_router(repository.router)
     app.include_router(v2.router)
+    app.add_middleware(InferenceFastPath)  # inside RequestMetrics: still counted and timed
     app.add_middleware(RequestMetrics, metrics=metrics)
     return app
 

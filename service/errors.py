@@ -117,12 +117,19 @@ def _json(
     return Response(error_body(code, message), status, headers, "application/json")
 
 
+def error_response(request: Request, error: Exception) -> Response:
+    """The one mapping from an exception raised while serving a request to its answer."""
+    if isinstance(error, ServiceError):
+        return _json(request, error.status, error.code, error.message, error.headers)
+    logger.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=error)
+    return _json(request, 500, "internal_error", "internal error; the server log has the details")
+
+
 def install_error_handlers(app: FastAPI) -> None:
-    """Register the one mapping from exceptions to HTTP answers."""
+    """Register the mapping with FastAPI (the inference fast path calls it directly)."""
 
     async def service_error(request: Request, error: Exception) -> Response:
-        assert isinstance(error, ServiceError)
-        return _json(request, error.status, error.code, error.message, error.headers)
+        return error_response(request, error)
 
     async def validation_error(request: Request, error: Exception) -> Response:
         assert isinstance(error, RequestValidationError)
@@ -136,9 +143,7 @@ def install_error_handlers(app: FastAPI) -> None:
         return _json(request, error.status_code, code, str(error.detail), headers)
 
     async def unexpected(request: Request, error: Exception) -> Response:
-        logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        message = "internal error; the server log has the details"
-        return _json(request, 500, "internal_error", message)
+        return error_response(request, error)
 
     app.add_exception_handler(ServiceError, service_error)
     app.add_exception_handler(RequestValidationError, validation_error)
