@@ -94,7 +94,7 @@ class ShadowTraffic:
                 raise RuntimeError("full logits were asked for but not returned")
             loop = asyncio.get_running_loop()
             stats = await loop.run_in_executor(
-                self._stats, _per_row, ours, theirs.logits, primary.config.shadow_k
+                self._stats, contrast.row_agreement, ours, theirs.logits, primary.config.shadow_k
             )
         except Exception as error:  # a shadow must never hurt the primary: count and go on
             logger.warning("shadow %s for %s failed: %s", name, primary.name, error)
@@ -108,7 +108,7 @@ class ShadowTraffic:
         primary: str,
         shadow: str,
         agree: npt.NDArray[np.bool_],
-        overlap: list[float],
+        overlap: npt.NDArray[np.float64],
         kl: npt.NDArray[np.float64],
     ) -> None:
         metrics = self._metrics
@@ -116,22 +116,7 @@ class ShadowTraffic:
         metrics.shadow_rows.labels(primary, shadow, "false").inc(int((~agree).sum()))
         overlap_histogram = metrics.shadow_topk_overlap.labels(primary, shadow)
         kl_histogram = metrics.shadow_kl.labels(primary, shadow)
-        for value in overlap:
+        for value in overlap.tolist():
             overlap_histogram.observe(value)
         for value in kl.tolist():
             kl_histogram.observe(value)
-
-
-def _per_row(
-    primary: npt.NDArray[np.float32], shadow: npt.NDArray[np.float32], k: int
-) -> tuple[npt.NDArray[np.bool_], list[float], npt.NDArray[np.float64]]:
-    """Top-1 agreement, Jaccard@k and KL(primary || shadow) for every row."""
-    k = min(k, primary.shape[1])
-    top_p = np.argpartition(-primary, k - 1, axis=1)[:, :k]
-    top_s = np.argpartition(-shadow, k - 1, axis=1)[:, :k]
-    overlap = [
-        len(set(p.tolist()) & set(s.tolist())) / len(set(p.tolist()) | set(s.tolist()))
-        for p, s in zip(top_p, top_s, strict=True)
-    ]
-    kl: npt.NDArray[np.float64] = contrast.kl_rows(primary, shadow)
-    return primary.argmax(axis=1) == shadow.argmax(axis=1), overlap, kl
