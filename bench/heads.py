@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import subprocess
 import sys
 import tempfile
@@ -18,8 +17,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 
+from bench.machine import describe_machine
 from service.heads import HeadWeights, save_head
 from service.runtime import MEMORY_MODES, HeadSession, MemoryMode
 
@@ -32,7 +31,7 @@ def main() -> int:
     parser.add_argument("--sizes", default="32000x512,50257x768")
     parser.add_argument("--output", type=Path)
     args = parser.parse_args()
-    lines = [_machine(), "", _header()]
+    lines = [f"{describe_machine()} Medians of interleaved runs.", "", _header()]
     for size in args.sizes.split(","):
         vocab, d_model = (int(part) for part in size.split("x"))
         with tempfile.TemporaryDirectory() as scratch:
@@ -42,20 +41,6 @@ def main() -> int:
     if args.output:
         args.output.write_text(table + "\n", encoding="utf-8")
     return 0
-
-
-def _machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
-    import os
-
-    return (
-        f"Machine: {cpu}, {os.cpu_count()} cores; onnxruntime {ort.__version__}, "
-        f"numpy {np.__version__}; medians of interleaved runs."
-    )
 
 
 def _header() -> str:

@@ -16,8 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import io
-import os
-import platform
 import statistics
 import tempfile
 import time
@@ -28,10 +26,10 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 import numpy.typing as npt
-import onnxruntime as ort
 import orjson
 import uvloop
 
+from bench.machine import describe_machine
 from service.demo import write_demo_models
 from service.runtime import HeadSession
 from tests.server import running_server
@@ -69,7 +67,12 @@ def _run(repository: Path, model: str) -> str:
     session = HeadSession(repository / model / "1" / "model.onnx", tied=model.endswith("tied"))
     bare = {rows: _bare(session, rows) for rows in ROWS}
     url_path = f"/v1/models/{model}/topk"
-    lines = [_machine(), "", f"Head `{model}` (32000 x 512), k={K}, loopback, aiohttp clients.", ""]
+    lines = [
+        describe_machine(),
+        "",
+        f"Head `{model}` (32000 x 512), k={K}, loopback, aiohttp clients.",
+        "",
+    ]
     lines += ["| body | rows/req | clients | rows/s | p50 ms | p99 ms | vs bare session |"]
     lines += ["|---|---|---|---|---|---|---|"]
     lines += [
@@ -119,15 +122,6 @@ def _run(repository: Path, model: str) -> str:
             f"{result.p50_ms:.2f} | {result.p99_ms:.2f} | {gain:.1f}x |"
         )
     return "\n".join(lines)
-
-
-def _machine() -> str:
-    cpu = platform.machine()
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
-    return f"Machine: {cpu}, {os.cpu_count()} cores; onnxruntime {ort.__version__}."
 
 
 def _hidden(rows: int) -> npt.NDArray[np.float32]:

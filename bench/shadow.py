@@ -12,7 +12,8 @@ import json
 import tempfile
 from pathlib import Path
 
-from bench.serve import _drive, _machine
+from bench.machine import describe_machine
+from bench.serve import _drive
 from service.demo import write_demo_models
 from tests.server import running_server
 
@@ -23,7 +24,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--output", type=Path)
     args = parser.parse_args()
-    lines = [_machine(), "", "| shadow sampling | rows/s | p50 ms | p99 ms | vs no shadow |"]
+    lines = [
+        describe_machine(),
+        "",
+        "| shadow sampling | rows/s | p50 ms | p99 ms | vs no shadow |",
+    ]
     lines.append("|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as scratch:
         repository = Path(scratch)
