@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -25,7 +26,7 @@ from service.metrics import Metrics
 from service.poller import RepositoryPoller
 from service.registry import Registry
 from service.routes import contrast, health, native, repository, v2
-from service.routes.fastpath import InferenceFastPath
+from service.routes.fastpath import InferenceFastPath, known_model
 from service.settings import Settings
 from service.shadow import ShadowTraffic
 
@@ -63,7 +64,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await registry.close()
             executor.shutdown(wait=True, cancel_futures=True)
 
-    app = FastAPI(
+    app = LMHeadApp(
+        InferenceFastPath(metrics),
         title="lmhead",
         version=__version__,
         summary="Serve language-model heads, tied and untied.",
@@ -77,7 +79,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(contrast.router)
     app.include_router(repository.router)
     app.include_router(v2.router)
-    app.add_middleware(InferenceFastPath)  # inside RequestMetrics: still counted and timed
     app.add_middleware(RequestMetrics, metrics=metrics)
     return app
 
@@ -87,6 +88,19 @@ async def _follow(loading: asyncio.Task[None], poller: RepositoryPoller) -> None
     await loading
     await poller.prime()
     await poller.run()
+
+
+class LMHeadApp(FastAPI):
+    """FastAPI whose inference routes are served before its middleware stack (see fastpath)."""
+
+    def __init__(self, fast_path: InferenceFastPath, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.fast_path = fast_path
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        scope["app"] = self
+        if not await self.fast_path.serve(scope, receive, send):
+            await super().__call__(scope, receive, send)
 
 
 class RequestMetrics:
@@ -122,6 +136,5 @@ class RequestMetrics:
         endpoint = getattr(route, "path", "unmatched")
         name = scope.get("path_params", {}).get("name", "")
         registry = getattr(scope["app"].state, "registry", None)
-        # Only known model names become label values: unknown ones would grow the series set.
-        model = name if registry is not None and registry.knows(name) else ""
+        model = known_model(registry, name)
         self.metrics.observe_request(model, version, endpoint, status, seconds)

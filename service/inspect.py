@@ -12,6 +12,7 @@ Weights are compared without loading the file twice: external data is memory-map
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -174,9 +175,9 @@ def _report(
     tied = gather.initializer == projection.initializer
     table = weights[gather.initializer]
     dtype = onnx.helper.tensor_dtype_to_np_dtype(table.data_type)
-    parameters = sum(int(np.prod(tensor.dims)) for tensor in weights.values())
+    parameters = sum(math.prod(tensor.dims) for tensor in weights.values())
     weight_bytes = sum(
-        int(np.prod(t.dims)) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+        math.prod(t.dims) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
         for t in weights.values()
     )
     table_bytes = vocab_size * d_model * dtype.itemsize

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
+from functools import cached_property
 from typing import Any
 
 from service.batching import BatchLimits, BatchStats
@@ -59,7 +60,7 @@ class ModelRecord:
     pinned: int | None = None
     notes: tuple[str, ...] = ()
 
-    @property
+    @cached_property  # read on every request; the record never changes
     def latest(self) -> LoadedVersion | None:
         if self.pinned in self.versions:
             return self.versions[self.pinned]

@@ -8,6 +8,7 @@ and what came, and never echoes data.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -179,7 +180,7 @@ def _inputs(entries: Any, binary: bytes) -> dict[str, npt.NDArray[Any]]:
 def _binary_tensor(
     name: str, shape: list[int], dtype: np.dtype[Any], size: Any, binary: bytes, offset: int
 ) -> tuple[npt.NDArray[Any], int]:
-    expected = int(np.prod(shape)) * dtype.itemsize
+    expected = math.prod(shape) * dtype.itemsize
     if not isinstance(size, int) or size != expected:
         raise InvalidInput(
             f"input {name}: binary_data_size is {size} but shape {shape} of {dtype} "
@@ -189,9 +190,7 @@ def _binary_tensor(
         raise MalformedBody(
             f"input {name}: needs {size} bytes at offset {offset}, the body has {len(binary)}"
         )
-    array = np.frombuffer(binary, dtype=dtype, count=int(np.prod(shape)), offset=offset).reshape(
-        shape
-    )
+    array = np.frombuffer(binary, dtype=dtype, count=math.prod(shape), offset=offset).reshape(shape)
     return array, offset + size
 
 
@@ -206,9 +205,9 @@ def _json_tensor(name: str, shape: list[int], dtype: np.dtype[Any], data: Any) -
         ) from None
     if dtype.kind == "i" and any(isinstance(v, float) for v in array.reshape(-1)[:1].tolist()):
         raise InvalidInput(f"input {name} must hold integers")
-    if array.size != int(np.prod(shape)):
+    if array.size != math.prod(shape):
         raise InvalidInput(
-            f"input {name}: shape {shape} needs {int(np.prod(shape))} values, data has {array.size}"
+            f"input {name}: shape {shape} needs {math.prod(shape)} values, data has {array.size}"
         )
     return array.reshape(shape)
 

@@ -7,6 +7,7 @@ statistics run in the inference thread pool, not on the event loop.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from typing import Any
 
@@ -145,7 +146,7 @@ def _target_array(
 async def _full(
     model: LoadedVersion, hidden: npt.NDArray[np.float32], settings: Settings
 ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
-    rows = int(np.prod(hidden.shape[:-1]))
+    rows = math.prod(hidden.shape[:-1])
     if rows * model.vocab_size * 4 > settings.max_logits_bytes:
         raise PayloadTooLarge(
             f"{rows} rows x {model.vocab_size} logits exceed LMHEAD_MAX_LOGITS_BYTES "

@@ -7,9 +7,9 @@ A second thin front end over the same registry, leases, batcher and metrics as `
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-import numpy as np
 import numpy.typing as npt
 from fastapi import APIRouter, Request
 from starlette.responses import Response
@@ -137,7 +137,7 @@ async def _project(
     if not isinstance(temperature, int | float) or not 0 < temperature < float("inf"):
         raise InvalidInput("parameter temperature must be a finite number > 0")
     full = any(o.name == "logits" and o.classification is None for o in outputs)
-    size = int(np.prod(hidden.shape[:-1])) * model.vocab_size * 4
+    size = math.prod(hidden.shape[:-1]) * model.vocab_size * 4
     if full and size > settings.max_logits_bytes:
         raise PayloadTooLarge(
             f"the logits output would be {size} bytes; the limit is {settings.max_logits_bytes}"

@@ -113,6 +113,22 @@ def test_batches_never_exceed_max_rows_unless_one_request_is_larger(tied_path: P
     assert run.calls == [1, 4, 4, 9, 1]
 
 
+def test_a_batch_as_large_as_the_last_one_runs_without_waiting(tied_path: Path) -> None:
+    """Closed-loop clients: once all of the last batch's callers are back, nobody waits."""
+    run = GatedRun(HeadSession(tied_path, tied=True))
+    run.gate.set()
+
+    async def scenario(batcher: Batcher) -> None:
+        await asyncio.gather(*(batcher.enqueue(_rows(1, i), 1) for i in range(3)))
+        # With max_wait at ten minutes, this round only completes if the batcher stops
+        # waiting when the third request is in; the guard turns a hang into a failure.
+        again = asyncio.gather(*(batcher.enqueue(_rows(1, i), 1) for i in range(3, 6)))
+        await asyncio.wait_for(again, timeout=WAIT)
+
+    _with_batcher(run, BatchLimits(max_wait_s=600.0), scenario)
+    assert run.calls == [3, 3]
+
+
 def test_without_merging_each_request_runs_alone(tied_path: Path) -> None:
     run = GatedRun(HeadSession(tied_path, tied=True))
 
