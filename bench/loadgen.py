@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import cast
 
 
 class HTTPStatusError(RuntimeError):
@@ -30,8 +31,7 @@ class _Connection(asyncio.Protocol):
         self.answer: tuple[int, int, int] | None = None  # status, body start, body end
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
