@@ -196,14 +196,14 @@ def _topk_payload(model: LoadedVersion, result: Projection, logprobs: bool) -> d
     ids = result.topk_token_ids.reshape(-1, k)
     values = result.topk_logits.reshape(-1, k)
     lp = result.topk_logprobs.reshape(-1, k) if logprobs else None
+    tokens = model.tokens(ids)
     results = []
-    for row in range(len(ids)):
-        item: dict[str, Any] = {"token_ids": ids[row], "logits": values[row]}
+    for row, row_ids in enumerate(ids.tolist()):
+        item: dict[str, Any] = {"token_ids": row_ids, "logits": values[row]}
         if lp is not None:
             item["logprobs"] = lp[row]
-        tokens = model.tokens(ids[row])
         if tokens is not None:
-            item["tokens"] = tokens
+            item["tokens"] = tokens[row]
         results.append(item)
     return {**_identity(model), "k": k, "shape": leading, "results": results}
 
