@@ -135,6 +135,4 @@ class RequestMetrics:
         route = scope.get("route")
         endpoint = getattr(route, "path", "unmatched")
         name = scope.get("path_params", {}).get("name", "")
-        registry = getattr(scope["app"].state, "registry", None)
-        model = known_model(registry, name)
-        self.metrics.observe_request(model, version, endpoint, status, seconds)
+        self.metrics.observe_request(known_model(scope, name), version, endpoint, status, seconds)

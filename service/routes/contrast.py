@@ -28,7 +28,7 @@ from service.codec import (
 )
 from service.errors import InvalidInput, PayloadTooLarge
 from service.model import LoadedVersion
-from service.routes.deps import target_version
+from service.routes.deps import leased_version
 from service.settings import Settings
 
 router = APIRouter(prefix="/v1", tags=["contrast"])
@@ -48,8 +48,7 @@ class CompareOptions(BaseModel):
 @router.post("/models/{name}/versions/{version}/score")
 async def score(request: Request) -> dict[str, Any]:
     """Per row: the target's logit, log-prob and rank; the batch's NLL and perplexity."""
-    model, settings = target_version(request)
-    with model.lease():
+    with leased_version(request) as (model, settings):
         payload = parse_json_object(await read_body(request, settings.max_body_bytes))
         hidden = _hidden(payload, model, settings)
         targets = _targets(payload, hidden, model)

@@ -6,6 +6,8 @@ two thread hops per request for nothing.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Annotated
 
 from fastapi import Depends, Request
@@ -40,8 +42,7 @@ MetricsDep = Annotated[Metrics, Depends(_metrics)]
 def target_version(request: Request) -> tuple[LoadedVersion, Settings]:
     """The model version a request addresses (path or ``?version=``), and the settings.
 
-    Callers take ``model.lease()`` right away, before any ``await``, so a concurrent swap
-    cannot release the version this request was given.
+    Routes that run the model use ``leased_version``, which takes the lease right away.
     """
     state = request.app.state
     registry: Registry = state.registry
@@ -52,3 +53,15 @@ def target_version(request: Request) -> tuple[LoadedVersion, Settings]:
         raise InvalidInput(f"version must be a non-negative integer, got {raw[:32]!r}")
     model = registry.get(request.path_params["name"], None if raw is None else int(raw))
     return model, state.settings
+
+
+@contextmanager
+def leased_version(request: Request) -> Iterator[tuple[LoadedVersion, Settings]]:
+    """``target_version`` with the lease taken at once, held for the ``with`` block.
+
+    The one place that pairs lookup and lease: no ``await`` can slip between them, so a
+    concurrent swap never releases a version a request was already given.
+    """
+    model, settings = target_version(request)
+    with model.lease():
+        yield model, settings

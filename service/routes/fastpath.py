@@ -36,17 +36,8 @@ HANDLERS: dict[str, Handler] = {
 }
 
 
-class _Route:
-    """What ``scope["route"]`` holds for the framework's routes: the path template."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-
-ROUTES = {
-    (op, versioned): _Route(
-        "/v1/models/{name}" + ("/versions/{version}" if versioned else "") + f"/{op}"
-    )
+ENDPOINTS = {  # the metrics label: the path template, as FastAPI's routes report it
+    (op, versioned): "/v1/models/{name}" + ("/versions/{version}" if versioned else "") + f"/{op}"
     for op in HANDLERS
     for versioned in (False, True)
 }
@@ -70,8 +61,7 @@ class InferenceFastPath:
         if match["version"] is not None:
             params["version"] = match["version"]
         scope["path_params"] = params
-        route = ROUTES[(match["op"], match["version"] is not None)]
-        scope["route"] = route
+        endpoint = ENDPOINTS[(match["op"], match["version"] is not None)]
         request = Request(scope, receive)
         try:
             response = await handler(request)
@@ -80,19 +70,17 @@ class InferenceFastPath:
         try:
             await response(scope, receive, send)
         finally:
-            version = response.headers.get("x-lmhead-version", "")
-            registry = getattr(scope["app"].state, "registry", None)
             self.metrics.observe_request(
-                known_model(registry, params["name"]),
-                version,
-                route.path,
+                known_model(scope, params["name"]),
+                response.headers.get("x-lmhead-version", ""),
+                endpoint,
                 response.status_code,
                 time.perf_counter() - started,
             )
         return True
 
 
-def known_model(registry: object, name: str) -> str:
+def known_model(scope: Scope, name: str) -> str:
     """The model label for metrics: only known names, so unknown ones cannot grow the series."""
-    knows = getattr(registry, "knows", None)
-    return name if knows is not None and name and knows(name) else ""
+    registry = getattr(scope["app"].state, "registry", None)
+    return name if registry is not None and registry.knows(name) else ""

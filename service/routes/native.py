@@ -43,7 +43,7 @@ from service.codec import (
 from service.errors import InvalidInput, PayloadTooLarge
 from service.model import LoadedVersion
 from service.protocol import EmbedOptions, LogitsOptions, TopKOptions
-from service.routes.deps import RegistryDep, target_version
+from service.routes.deps import RegistryDep, leased_version
 from service.runtime import Projection
 from service.settings import Settings
 
@@ -84,8 +84,7 @@ async def get_model(name: str, registry: RegistryDep) -> dict[str, Any]:
 @router.post("/models/{name}/versions/{version}/topk", openapi_extra=_body_schema("hidden_states"))
 async def topk(request: Request) -> Response:
     """Top-k token ids and logits (and log-probs) for each row of hidden states."""
-    model, settings = target_version(request)
-    with model.lease():
+    with leased_version(request) as (model, settings):
         return await _topk(request, model, settings)
 
 
@@ -119,8 +118,7 @@ async def _topk(request: Request, model: LoadedVersion, settings: Settings) -> R
 )
 async def logits(request: Request) -> Response:
     """All (rows, vocab) logits: ``.npy`` by default, JSON when asked; bounded in size."""
-    model, settings = target_version(request)
-    with model.lease():
+    with leased_version(request) as (model, settings):
         return await _logits(request, model, settings)
 
 
@@ -144,8 +142,7 @@ async def _logits(request: Request, model: LoadedVersion, settings: Settings) ->
 @router.post("/models/{name}/versions/{version}/embed", openapi_extra=_body_schema("input_ids"))
 async def embed(request: Request) -> Response:
     """Input embeddings for token ids: the Gather side of the same head."""
-    model, settings = target_version(request)
-    with model.lease():
+    with leased_version(request) as (model, settings):
         return await _embed(request, model, settings)
 
 

@@ -18,7 +18,7 @@ from service import __version__, v2
 from service.codec import check_hidden_states, check_ids, read_body
 from service.errors import InvalidInput, ModelNotReady, PayloadTooLarge
 from service.model import LoadedVersion
-from service.routes.deps import RegistryDep, target_version
+from service.routes.deps import RegistryDep, leased_version, target_version
 from service.settings import Settings
 from service.shadow import ShadowTraffic
 
@@ -83,8 +83,7 @@ async def model_ready(request: Request) -> dict[str, bool]:
 @router.post("/models/{name}/infer")
 @router.post("/models/{name}/versions/{version}/infer")
 async def infer(request: Request) -> Response:
-    model, settings = target_version(request)
-    with model.lease():
+    with leased_version(request) as (model, settings):
         body = await read_body(request, settings.max_body_bytes)
         decoded = v2.decode(body, request.headers.get(v2.HEADER_LENGTH))
         tensors = await _compute(model, settings, decoded, request.app.state.shadow)
