@@ -11,6 +11,7 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
+from service.demo import demo_tokens
 from service.heads import HeadWeights, save_head
 
 VOCAB = 997
@@ -61,3 +62,12 @@ def initializers(path: Path) -> dict[str, npt.NDArray[np.float32]]:
         for tensor in model.graph.initializer
         if len(tensor.dims) == 2
     }
+
+
+def write_tied_and_untied(
+    root: Path, table: npt.NDArray[np.float32], output_weight: npt.NDArray[np.float32]
+) -> None:
+    """``tied/1`` (with token labels) and ``untied/1`` under ``root``: the servers' base set."""
+    save_head(HeadWeights.from_arrays(table), root / "tied" / "1")
+    (root / "tied" / "1" / "vocab.txt").write_text("\n".join(demo_tokens(VOCAB)) + "\n")
+    save_head(HeadWeights.from_arrays(table, output_weight), root / "untied" / "1")

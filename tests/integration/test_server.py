@@ -16,7 +16,7 @@ import pytest
 from service.demo import demo_tokens
 from service.heads import HeadWeights, save_head
 from service.reference import log_softmax, logsumexp, top_k
-from tests.conftest import D_MODEL, VOCAB, initializers
+from tests.conftest import D_MODEL, VOCAB, initializers, write_tied_and_untied
 from tests.server import running_server
 
 NPY = "application/x-npy"
@@ -29,9 +29,7 @@ def repository(
     output_weight: npt.NDArray[np.float32],
 ) -> Path:
     root = tmp_path_factory.mktemp("repository")
-    save_head(HeadWeights.from_arrays(table), root / "tied" / "1")
-    (root / "tied" / "1" / "vocab.txt").write_text("\n".join(demo_tokens(VOCAB)) + "\n")
-    save_head(HeadWeights.from_arrays(table, output_weight), root / "untied" / "1")
+    write_tied_and_untied(root, table, output_weight)
     save_head(HeadWeights.from_arrays(table, output_weight[::-1]), root / "untied" / "2")
     (root / "untied" / "config.json").write_text(json.dumps({"versions": "all"}))
     save_head(HeadWeights.from_arrays(table), root / "configured" / "1")
