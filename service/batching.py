@@ -10,8 +10,8 @@ again) are then all back, and waiting longer would only add ``max_wait`` to ever
 The merged run happens in the inference executor, never on the event loop. While it runs,
 new requests queue up, so under load the next batch fills without waiting at all. The
 results are split back per request: k is the batch's largest k (top-k is sorted, so each
-request keeps its first k columns) and temperature was already applied to each request's
-rows, so requests with different options still share a run.
+request keeps its first k columns) and the graph takes one temperature per row, so requests
+with different options still share a run.
 
 The queue is bounded in rows: past ``max_queue_rows`` a request is refused at once (503 with
 Retry-After) rather than left to time out. A run that raises fails every caller in its batch
@@ -35,7 +35,8 @@ from service.runtime import Projection
 
 logger = logging.getLogger("lmhead")
 
-RunBatch = Callable[[npt.NDArray[np.float32], int, bool, float], Projection]
+#: (rows, k, full_logits, one temperature per row) -> the projection of those rows.
+RunBatch = Callable[[npt.NDArray[np.float32], int, bool, npt.NDArray[np.float32]], Projection]
 
 
 @dataclass(frozen=True)
@@ -174,11 +175,7 @@ class Batcher:
             item = await self._next_before(deadline)
             if item is None:
                 break
-            # A run has one temperature input: heads that need it in the graph (soft-cap, bias)
-            # merge only requests that agree; others pre-scale their rows and send 1.0.
-            if rows + len(item.rows) > self._limits.max_batch_rows or (
-                item.temperature != first.temperature
-            ):
+            if rows + len(item.rows) > self._limits.max_batch_rows:
                 self._carry = item
                 break
             batch.append(item)
@@ -202,7 +199,10 @@ class Batcher:
         rows = batch[0].rows if len(batch) == 1 else np.concatenate([p.rows for p in batch])
         k = max(item.k for item in batch)
         full_logits = any(item.full_logits for item in batch)
-        temperature = batch[0].temperature
+        temperature = np.repeat(
+            np.array([item.temperature for item in batch], np.float32),
+            [len(item.rows) for item in batch],
+        )
         loop = asyncio.get_running_loop()
         failed = False
         try:

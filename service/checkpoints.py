@@ -8,7 +8,7 @@ onnx already depends on).
 Head transforms from the config (Gemma-2 ``final_logit_softcapping``, Cohere ``logit_scale``,
 T5's tied ``d_model ** -0.5`` rescale) and Phi-2's ``lm_head.bias`` go into the graph.
 
-Tying follows the checkpoint (FACTS.md section 4): no head tensor and ``tie_word_embeddings``
+Tying follows the checkpoint: no head tensor and ``tie_word_embeddings``
 true (the default) -> tied; a head tensor equal to the embedding (OPT-125m, Qwen1.5 ship a
 redundant copy) -> tied, with a note; no head but ``tie_word_embeddings: false`` -> an error,
 never a random head.
@@ -130,7 +130,7 @@ class Checkpoint:
         return HeadPlan(embedding, head, tied=False)
 
     def transforms(self, d_model: int) -> HeadTransforms:
-        """Head transforms the config asks for (FACTS.md section 4)."""
+        """Head transforms the config asks for (soft-cap, logit scale, T5's rescale)."""
         softcap = self.config.get("final_logit_softcapping")
         t5_tied = self.config.get("model_type") == "t5" and self.config.get(
             "tie_word_embeddings", True
@@ -165,7 +165,7 @@ class Checkpoint:
         return found
 
 
-def read_labels(directory: Path, vocab_size: int) -> list[str] | None:
+def tokenizer_tokens(directory: Path, vocab_size: int) -> list[str] | None:
     """Token strings by id from ``tokenizer.json`` or ``vocab.json``; None when neither."""
     vocab: dict[str, int] | None = None
     tokenizer = directory / "tokenizer.json"

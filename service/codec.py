@@ -1,14 +1,15 @@
-"""Decode request bodies to numpy and encode answers; shared by every front end.
+"""HTTP wire helpers shared by the native and V2 codecs: body, media types, arrays, target.
 
 Hot path: JSON is parsed with orjson and converted with one ``np.array`` call; ``.npy`` bodies
-are read without pickle. Every check says which field, what was expected and what came,
-without echoing values.
+are read without pickle. These judge the wire format only (valid JSON, numbers, a readable
+array); what a model can take is the data plane's call. Messages name the field and never
+echo values.
 """
 
 from __future__ import annotations
 
 import io
-import math
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -26,11 +27,24 @@ from service.errors import (
     UnsupportedMediaType,
     describe_validation_errors,
 )
+from service.limits import kind_name
+from service.messages import Target
 
 JSON = "application/json"
 NPY = "application/x-npy"
 NPZ = "application/x-npz"
-FLOAT_DTYPES = (np.float32, np.float16, np.float64)
+VERSION = re.compile(r"[0-9]{1,18}")  # ASCII digits only: str.isdigit() takes "²"
+
+
+def target(request: Request) -> Target:
+    """The model and version a request addresses: path ``/versions/{v}`` or ``?version=v``."""
+    params = request.path_params
+    raw = params.get("version")
+    if raw is None and request.scope["query_string"]:  # parsing an empty query costs ~10 us
+        raw = request.query_params.get("version")
+    if raw is not None and not VERSION.fullmatch(raw):
+        raise InvalidInput(f"version must be a non-negative integer, got {raw[:32]!r}")
+    return Target(params["name"], None if raw is None else int(raw))
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -98,10 +112,13 @@ def parse_npy(body: bytes, field: str) -> npt.NDArray[Any]:
         raise MalformedBody(f"{field}: body is not a valid .npy array") from None
 
 
-def options(model: type[BaseModel], values: Mapping[str, Any]) -> Any:
-    """Validate the small option fields; errors name the field, never echo the value."""
+def options(model: type[BaseModel], values: Mapping[str, Any], *, strict: bool = True) -> Any:
+    """Validate the small option fields; errors name the field, never echo the value.
+
+    JSON options are strict (``"5"`` or ``true`` is no k); query strings are text by nature.
+    """
     try:
-        return model.model_validate(dict(values))
+        return model.model_validate(dict(values), strict=strict)
     except ValidationError as error:
         raise InvalidInput(describe_validation_errors(error.errors())) from None
 
@@ -125,49 +142,8 @@ def int_array(value: Any, field: str) -> npt.NDArray[np.int64]:
     except (ValueError, TypeError):
         raise InvalidInput(_diagnose(value, field, "integers")) from None
     if array.size and array.dtype.kind not in "iu":
-        raise InvalidInput(f"{field} must hold integers only, got {_kind_name(array.dtype)}")
+        raise InvalidInput(f"{field} must hold integers only, got {kind_name(array.dtype)}")
     return array.astype(np.int64, copy=False)
-
-
-def check_hidden_states(
-    array: npt.NDArray[Any], d_model: int, max_rows: int, field: str = "hidden_states"
-) -> npt.NDArray[np.float32]:
-    """(rows, d_model) or (batch, tokens, d_model), finite, within the row limit -> float32."""
-    if array.dtype.kind != "f":
-        raise InvalidInput(f"{field} must be float32 or float16, got {_kind_name(array.dtype)}")
-    if array.ndim not in (2, 3):
-        raise InvalidInput(
-            f"{field} must have shape (rows, {d_model}) or (batch, tokens, {d_model}), "
-            f"got {array.ndim}-D shape {list(array.shape)}"
-        )
-    if array.shape[-1] != d_model:
-        raise InvalidInput(
-            f"{field} rows must have d_model={d_model} values, got {array.shape[-1]}"
-        )
-    rows = math.prod(array.shape[:-1])
-    if rows == 0:
-        raise InvalidInput(f"{field} is empty (shape {list(array.shape)}); send at least one row")
-    if rows > max_rows:
-        raise PayloadTooLarge(f"{field} has {rows} rows; the limit is {max_rows} per request")
-    hidden = np.ascontiguousarray(array, dtype=np.float32)
-    if not np.isfinite(hidden).all():
-        raise InvalidInput(f"{field} contains NaN, Inf or null (or a value beyond float32's range)")
-    return hidden
-
-
-def check_ids(
-    ids: npt.NDArray[np.int64], vocab_size: int, max_rows: int, field: str = "input_ids"
-) -> npt.NDArray[np.int64]:
-    if ids.dtype.kind not in "iu":
-        raise InvalidInput(f"{field} must hold integers, got {_kind_name(ids.dtype)}")
-    if ids.size == 0:
-        raise InvalidInput(f"{field} is empty; send at least one token id")
-    if ids.size > max_rows:
-        raise PayloadTooLarge(f"{field} has {ids.size} ids; the limit is {max_rows} per request")
-    low, high = int(ids.min()), int(ids.max())
-    if low < 0 or high >= vocab_size:
-        raise InvalidInput(f"{field} must be in [0, {vocab_size}), got values in [{low}, {high}]")
-    return ids.astype(np.int64, copy=False)
 
 
 def json_bytes(payload: Any) -> bytes:
@@ -206,9 +182,3 @@ def _first_odd(values: Iterable[Any]) -> Any:
 def _json_type(value: Any) -> str:
     names = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}
     return names.get(type(value), "number")
-
-
-def _kind_name(dtype: np.dtype[Any]) -> str:
-    return {"b": "booleans", "U": "strings", "S": "bytes", "O": "objects", "c": "complex"}.get(
-        dtype.kind, str(dtype)
-    )

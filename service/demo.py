@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 
 from service.heads import HeadWeights, save_head
+from service.repository import LABELS_FILE
 
 TIED_NAME = "demo-tied"
 UNTIED_NAME = "demo-untied"
-LABELS_FILE = "vocab.txt"
 _SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "sa", "ti", "vo", "xe", "zu", "an", "er", "in", "on")
 
 

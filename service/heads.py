@@ -1,16 +1,21 @@
 """Build ONNX heads from numpy arrays: tied heads store ONE weight, untied heads two.
 
-The graph (opset 17) has two independent sides that share the weight when tied:
+The graph has two independent sides that share the weight when tied:
 
 * embedding side: ``Gather(W_in, input_ids) -> embeddings`` (a flat list of ids);
-* projection side: ``hidden_states (rows, d_model)`` divided by ``temperature``,
-  ``Gemm(h, W_out, transB=1)``, then ``TopK`` (k per request, clamped to the vocab) and
+* projection side: ``hidden_states (rows, d_model)`` divided by a per-row ``temperature``
+  (rows, 1), ``Gemm(h, W_out, transB=1)``, then ``TopK`` (k per run, clamped to the vocab) and
   the log-sum-exp in the graph, so only (rows, k) values leave the runtime unless the
   caller asks for the full ``logits``. log-probs are ``topk_logits - logsumexp``.
 
-``Gemm(transB=1)`` reads W in its stored (vocab, d_model) layout. The alternative that
-exporters emit, ``MatMul(h, Transpose(W))``, gets the transpose constant-folded by onnxruntime
-into a second copy of W (FACTS.md section 1), so a tied head would cost 2x W in memory.
+Temperature is applied here and nowhere else: per row, so requests at different temperatures
+share one batched run. ``Gemm(transB=1)`` reads W in its stored (vocab, d_model) layout; the
+form exporters emit, ``MatMul(h, Transpose(W))``, gets the transpose constant-folded by
+onnxruntime into a second copy of W, so a tied head would cost 2x W in memory.
+
+Files carry ``IR_VERSION`` and ``OPSET``: the oldest onnxruntime lmhead supports (1.18) and the
+newest onnxruntime-gpu both load them (onnx's own default IR version is newer than some
+runtimes accept).
 
 Every input is required: the runtime feeds an empty tensor to the side it does not use, which
 keeps ``InferenceSession.get_inputs()`` truthful and avoids overridable-initializer warnings.
@@ -27,7 +32,13 @@ import numpy.typing as npt
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from service.repository import DATA_FILE, MODEL_FILE
+
+#: What every file lmhead writes declares; see the module docstring.
+IR_VERSION = 10
 OPSET = 17
+#: ``lmhead.format`` of the files written here; 1 had one temperature per run.
+FORMAT = 2
 HIDDEN_STATES = "hidden_states"
 INPUT_IDS = "input_ids"
 K = "k"
@@ -40,8 +51,6 @@ EMBEDDINGS = "embeddings"
 EMBEDDING_WEIGHT = "embedding.weight"
 OUTPUT_WEIGHT = "lm_head.weight"
 OUTPUT_BIAS = "lm_head.bias"
-MODEL_FILE = "model.onnx"
-DATA_FILE = "model.onnx.data"
 
 #: Serialized protobuf messages cannot exceed 2 GiB; keep headroom for the graph itself.
 PROTOBUF_LIMIT_BYTES = 2**31 - 64 * 2**20
@@ -204,12 +213,15 @@ def _head_model(tensors: list[TensorProto], weights: HeadWeights) -> onnx.ModelP
         tensors + constants + transform_constants,
     )
     model = helper.make_model(
-        graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="lmhead"
+        graph,
+        opset_imports=[helper.make_opsetid("", OPSET)],
+        producer_name="lmhead",
+        ir_version=IR_VERSION,
     )
     helper.set_model_props(
         model,
         {
-            "lmhead.format": "1",
+            "lmhead.format": str(FORMAT),
             "lmhead.tied": str(tied).lower(),
             "lmhead.vocab_size": str(vocab_size),
             "lmhead.d_model": str(d_model),
@@ -231,8 +243,8 @@ def _transform_nodes(
     """Nodes before the matmul (on the hidden state) and after it (on the logits).
 
     Without soft-cap or bias the scales and the temperature fold into the hidden state (exact:
-    the logits are linear in it). A bias or a soft-cap moves them after the matmul, where the
-    temperature then divides the final logits.
+    the logits are linear in it, and it costs d_model instead of vocab divisions per row). A
+    bias or a soft-cap moves them after the matmul, where the temperature divides the logits.
     """
     transforms = weights.transforms
     node = helper.make_node
@@ -278,10 +290,9 @@ def _projection_nodes(
 ) -> list[onnx.NodeProto]:
     """Projection, in-graph top-k and log-sum-exp.
 
-    Temperature scales the hidden state when the head is linear: (h/T) W^T = (h W^T)/T at
-    d_model instead of vocab_size operations per row. The log-sum-exp comes from the fused
-    LogSoftmax kernel (one pass, multi-threaded; ReduceLogSumExp measured ~4x slower):
-    lse = max - log_softmax[argmax], and TopK already found the max and the argmax.
+    The log-sum-exp comes from the fused LogSoftmax kernel (one pass, multi-threaded;
+    ReduceLogSumExp measured ~4x slower): lse = max - log_softmax[argmax], and TopK already
+    found the max and the argmax.
     """
     node = helper.make_node
     before, after = transforms
@@ -323,7 +334,7 @@ def _inputs(d_model: int) -> list[onnx.ValueInfoProto]:
         value(HIDDEN_STATES, TensorProto.FLOAT, ["rows", d_model]),
         value(INPUT_IDS, TensorProto.INT64, ["ids"]),
         value(K, TensorProto.INT64, [1]),
-        value(TEMPERATURE, TensorProto.FLOAT, [1]),
+        value(TEMPERATURE, TensorProto.FLOAT, ["rows", 1]),
     ]
 
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from service.checkpoints import Checkpoint, CheckpointError, read_labels
+from service.checkpoints import Checkpoint, CheckpointError, tokenizer_tokens
 from service.heads import HeadWeights, save_head
+from service.repository import LABELS_FILE
 
-LABELS_FILE = "vocab.txt"
 #: Above this the weights go to model.onnx.data: written straight from the numpy buffers (no
 #: protobuf copy, so the import peak stays near the checkpoint tensor plus its float32 copy)
 #: and memory-mapped by onnxruntime when served.
@@ -72,7 +72,7 @@ def import_checkpoint(
         external = weights.nbytes > EXTERNAL_DATA_ABOVE_BYTES
     save_head(weights, directory, external_data=external)
     writing(1, 1)
-    labels = read_labels(checkpoint.directory, table.shape[0])
+    labels = tokenizer_tokens(checkpoint.directory, table.shape[0])
     if labels is not None:
         (directory / LABELS_FILE).write_text("\n".join(labels) + "\n", encoding="utf-8")
     vocab_size, d_model = table.shape

@@ -23,6 +23,8 @@ import numpy.typing as npt
 import onnx
 from onnx import numpy_helper
 
+from service.repository import MODEL_FILE
+
 PROJECTION_OPS = frozenset({"Gemm", "MatMul", "FusedMatMul"})
 PASS_THROUGH_OPS = frozenset({"Identity", "Cast"})
 Duplicate = Literal["identical", "transposed"]
@@ -54,11 +56,8 @@ class HeadReport:
     external_data: bool
     file_bytes: int
     transforms: dict[str, Any]
-
-    @property
-    def temperature_in_graph(self) -> bool:
-        """Whether temperature must reach the graph (a soft-cap or a bias makes it non-linear)."""
-        return "softcap" in self.transforms or "bias" in self.transforms
+    format: int
+    """``lmhead.format`` of files lmhead wrote (0 for other producers)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -75,7 +74,7 @@ def resolve_model_path(path: str | Path) -> Path:
     """Accept a ``model.onnx`` file or a version directory that holds one."""
     candidate = Path(path)
     if candidate.is_dir():
-        candidate = candidate / "model.onnx"
+        candidate = candidate / MODEL_FILE
     if not candidate.is_file():
         raise HeadInspectionError(f"no ONNX file at {candidate}")
     return candidate
@@ -100,8 +99,7 @@ def inspect_head(path: str | Path) -> HeadReport:
     vocab_size, d_model = (int(dim) for dim in weights[gather.initializer].dims)
     projection = _find_projection(graph, producers, weights, vocab_size, d_model)
     props = {prop.key: prop.value for prop in model.metadata_props}
-    transforms = json.loads(props.get("lmhead.transforms", "{}"))
-    return _report(model_path, weights, gather, projection, vocab_size, d_model, transforms)
+    return _report(model_path, weights, gather, projection, vocab_size, d_model, props)
 
 
 def _trace(name: str, producers: dict[str, onnx.NodeProto]) -> tuple[str, bool]:
@@ -170,7 +168,7 @@ def _report(
     projection: _Use,
     vocab_size: int,
     d_model: int,
-    transforms: dict[str, Any],
+    props: dict[str, str],
 ) -> HeadReport:
     tied = gather.initializer == projection.initializer
     table = weights[gather.initializer]
@@ -208,7 +206,8 @@ def _report(
         duplicate_bytes=table_bytes if duplicate else 0,
         external_data=external,
         file_bytes=model_path.stat().st_size + data_bytes,
-        transforms=transforms,
+        transforms=json.loads(props.get("lmhead.transforms", "{}")),
+        format=int(props.get("lmhead.format", "0")),
     )
 
 

@@ -18,7 +18,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import psutil
 
-from service.runtime import MEMORY_MODES, HeadSession, MemoryMode
+from service.runtime import MEMORY_MODES, HeadSession
+from service.settings import MemoryMode
 
 
 @dataclass(frozen=True)

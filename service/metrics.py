@@ -28,14 +28,28 @@ class Metrics:
         model_version = ["model", "version"]
         self.requests = Counter(
             "lmhead_requests",
-            "HTTP requests by model, version, endpoint and status code.",
-            ["model", "version", "endpoint", "status"],
+            "Data-plane calls (any front end) by model, version, verb and outcome "
+            "(ok or the error code); model is empty when the name is unknown.",
+            ["model", "version", "verb", "outcome"],
             registry=self.registry,
         )
         self.request_duration = Histogram(
             "lmhead_request_duration_seconds",
-            "Wall time of HTTP requests, parse to last byte.",
-            ["model", "endpoint"],
+            "Wall time of data-plane calls, lookup to result (decode and encode excluded).",
+            ["model", "verb"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.http_requests = Counter(
+            "lmhead_http_requests",
+            "HTTP requests by route template and status code.",
+            ["endpoint", "status"],
+            registry=self.registry,
+        )
+        self.http_duration = Histogram(
+            "lmhead_http_request_duration_seconds",
+            "Wall time of HTTP requests, first byte in to last byte out.",
+            ["endpoint"],
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
@@ -143,20 +157,35 @@ class Metrics:
             registry=self.registry,
         )
 
-        self._request_children: dict[tuple[str, str, str, int], tuple[Counter, Histogram]] = {}
+        # Label children cached per label set: ``labels()`` costs more than the update itself.
+        self._calls: dict[tuple[str, str, str, str], tuple[Counter, Histogram]] = {}
+        self._http: dict[tuple[str, int], tuple[Counter, Histogram]] = {}
 
-    def observe_request(
-        self, model: str, version: str, endpoint: str, status: int, seconds: float
+    def observe_call(
+        self, model: str, version: str, verb: str, outcome: str, seconds: float
     ) -> None:
-        """Count and time one HTTP request; label children are cached (hot path)."""
-        key = (model, version, endpoint, status)
-        children = self._request_children.get(key)
+        """Count and time one data-plane call (hot path)."""
+        key = (model, version, verb, outcome)
+        children = self._calls.get(key)
         if children is None:
             children = (
-                self.requests.labels(model, version, endpoint, str(status)),
-                self.request_duration.labels(model, endpoint),
+                self.requests.labels(model, version, verb, outcome),
+                self.request_duration.labels(model, verb),
             )
-            self._request_children[key] = children
+            self._calls[key] = children
+        children[0].inc()
+        children[1].observe(seconds)
+
+    def observe_http(self, endpoint: str, status: int, seconds: float) -> None:
+        """Count and time one HTTP request by route template (hot path)."""
+        key = (endpoint, status)
+        children = self._http.get(key)
+        if children is None:
+            children = (
+                self.http_requests.labels(endpoint, str(status)),
+                self.http_duration.labels(endpoint),
+            )
+            self._http[key] = children
         children[0].inc()
         children[1].observe(seconds)
 

@@ -15,10 +15,9 @@ import asyncio
 import logging
 from pathlib import Path
 
-from service.heads import MODEL_FILE
 from service.metrics import Metrics
 from service.registry import Registry
-from service.repository import CONFIG_FILE, Signature, model_names, signature
+from service.repository import CONFIG_FILE, MODEL_FILE, Signature, model_names, signature
 
 logger = logging.getLogger("lmhead")
 ModelSignature = tuple[tuple[int, Signature], ...]

@@ -1,41 +1,271 @@
-"""Wire models of the native API: the small option fields only.
+"""Wire models of the native API: the option fields, and the shapes the OpenAPI document shows.
 
-The big arrays (hidden states, ids) are not pydantic fields: they are decoded straight to numpy
-by ``service.codec`` (orjson + one ``np.array`` call, or a zero-copy ``.npy`` read), which is
-several times faster than validating millions of floats as Python objects.
+The big arrays (hidden states, ids) are not validated as pydantic fields: the codec decodes
+them straight to numpy (orjson + one ``np.array`` call, or a zero-copy ``.npy`` read), several
+times faster than validating millions of floats as Python objects. The ``*Body`` and
+``*Answer`` models describe the same JSON for the document and its "try it out"; the
+``*Options`` models validate the small fields beside the arrays (strictly, in JSON bodies).
+Ranges (k, temperature, rows) are the data plane's rules, not the wire's.
 """
 
 from __future__ import annotations
 
-import math
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
+
+_EXAMPLE_ROW = [0.5, -1.25, 0.75, 2.0]
 
 
 class _Options(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
 class LogitsOptions(_Options):
     """Options of ``/logits``: in the JSON body beside ``hidden_states``, or as query
     parameters with a ``.npy`` body."""
 
-    temperature: float = Field(default=1.0, gt=0)
-
-    @field_validator("temperature")
-    @classmethod
-    def _finite(cls, value: float) -> float:
-        if not math.isfinite(value):
-            raise ValueError("must be a finite number")
-        return value
+    temperature: float = 1.0
+    """Divides the logits (and so the log-probs); never changes the order."""
 
 
 class TopKOptions(LogitsOptions):
     """Options of ``/topk``: the temperature, plus k and whether to return log-probs."""
 
-    k: int | None = Field(default=None, ge=1)
+    k: int | None = None
+    """How many tokens per row; the model's default when absent."""
     logprobs: bool = False
+    """Also return log-softmax values over the full vocabulary."""
 
 
 class EmbedOptions(_Options):
     """``/embed`` has no options yet; unknown fields are refused all the same."""
+
+
+class ScoreOptions(_Options):
+    """``/score`` takes no options beside its arrays; unknown fields are refused."""
+
+
+class CompareOptions(_Options):
+    models: list[str] = Field(min_length=2, max_length=2)
+    """The two served models to compare (same d_model and vocabulary)."""
+    k: int = 10
+    """k of the top-k overlap."""
+    measure_speed: bool = False
+    """Also measure each head's bare rows/s on a 64-row batch."""
+
+
+class _Document(BaseModel):
+    """A model only the OpenAPI document uses (answers are built by the codecs)."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True)
+
+
+def _example(**values: Any) -> ConfigDict:
+    return ConfigDict(json_schema_extra={"examples": [values]})
+
+
+class TopKBody(TopKOptions):
+    model_config = _example(hidden_states=[_EXAMPLE_ROW], k=3, logprobs=True)
+
+    hidden_states: list[Any]
+    """(rows, d_model) or (batch, tokens, d_model) floats: final, post-norm hidden states."""
+
+
+class LogitsBody(LogitsOptions):
+    model_config = _example(hidden_states=[_EXAMPLE_ROW])
+
+    hidden_states: list[Any]
+    """(rows, d_model) or (batch, tokens, d_model) floats."""
+
+
+class EmbedBody(_Options):
+    model_config = _example(input_ids=[[1, 2, 3]])
+
+    input_ids: list[Any]
+    """Token ids, any shape; the answer is ids.shape + (d_model,)."""
+
+
+class ScoreBody(_Options):
+    model_config = _example(hidden_states=[_EXAMPLE_ROW], target_ids=[7], candidate_ids=[3, 7])
+
+    hidden_states: list[Any]
+    """(rows, d_model) or (batch, tokens, d_model) floats."""
+    target_ids: list[Any]
+    """The real next token of each row (shape of the leading dims)."""
+    candidate_ids: list[Any] | None = None
+    """Token ids to score on every row (one list) or per row (one list per row)."""
+
+
+class CompareBody(CompareOptions):
+    model_config = _example(models=["demo-tied", "demo-untied"], hidden_states=[_EXAMPLE_ROW], k=10)
+
+    hidden_states: list[Any]
+    """(rows, d_model) floats, run through both heads."""
+    target_ids: list[Any] | None = None
+    """Optional real next tokens: adds NLL, perplexity and wins per head."""
+
+
+class TopKRow(_Document):
+    token_ids: list[int]
+    logits: list[float]
+    logprobs: list[float] | None = None
+    tokens: list[str | None] | None = None
+
+
+class Identity(_Document):
+    model: str
+    version: int
+    tied: bool
+
+
+class TopKAnswer(Identity):
+    k: int
+    shape: list[int]
+    """The leading dims of hidden_states; results are one per row, in order."""
+    results: list[TopKRow]
+
+
+class LogitsAnswer(Identity):
+    logits: list[Any]
+
+
+class EmbedAnswer(Identity):
+    embeddings: list[Any]
+
+
+class RowScore(_Document):
+    logit: float
+    logprob: float
+    rank: int
+
+
+class CandidateRow(_Document):
+    ids: list[int]
+    logits: list[float]
+    logprobs: list[float]
+
+
+class ScoreAnswer(Identity):
+    results: list[RowScore]
+    nll: float
+    perplexity: float
+    candidates: list[CandidateRow] | None = None
+
+
+class KLSummary(_Document):
+    mean: float
+    p50: float
+    p90: float
+    max: float
+
+
+class CompareAnswer(_Document):
+    rows: int
+    k: int
+    top1_agreement: float
+    topk_overlap: float
+    kl_ab: KLSummary
+    kl_ba: KLSummary
+    models: list[dict[str, Any]]
+    wins: dict[str, float] | None = None
+
+
+class ModelDescription(_Document):
+    name: str
+    state: str
+    reason: str
+    versions: list[int]
+    served_version: int | None
+    model_config = ConfigDict(extra="allow")
+
+
+class ModelList(_Document):
+    models: list[ModelDescription]
+
+
+class ErrorDetail(_Document):
+    code: str
+    """Stable machine-readable code, e.g. invalid_input, model_not_found, payload_too_large."""
+    message: str
+    """Names the field, what was expected and what came; never echoes the request."""
+
+
+class ErrorAnswer(_Document):
+    """Every native error: ``{"error": {"code", "message"}}``."""
+
+    error: ErrorDetail
+
+
+class V2ErrorAnswer(_Document):
+    """Errors on ``/v2`` paths, as the Open Inference Protocol defines them."""
+
+    error: str
+
+
+class V2Tensor(_Document):
+    name: str
+    """hidden_states (FP32/FP16) or input_ids (INT64/INT32) in; an output name out."""
+    shape: list[int]
+    datatype: str
+    parameters: dict[str, Any] | None = None
+    """binary_data_size (binary extension) or binary_data."""
+    data: list[Any] | None = None
+    """Row-major values, flat or nested; absent when the tensor is binary."""
+
+
+class V2OutputRequest(_Document):
+    name: str
+    """topk_token_ids, topk_logits, topk_logprobs, logsumexp, logits or embeddings."""
+    parameters: dict[str, Any] | None = None
+    """k (top-k outputs), classification (logits), binary_data."""
+
+
+class V2InferBody(_Document):
+    model_config = _example(
+        inputs=[
+            {"name": "hidden_states", "shape": [1, 4], "datatype": "FP32", "data": _EXAMPLE_ROW}
+        ],
+        parameters={"k": 3},
+    )
+
+    id: str | None = None
+    parameters: dict[str, Any] | None = None
+    """k, temperature, logprobs, binary_data_output."""
+    inputs: list[V2Tensor]
+    outputs: list[V2OutputRequest] | None = None
+
+
+class V2InferAnswer(_Document):
+    model_name: str
+    model_version: str
+    id: str | None = None
+    outputs: list[V2Tensor]
+
+
+class V2TensorMetadata(_Document):
+    name: str
+    datatype: str
+    shape: list[int]
+
+
+class V2ModelMetadata(_Document):
+    name: str
+    versions: list[str]
+    platform: str
+    inputs: list[V2TensorMetadata]
+    outputs: list[V2TensorMetadata]
+    parameters: dict[str, Any]
+
+
+class V2ServerMetadata(_Document):
+    name: str
+    version: str
+    extensions: list[str]
+
+
+class RepositoryIndexRow(_Document):
+    name: str
+    version: str
+    state: str
+    reason: str

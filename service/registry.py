@@ -22,11 +22,10 @@ from functools import cached_property
 from typing import Any
 
 from service.batching import BatchLimits, BatchStats
-from service.demo import write_demo_models
 from service.errors import InvalidModelName, ModelNotFound, ModelNotReady, VersionNotFound
+from service.loaded_version import LoadedVersion, LoadOptions, load_version
 from service.memory import trim_heap
 from service.metrics import Metrics
-from service.model import LoadedVersion, LoadOptions, load_version
 from service.repository import (
     ModelSource,
     RepositoryError,
@@ -124,17 +123,18 @@ class Registry:
             max_queue_rows=settings.max_queue_rows,
         )
         self.ready = False
+        self.startup_error: str | None = None
+
+    def fail_startup(self, reason: str) -> None:
+        """Start-up could not finish: readiness reports this instead of "still loading"."""
+        self.startup_error = reason[:MAX_REASON_CHARS]
 
     def records(self) -> list[ModelRecord]:
         return [self._records[name] for name in sorted(self._records)]
 
     async def load_all(self) -> None:
         """Load every model in the repository, then report ready (failures included)."""
-        repository = self._settings.repository
-        if self._settings.create_demo_models and not model_names(repository):
-            written = await asyncio.to_thread(write_demo_models, repository)
-            logger.info("repository was empty: wrote the demo heads %s", written)
-        for name in model_names(repository):
+        for name in model_names(self._settings.repository):
             try:
                 await self.load(name)
             except Exception as error:  # one bad model must not keep the service unready

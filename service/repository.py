@@ -26,10 +26,13 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from service.errors import describe_validation_errors
-from service.heads import MODEL_FILE
 
-NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+#: The repository's file names, defined here only.
+MODEL_FILE = "model.onnx"
+DATA_FILE = "model.onnx.data"
 CONFIG_FILE = "config.json"
+LABELS_FILE = "vocab.txt"
 Signature = tuple[tuple[str, int, int], ...]
 
 
@@ -53,7 +56,7 @@ class ModelConfig(BaseModel):
 
     versions: Literal["latest", "all"] | list[int] = "latest"
     """Which versions to load: the highest only (default, like Triton), all, or a list."""
-    labels: str = "vocab.txt"
+    labels: str = LABELS_FILE
     """Token strings file inside each version directory (one token per line)."""
     default_k: int | None = Field(default=None, ge=1)
     """Top-k for requests that do not say; the service setting applies when absent."""
@@ -61,7 +64,6 @@ class ModelConfig(BaseModel):
     """When set, a version with another d_model fails to load (protects a trunk's callers)."""
     max_batch_rows: int | None = Field(default=None, ge=1)
     """Cap on rows merged into one run for this model."""
-    description: str = ""
     shadow: ShadowConfig | None = None
     """Shadow traffic: {"model": "candidate", "fraction": 0.1}."""
     shadow_k: int = Field(default=10, ge=1)
@@ -73,7 +75,6 @@ class ModelSource:
     """One model directory: its config and its complete version directories."""
 
     name: str
-    directory: Path
     config: ModelConfig
     versions: dict[int, Path] = field(default_factory=dict)
     signatures: dict[int, Signature] = field(default_factory=dict)
@@ -98,7 +99,7 @@ class ModelSource:
 
 
 def is_valid_name(name: str) -> bool:
-    return bool(NAME_PATTERN.match(name)) and name not in {".", ".."}
+    return bool(NAME_PATTERN.fullmatch(name)) and name not in {".", ".."}
 
 
 def model_names(repository: Path) -> list[str]:
@@ -129,7 +130,7 @@ def read_source(repository: Path, name: str) -> ModelSource:
             versions[int(entry.name)] = entry
     ordered = dict(sorted(versions.items()))
     signatures = {version: signature(path) for version, path in ordered.items()}
-    return ModelSource(name, directory, read_config(directory), ordered, signatures)
+    return ModelSource(name, read_config(directory), ordered, signatures)
 
 
 def signature(version_dir: Path) -> Signature:

@@ -1,6 +1,6 @@
 """One onnxruntime session per head file; synchronous, so it is trivially testable.
 
-The session options decide what a tied head costs in memory (FACTS.md section 1):
+The session options decide what a tied head costs in memory:
 
 * ``memory_mode="shared"`` (default): a tied head runs with ``session.disable_prepacking=1``,
   because MLAS would otherwise add a packed copy of W for the Gemm while the original stays
@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, get_args
 
 import numpy as np
 import numpy.typing as npt
@@ -36,11 +36,10 @@ from service.heads import (
     TOPK_TOKEN_IDS,
     K,
 )
+from service.settings import MemoryMode, ProviderChoice
 
 logger = logging.getLogger("lmhead")
-MemoryMode = Literal["shared", "fast"]
-MEMORY_MODES: tuple[MemoryMode, ...] = ("shared", "fast")
-ProviderChoice = Literal["auto", "cpu", "cuda"]
+MEMORY_MODES: tuple[MemoryMode, ...] = get_args(MemoryMode)
 CPU = "CPUExecutionProvider"
 CUDA = "CUDAExecutionProvider"
 
@@ -112,7 +111,6 @@ class HeadSession:
         providers: tuple[str, ...] = ("CPUExecutionProvider",),
     ) -> None:
         self.path = Path(path)
-        self.tied = tied
         self.memory_mode = memory_mode
         options = session_options(
             shares_weight=tied, memory_mode=memory_mode, intra_op_threads=intra_op_threads
@@ -123,7 +121,9 @@ class HeadSession:
         shapes = {value.name: value.shape for value in self._session.get_outputs()}
         self.vocab_size = int(shapes[LOGITS][1])
         self.d_model = int(shapes[EMBEDDINGS][1])
+        _check_per_row_temperature(self._session, self.path)
         self._no_rows = np.zeros((0, self.d_model), np.float32)
+        self._no_temperature = np.zeros((0, 1), np.float32)
         self._no_ids = np.zeros((0,), np.int64)
 
     @property
@@ -139,10 +139,13 @@ class HeadSession:
         hidden_states: npt.ArrayLike,
         k: int,
         *,
-        temperature: float = 1.0,
+        temperature: float | npt.NDArray[np.float32] = 1.0,
         full_logits: bool = False,
     ) -> Projection:
-        """Top-k logits and ids, log-sum-exp, and optionally all logits for (..., d_model)."""
+        """Top-k logits and ids, log-sum-exp, and optionally all logits for (..., d_model).
+
+        ``temperature`` is one value for every row or one per row (rows,).
+        """
         hidden = np.asarray(hidden_states)
         if hidden.ndim == 0 or hidden.shape[-1] != self.d_model:
             raise ValueError(
@@ -150,12 +153,14 @@ class HeadSession:
             )
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
-        if not temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
         leading = hidden.shape[:-1]
         rows = np.ascontiguousarray(hidden.reshape(-1, self.d_model), dtype=np.float32)
+        per_row = np.empty((len(rows), 1), np.float32)
+        per_row[:, 0] = temperature
+        if not (per_row > 0).all():
+            raise ValueError("temperature must be > 0")
         names = [TOPK_LOGITS, TOPK_TOKEN_IDS, LOGSUMEXP] + ([LOGITS] if full_logits else [])
-        outputs = self._run(names, rows, self._no_ids, k, temperature)
+        outputs = self._run(names, rows, self._no_ids, k, per_row)
         values, ids, lse, *rest = (out.reshape(*leading, *out.shape[1:]) for out in outputs)
         return Projection(values, ids, lse, rest[0] if rest else None)
 
@@ -170,7 +175,7 @@ class HeadSession:
                 f"[{ids.min()}, {ids.max()}]"
             )
         flat = np.ascontiguousarray(ids.reshape(-1), dtype=np.int64)
-        (embeddings,) = self._run([EMBEDDINGS], self._no_rows, flat, 1, 1.0)
+        (embeddings,) = self._run([EMBEDDINGS], self._no_rows, flat, 1, self._no_temperature)
         return embeddings.reshape(*ids.shape, self.d_model)
 
     def _run(
@@ -179,14 +184,24 @@ class HeadSession:
         rows: npt.NDArray[np.float32],
         ids: npt.NDArray[np.int64],
         k: int,
-        temperature: float,
+        temperature: npt.NDArray[np.float32],
     ) -> list[npt.NDArray[Any]]:
         feeds = {
             HIDDEN_STATES: rows,
             INPUT_IDS: ids,
             K: np.array([k], np.int64),
-            TEMPERATURE: np.array([temperature], np.float32),
+            TEMPERATURE: temperature,
         }
         if self._session is None:
             raise RuntimeError(f"session for {self.path} was closed")
         return list(self._session.run(names, feeds))
+
+
+def _check_per_row_temperature(session: ort.InferenceSession, path: Path) -> None:
+    """Heads written before per-row temperature (lmhead format 1) take one value per run."""
+    shape = next(value.shape for value in session.get_inputs() if value.name == TEMPERATURE)
+    if len(shape) != 2:
+        raise ValueError(
+            f"{path.name} was written by an older lmhead (one temperature per run); "
+            "write it again with `lmhead demo --force` or `lmhead import`"
+        )

@@ -12,10 +12,10 @@ from typing import Literal, Self
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from service.runtime import MemoryMode, ProviderChoice
-
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
 ControlMode = Literal["none", "explicit", "poll"]
+MemoryMode = Literal["shared", "fast"]
+ProviderChoice = Literal["auto", "cpu", "cuda"]
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 
 

@@ -1,14 +1,13 @@
 """Shadow traffic: replay a sampled fraction of a model's requests on a candidate head.
 
 A model's ``config.json`` names its shadow: ``{"shadow": {"model": "B", "fraction": 0.1}}``.
-A sampled request also fetches the primary's full logits (the graph computes them anyway, so
-this costs one output copy, not a second run); after the answer is computed the rows are
-queued for the shadow and the answer goes out at once: the shadow never delays or fails the
-primary answer. At most ``max_pending`` shadow jobs run; further samples are dropped and
-counted. A job projects the rows through the shadow (its own batcher) and computes top-1
-agreement, top-k overlap (argpartition, not a full sort) and KL(primary || shadow) per row in
-a thread of its own, so the statistics never hold up inference, and exports them by
-primary/shadow pair. The shadow runs at the request's temperature, so both sides compare alike.
+The data plane asks ``wants`` for each projection; a sampled request also fetches the
+primary's full logits (the graph computes them anyway: one output copy, not a second run) and
+``submit`` queues the rows; the answer goes out at once, so the shadow never delays or fails
+the primary. At most ``max_pending`` replays run; further samples are dropped and counted. A
+replay gets the shadow's logits through the data plane (same lease, limits and temperature as
+the request) and computes top-1 agreement, top-k overlap and KL(primary || shadow) per row on
+the statistics thread, then exports them by primary/shadow pair.
 """
 
 from __future__ import annotations
@@ -16,29 +15,36 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Executor
 
 import numpy as np
 import numpy.typing as npt
 
-from service import contrast
+from service import compare
+from service.loaded_version import LoadedVersion
 from service.metrics import Metrics
-from service.model import LoadedVersion
-from service.registry import Registry
 
 logger = logging.getLogger("lmhead")
+
+#: (primary, shadow name, rows, temperature) -> the shadow's full logits for those rows.
+Replay = Callable[
+    [LoadedVersion, str, npt.NDArray[np.float32], float], Awaitable[npt.NDArray[np.float32]]
+]
 
 
 class ShadowTraffic:
     """Bounded, fire-and-forget shadow runs with agreement metrics."""
 
-    def __init__(self, registry: Registry, metrics: Metrics, max_pending: int) -> None:
-        self._registry = registry
+    def __init__(
+        self, metrics: Metrics, max_pending: int, replay: Replay, statistics: Executor
+    ) -> None:
         self._metrics = metrics
         self._max_pending = max_pending
+        self._replay = replay
+        self._statistics = statistics
         self._tasks: set[asyncio.Task[None]] = set()
         self._random = random.Random(0)
-        self._stats = ThreadPoolExecutor(1, thread_name_prefix="lmhead-shadow")
 
     def wants(self, primary: LoadedVersion) -> bool:
         """Sample this request for the shadow? (A full queue drops it and counts that.)"""
@@ -54,12 +60,12 @@ class ShadowTraffic:
         self,
         primary: LoadedVersion,
         hidden: npt.NDArray[np.float32],
-        logits: npt.NDArray[np.float32] | None,
-        temperature: float = 1.0,
+        logits: npt.NDArray[np.float32],
+        temperature: float,
     ) -> None:
-        """Queue the shadow run of a sampled request (returns at once)."""
+        """Queue the replay of a sampled request (returns at once)."""
         shadow = primary.config.shadow
-        if shadow is None or logits is None:
+        if shadow is None:
             return
         rows = hidden.reshape(-1, primary.d_model)
         flat = logits.reshape(-1, primary.vocab_size)
@@ -73,7 +79,6 @@ class ShadowTraffic:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._stats.shutdown(wait=False, cancel_futures=True)
 
     async def _run(
         self,
@@ -85,16 +90,10 @@ class ShadowTraffic:
     ) -> None:
         outcome = self._metrics.shadow_requests.labels
         try:
-            shadow = self._registry.get(name)
-            if (shadow.d_model, shadow.vocab_size) != (primary.d_model, primary.vocab_size):
-                raise ValueError(f"{name} does not match {primary.name}'s d_model and vocab")
-            with shadow.lease():
-                theirs = await shadow.project(rows, 1, temperature=temperature, full_logits=True)
-            if theirs.logits is None:
-                raise RuntimeError("full logits were asked for but not returned")
+            theirs = await self._replay(primary, name, rows, temperature)
             loop = asyncio.get_running_loop()
             stats = await loop.run_in_executor(
-                self._stats, contrast.row_agreement, ours, theirs.logits, primary.config.shadow_k
+                self._statistics, compare.row_agreement, ours, theirs, primary.config.shadow_k
             )
         except Exception as error:  # a shadow must never hurt the primary: count and go on
             logger.warning("shadow %s for %s failed: %s", name, primary.name, error)

@@ -1,9 +1,12 @@
 """Open Inference Protocol (V2) codec, with the binary tensor and classification extensions.
 
-Decodes an infer request (JSON, or a JSON header followed by raw little-endian tensors whose
-header length is ``Inference-Header-Content-Length``) into numpy arrays and options, and
-encodes the answer the same two ways. Every check names the input or output, what was expected
-and what came, and never echoes data.
+``decode`` turns an infer request (JSON, or a JSON header followed by raw little-endian tensors
+whose header length is ``Inference-Header-Content-Length``) into the data plane's
+``InferRequest`` plus the plan of outputs to answer; ``encode`` turns the ``InferResult`` back
+into the answer, the same two ways. The ``logits`` output with ``parameters: {"classification":
+k}`` is Triton's BYTES tensor of ``"value:index[:label]"`` strings, taken from the in-graph
+top-k, never by sorting the vocabulary. Every check names the input or output, what was
+expected and what came, and never echoes data.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import orjson
 
 from service.codec import json_bytes
 from service.errors import InvalidInput, MalformedBody
+from service.messages import InferRequest, InferResult, Target, Tokens
 
 HEADER_LENGTH = "inference-header-content-length"
 DTYPES: dict[str, np.dtype[Any]] = {
@@ -28,10 +32,11 @@ DTYPES: dict[str, np.dtype[Any]] = {
     "INT32": np.dtype("<i4"),
 }
 INPUT_TYPES = {"hidden_states": ("FP32", "FP16"), "input_ids": ("INT64", "INT32")}
-OUTPUTS = ("topk_token_ids", "topk_logits", "topk_logprobs", "logsumexp", "logits", "embeddings")
+PROJECTION_OUTPUTS = ("topk_token_ids", "topk_logits", "topk_logprobs", "logsumexp", "logits")
+OUTPUTS = (*PROJECTION_OUTPUTS, "embeddings")
 
 
-@dataclass
+@dataclass(frozen=True)
 class OutputRequest:
     name: str
     binary: bool
@@ -39,18 +44,18 @@ class OutputRequest:
     k: int | None = None
 
 
-@dataclass
-class InferRequest:
-    """A decoded V2 infer request."""
+@dataclass(frozen=True)
+class OutputPlan:
+    """What the answer holds: the request id and the outputs, in order."""
 
-    id: str | None
-    inputs: dict[str, npt.NDArray[Any]]
-    parameters: dict[str, Any]
+    request_id: str | None
     outputs: list[OutputRequest] = field(default_factory=list)
 
 
-def decode(body: bytes, header_length: str | None) -> InferRequest:
-    """Split header and binary part, then read inputs and requested outputs."""
+def decode(
+    body: bytes, header_length: str | None, target: Target
+) -> tuple[InferRequest, OutputPlan]:
+    """Split header and binary part, read inputs, parameters and requested outputs."""
     header_bytes, binary = _split(body, header_length)
     try:
         header = orjson.loads(header_bytes)
@@ -60,23 +65,36 @@ def decode(body: bytes, header_length: str | None) -> InferRequest:
         raise MalformedBody("inference header must be a JSON object")
     parameters = _mapping(header.get("parameters"), "parameters")
     inputs = _inputs(header.get("inputs"), binary)
-    default_binary = bool(parameters.get("binary_data_output", False))
-    outputs = _outputs(header.get("outputs"), default_binary)
-    request_id = header.get("id")
-    return InferRequest(
-        None if request_id is None else str(request_id)[:256], inputs, parameters, outputs
+    default_binary = _flag(parameters, "binary_data_output")
+    outputs = _outputs(header.get("outputs"), default_binary) or _default_outputs(
+        inputs, parameters, default_binary
     )
+    names = {output.name for output in outputs}
+    hidden = inputs.get("hidden_states")
+    if names & set(PROJECTION_OUTPUTS) and hidden is None:
+        raise InvalidInput("projection outputs need the input hidden_states")
+    ids = inputs.get("input_ids")
+    if "embeddings" in names and ids is None:
+        raise InvalidInput("output embeddings needs the input input_ids")
+    asked = [n for o in outputs for n in (o.classification, o.k) if n is not None]
+    request = InferRequest(
+        target,
+        hidden if names & set(PROJECTION_OUTPUTS) else None,
+        ids if "embeddings" in names else None,
+        max(asked) if asked else _optional_int(parameters, "k"),
+        _number(parameters, "temperature", 1.0),
+        full_logits=any(o.name == "logits" and o.classification is None for o in outputs),
+        tokens=any(o.classification is not None for o in outputs),
+    )
+    request_id = header.get("id")
+    return request, OutputPlan(None if request_id is None else str(request_id)[:256], outputs)
 
 
-def encode(
-    model_name: str,
-    version: int,
-    request_id: str | None,
-    tensors: list[tuple[OutputRequest, npt.NDArray[Any]]],
-) -> tuple[bytes, dict[str, str]]:
+def encode(result: InferResult, plan: OutputPlan) -> tuple[bytes, dict[str, str]]:
     """JSON answer, or a JSON header + binary tensors when any output asked for binary."""
     outputs, blobs = [], []
-    for request, array in tensors:
+    for request in plan.outputs:
+        array = _select(request, result)
         datatype = "BYTES" if array.dtype.kind in "OUS" else _datatype(array.dtype)
         entry: dict[str, Any] = {
             "name": request.name,
@@ -93,12 +111,12 @@ def encode(
             entry["data"] = array.reshape(-1).tolist() if datatype == "BYTES" else array.reshape(-1)
         outputs.append(entry)
     payload: dict[str, Any] = {
-        "model_name": model_name,
-        "model_version": str(version),
+        "model_name": result.head.name,
+        "model_version": str(result.head.version),
         "outputs": outputs,
     }
-    if request_id is not None:
-        payload["id"] = request_id
+    if plan.request_id is not None:
+        payload["id"] = plan.request_id
     header = json_bytes(payload)
     if not blobs:
         return header, {"content-type": "application/json"}
@@ -106,20 +124,77 @@ def encode(
     return header + b"".join(blobs), headers
 
 
-def classification_strings(
-    values: npt.NDArray[np.float32], ids: npt.NDArray[np.int64], labels: list[Any] | None
+def _select(output: OutputRequest, result: InferResult) -> npt.NDArray[Any]:
+    """The array one requested output carries."""
+    topk = result.topk
+    if output.name == "embeddings":
+        assert result.embeddings is not None
+        return result.embeddings
+    assert topk is not None
+    if output.classification is not None:
+        count = output.classification
+        return _classification(topk.logits[..., :count], topk.token_ids[..., :count], topk.tokens)
+    if output.name == "logits":
+        assert result.logits is not None
+        return result.logits
+    arrays: dict[str, npt.NDArray[Any] | None] = {
+        "topk_token_ids": topk.token_ids,
+        "topk_logits": topk.logits,
+        "topk_logprobs": topk.logprobs,
+        "logsumexp": topk.logsumexp,
+    }
+    array = arrays[output.name]
+    assert array is not None
+    return array[..., : output.k] if output.k is not None and output.name != "logsumexp" else array
+
+
+def _classification(
+    values: npt.NDArray[np.float32], ids: npt.NDArray[np.int64], tokens: Tokens | None
 ) -> npt.NDArray[np.object_]:
     """Triton's classification format: ``"value:index"`` or ``"value:index:label"``."""
     rows = []
-    for value_row, id_row in zip(
-        values.reshape(-1, values.shape[-1]), ids.reshape(-1, ids.shape[-1]), strict=True
-    ):
-        row = []
-        for value, index in zip(value_row.tolist(), id_row.tolist(), strict=True):
-            label = labels[index] if labels is not None and index < len(labels) else None
-            row.append(f"{value:f}:{index}" + (f":{label}" if label is not None else ""))
-        rows.append(row)
+    flat_values = values.reshape(-1, values.shape[-1]).tolist()
+    for row, id_row in enumerate(ids.reshape(-1, ids.shape[-1]).tolist()):
+        labels = tokens[row] if tokens is not None else [None] * len(id_row)
+        rows.append(
+            [
+                f"{value:f}:{index}" + (f":{label}" if label is not None else "")
+                for value, index, label in zip(flat_values[row], id_row, labels, strict=False)
+            ]
+        )
     return np.array(rows, dtype=object).reshape(*ids.shape)
+
+
+def _default_outputs(
+    inputs: dict[str, npt.NDArray[Any]], parameters: dict[str, Any], binary: bool
+) -> list[OutputRequest]:
+    if "hidden_states" not in inputs:
+        return [OutputRequest("embeddings", binary)]
+    names = ["topk_token_ids", "topk_logits"]
+    if _flag(parameters, "logprobs"):
+        names.append("topk_logprobs")
+    return [OutputRequest(name, binary) for name in names]
+
+
+def _flag(parameters: dict[str, Any], name: str) -> bool:
+    value = parameters.get(name, False)
+    if not isinstance(value, bool):
+        raise InvalidInput(f"parameter {name} must be true or false")
+    return value
+
+
+def _optional_int(parameters: dict[str, Any], name: str) -> int | None:
+    value = parameters.get(name)
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+        raise InvalidInput(f"parameter {name} must be an integer")
+    return value
+
+
+def _number(parameters: dict[str, Any], name: str, default: float) -> float:
+    value = parameters.get(name, default)
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise InvalidInput(f"parameter {name} must be a number")
+    return float(value)
 
 
 def _split(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
@@ -223,19 +298,22 @@ def _outputs(entries: Any, default_binary: bool) -> list[OutputRequest]:
         if name not in OUTPUTS:
             raise InvalidInput(f"unknown output {str(name)[:64]!r}; outputs: {', '.join(OUTPUTS)}")
         parameters = _mapping(entry.get("parameters"), f"output {name} parameters")
-        classification = parameters.get("classification")
-        if classification is not None and (
-            not isinstance(classification, int) or classification < 1
-        ):
-            raise InvalidInput(f"output {name}: classification must be an integer >= 1")
+        classification = _count(parameters, "classification", name)
         if classification is not None and name != "logits":
             raise InvalidInput("classification applies to the logits output only")
-        k = parameters.get("k")
-        if k is not None and (not isinstance(k, int) or k < 1):
-            raise InvalidInput(f"output {name}: k must be an integer >= 1")
-        binary = bool(parameters.get("binary_data", default_binary))
+        k = _count(parameters, "k", name)
+        binary = parameters.get("binary_data", default_binary)
+        if not isinstance(binary, bool):
+            raise InvalidInput(f"output {name}: binary_data must be true or false")
         requests.append(OutputRequest(name, binary, classification, k))
     return requests
+
+
+def _count(parameters: dict[str, Any], key: str, output: str) -> int | None:
+    value = parameters.get(key)
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise InvalidInput(f"output {output}: {key} must be an integer >= 1")
+    return value
 
 
 def _datatype(dtype: np.dtype[Any]) -> str:

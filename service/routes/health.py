@@ -6,10 +6,14 @@ from fastapi import APIRouter
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import Response
 
-from service.errors import ModelNotReady
-from service.routes.deps import MetricsDep, RegistryDep
+from service.routes.deps import MetricsDep, PlaneDep
+from service.routes.openapi import errors
 
 router = APIRouter(tags=["health"])
+
+
+class PrometheusText(Response):
+    media_type = CONTENT_TYPE_LATEST
 
 
 @router.get("/health/live")
@@ -18,14 +22,18 @@ async def live() -> dict[str, str]:
     return {"status": "live"}
 
 
-@router.get("/health/ready")
-async def ready(registry: RegistryDep) -> dict[str, object]:
+@router.get("/health/ready", responses=errors(503))
+async def ready(plane: PlaneDep) -> dict[str, object]:
     """200 once every model found at start-up was loaded and warmed (or failed); 503 before."""
-    if not registry.ready:
-        raise ModelNotReady("models are still loading")
-    return {"status": "ready", "models": {r.name: r.state.value for r in registry.records()}}
+    plane.check_ready()
+    return {"status": "ready", "models": {m["name"]: m["state"] for m in plane.models()}}
 
 
-@router.get("/metrics")
+@router.get(
+    "/metrics",
+    response_class=PrometheusText,
+    responses={200: {"content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}}},
+)
 async def metrics(collectors: MetricsDep) -> Response:
-    return Response(collectors.render(), media_type=CONTENT_TYPE_LATEST)
+    """Prometheus text exposition of every lmhead collector."""
+    return PrometheusText(collectors.render())

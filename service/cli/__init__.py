@@ -12,10 +12,12 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from service.checkpoints import CheckpointError
-from service.demo import DemoSpec, write_demo_models
+from service.demo import TIED_NAME, UNTIED_NAME, DemoSpec, write_demo_models
 from service.errors import describe_validation_errors
+from service.heads import FORMAT
 from service.importer import ImportOptions, import_checkpoint
 from service.inspect import HeadInspectionError, HeadReport, inspect_head
+from service.repository import MODEL_FILE
 from service.retie import retie
 
 
@@ -100,8 +102,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def _demo(args: argparse.Namespace) -> int:
     repository: Path = args.repository
-    existing = [repository / name / "1" / "model.onnx" for name in ("demo-tied", "demo-untied")]
-    if all(path.is_file() for path in existing) and not args.force:
+    existing = [repository / name / "1" / MODEL_FILE for name in (TIED_NAME, UNTIED_NAME)]
+    current = all(path.is_file() and inspect_head(path).format == FORMAT for path in existing)
+    if current and not args.force:
         print(f"demo models already in {repository} (use --force to rewrite)")
         return 0
     spec = DemoSpec(vocab_size=args.vocab_size, d_model=args.d_model, seed=args.seed)
@@ -148,7 +151,7 @@ def _import(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from service.comparison import compare_served, format_comparison
+    from service.cli.compare import compare_served, format_comparison
 
     report = compare_served(
         args.url, args.model_a, args.model_b, args.hidden, args.targets, args.k, args.repository

@@ -13,17 +13,20 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
+from time import perf_counter
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from service.batching import Batcher, BatchLimits, BatchStats
-from service.heads import MODEL_FILE
 from service.inspect import HeadReport, inspect_head
-from service.repository import ModelConfig, Signature, read_labels
-from service.runtime import HeadSession, MemoryMode, Projection
+from service.messages import HeadInfo
+from service.repository import MODEL_FILE, ModelConfig, Signature, read_labels
+from service.runtime import HeadSession, Projection
+from service.settings import MemoryMode
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,6 @@ class LoadedVersion:
 
     name: str
     version: int
-    directory: Path
     session: HeadSession
     report: HeadReport
     config: ModelConfig
@@ -71,10 +73,6 @@ class LoadedVersion:
             if self._inflight == 0:
                 self._idle.set()
 
-    @property
-    def inflight(self) -> int:
-        return self._inflight
-
     async def retire(self, timeout_s: float) -> bool:
         """Let admitted requests finish (up to ``timeout_s``), then release the session.
 
@@ -89,6 +87,14 @@ class LoadedVersion:
         await self.close()
         self.session.close()
         return drained
+
+    @cached_property
+    def info(self) -> HeadInfo:
+        """Who answered, as results carry it (computed once: a version never changes)."""
+        report = self.report
+        return HeadInfo(
+            self.name, self.version, report.tied, report.vocab_size, report.d_model, report.dtype
+        )
 
     @property
     def label(self) -> str:
@@ -142,10 +148,6 @@ class LoadedVersion:
         assert self.batcher is not None, "start() the version before serving it"
         leading = hidden.shape[:-1]
         rows = hidden.reshape(-1, self.d_model)
-        in_graph = self.report.temperature_in_graph
-        if temperature != 1.0 and not in_graph:
-            rows = rows / np.float32(temperature)  # exact: the graph divides h the same way
-            temperature = 1.0
         flat = await self.batcher.submit(rows, k, full_logits, temperature)
         return Projection(
             flat.topk_logits.reshape(*leading, -1),
@@ -158,6 +160,19 @@ class LoadedVersion:
         """Rows of the input embedding (the Gather side), in the inference executor."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.executor, self.session.embed, ids)
+
+    async def rows_per_second(self, hidden: npt.NDArray[np.float32], rows: int, runs: int) -> float:
+        """Rows/s of the bare session on a fixed batch tiled from ``hidden`` (no batcher)."""
+        batch = np.resize(hidden.reshape(-1, self.d_model), (rows, self.d_model))
+
+        def measure() -> float:
+            self.session.project(batch, 10)
+            start = perf_counter()
+            for _ in range(runs):
+                self.session.project(batch, 10)
+            return rows * runs / (perf_counter() - start)
+
+        return await asyncio.get_running_loop().run_in_executor(self.executor, measure)
 
     def tokens(self, ids: npt.NDArray[np.int64]) -> list[list[str | None]] | None:
         """Token strings for (rows, k) ids, a list per row (None past the labels file, e.g.
@@ -189,7 +204,11 @@ class LoadedVersion:
         }
 
     def _run(
-        self, rows: npt.NDArray[np.float32], k: int, full_logits: bool, temperature: float
+        self,
+        rows: npt.NDArray[np.float32],
+        k: int,
+        full_logits: bool,
+        temperature: npt.NDArray[np.float32],
     ) -> Projection:
         return self.session.project(rows, k, temperature=temperature, full_logits=full_logits)
 
@@ -225,7 +244,6 @@ def load_version(
     return LoadedVersion(
         name=name,
         version=version,
-        directory=directory,
         session=session,
         report=report,
         config=config,

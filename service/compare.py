@@ -1,8 +1,7 @@
-"""Numbers that contrast two heads, or a head with the real next tokens (numpy, exact).
+"""Statistics that compare two heads, or a head with the real next tokens (numpy, exact).
 
-Used by ``/v1/models/{name}/score``, ``/v1/compare``, ``lmhead compare`` and shadow traffic.
-Log-probabilities always use the full-vocabulary log-sum-exp; KL is taken over the full
-softmax in float64.
+The data plane's score and compare, and shadow traffic, use them. Log-probabilities always
+use the full-vocabulary log-sum-exp; KL is taken over the full softmax in float64.
 """
 
 from __future__ import annotations
@@ -95,4 +94,17 @@ def agreement(
         "topk_overlap": float(np.mean(overlap)),
         "kl_ab": summary(kl_ab),
         "kl_ba": summary(kl_rows(logits_b, logits_a)),
+    }
+
+
+def wins(name_a: str, name_b: str, a: Scores, b: Scores) -> dict[str, float]:
+    """Share of rows where each head gives the target the higher log-prob.
+
+    Equal within float32 rounding is a tie: two kernels on one matrix differ in the last bits.
+    """
+    tie = np.isclose(a.logprob, b.logprob, rtol=1e-5, atol=1e-5)
+    return {
+        name_a: float(np.mean((a.logprob > b.logprob) & ~tie)),
+        name_b: float(np.mean((b.logprob > a.logprob) & ~tie)),
+        "tie": float(np.mean(tie)),
     }

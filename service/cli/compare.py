@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from service.heads import MODEL_FILE
+from service.repository import MODEL_FILE
 
 
 def compare_served(

@@ -1,0 +1,361 @@
+"""The data plane: the one API under every front end (native REST, V2 REST, and later more).
+
+Front ends decode a request into a typed message (``service.messages``), call one method here
+and encode the result. This module alone owns the inference rules:
+
+* model and version lookup paired with the lease, with no ``await`` between (``_serving``), so
+  a concurrent swap never releases a version a request was given;
+* every limit: rows, k, temperature range, and the bytes of every (rows x vocab) tensor a
+  request materialises (``/logits``, score, compare and shadow alike), via ``Limits``;
+* shadow sampling, and the replay of sampled rows on the shadow head;
+* per-call metrics by model, version, verb and outcome;
+* the control API's rules: who may load and unload, and when.
+
+Nothing here knows HTTP: errors are ``ServiceError`` subclasses that each front end maps once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import secrets
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
+from time import perf_counter
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from service import compare
+from service.errors import (
+    Forbidden,
+    InvalidInput,
+    ModelLoadFailed,
+    ModelNotReady,
+    ServiceError,
+    Unauthorized,
+)
+from service.limits import Limits
+from service.loaded_version import LoadedVersion
+from service.messages import (
+    CandidateScores,
+    CompareRequest,
+    CompareResult,
+    EmbedRequest,
+    EmbedResult,
+    HeadInfo,
+    InferRequest,
+    InferResult,
+    LogitsRequest,
+    LogitsResult,
+    ScoreRequest,
+    ScoreResult,
+    Target,
+    TopKRequest,
+    TopKResult,
+)
+from service.metrics import Metrics
+from service.registry import ModelRecord, ModelState, Registry
+from service.runtime import Projection
+from service.settings import Settings
+from service.shadow import ShadowTraffic
+
+SPEED_ROWS = 64
+SPEED_RUNS = 5
+
+
+class DataPlane:
+    """Inference and control for every front end; see the module docstring."""
+
+    def __init__(self, registry: Registry, settings: Settings, metrics: Metrics) -> None:
+        self._registry = registry
+        self._settings = settings
+        self._limits = Limits.from_settings(settings)
+        self._metrics = metrics
+        # Statistics of compare and shadow run here, never on the inference threads.
+        self._stats = ThreadPoolExecutor(1, thread_name_prefix="lmhead-stats")
+        self._shadow = ShadowTraffic(
+            metrics, settings.shadow_max_pending, self._shadow_logits, self._stats
+        )
+
+    async def close(self) -> None:
+        await self._shadow.close()
+        self._stats.shutdown(wait=False, cancel_futures=True)
+
+    # -- metadata ---------------------------------------------------------------------------
+
+    def check_ready(self) -> None:
+        """503 until start-up loading is done (or for good, with the reason, if it failed)."""
+        if self._registry.startup_error is not None:
+            raise ModelNotReady(f"start-up failed: {self._registry.startup_error}")
+        if not self._registry.ready:
+            raise ModelNotReady("models are still loading")
+
+    def models(self) -> list[dict[str, Any]]:
+        return [record.describe() for record in self._registry.records()]
+
+    def model(self, name: str) -> dict[str, Any]:
+        return self._registry.record(name).describe()
+
+    def head(self, target: Target) -> HeadInfo:
+        """The version a target resolves to (404 unknown, 503 not ready)."""
+        return self._registry.get(target.model, target.version).info
+
+    def versions(self, name: str) -> list[int]:
+        """The loaded versions of a model."""
+        return sorted(self._registry.record(name).versions)
+
+    # -- inference --------------------------------------------------------------------------
+
+    async def topk(self, request: TopKRequest) -> TopKResult:
+        with self._serving("topk", request.target) as (model,):
+            hidden = self._limits.hidden_states(request.hidden_states, model.d_model)
+            k = self._limits.k(request.k, model.default_k)
+            temperature = self._limits.temperature(request.temperature)
+            projection = await self._project(model, hidden, k, temperature, full_logits=False)
+            return self._topk_result(model, projection, request.logprobs, request.tokens)
+
+    async def logits(self, request: LogitsRequest) -> LogitsResult:
+        with self._serving("logits", request.target) as (model,):
+            hidden = self._limits.hidden_states(request.hidden_states, model.d_model)
+            temperature = self._limits.temperature(request.temperature)
+            projection = await self._project(model, hidden, 1, temperature, full_logits=True)
+            assert projection.logits is not None
+            return LogitsResult(model.info, projection.logits)
+
+    async def embed(self, request: EmbedRequest) -> EmbedResult:
+        with self._serving("embed", request.target) as (model,):
+            ids = self._limits.token_ids(request.input_ids, model.vocab_size)
+            return EmbedResult(model.info, await model.embed(ids))
+
+    async def infer(self, request: InferRequest) -> InferResult:
+        """Projection and/or embeddings from one version (the V2 protocol's infer)."""
+        with self._serving("infer", request.target) as (model,):
+            ids = request.input_ids
+            if ids is not None:
+                ids = self._limits.token_ids(ids, model.vocab_size)
+            topk, logits = None, None
+            if request.hidden_states is not None:
+                hidden = self._limits.hidden_states(request.hidden_states, model.d_model)
+                k = self._limits.k(request.k, model.default_k)
+                temperature = self._limits.temperature(request.temperature)
+                projection = await self._project(
+                    model, hidden, k, temperature, full_logits=request.full_logits
+                )
+                topk = self._topk_result(model, projection, True, request.tokens)
+                logits = projection.logits if request.full_logits else None
+            embeddings = None if ids is None else await model.embed(ids)
+            return InferResult(model.info, topk, logits, embeddings)
+
+    async def score(self, request: ScoreRequest) -> ScoreResult:
+        """Per row the target's logit, log-prob and rank; NLL, perplexity; candidates."""
+        with self._serving("score", request.target) as (model,):
+            hidden = self._limits.hidden_states(request.hidden_states, model.d_model)
+            targets = self._targets(request.target_ids, hidden, model)
+            logits, lse = await self._full(model, hidden, copies=1)
+            scores = await self._statistics(compare.score, logits, lse, targets)
+            candidates = None
+            if request.candidate_ids is not None:
+                candidates = self._candidates(request.candidate_ids, logits, lse, model)
+            return ScoreResult(
+                model.info,
+                scores.logit,
+                scores.logprob,
+                scores.rank,
+                scores.nll,
+                scores.perplexity,
+                candidates,
+            )
+
+    async def compare(self, request: CompareRequest) -> CompareResult:
+        """The same rows through two heads: agreement, KL both ways, NLL per head, speed."""
+        first, second = (Target(name) for name in request.models)
+        with self._serving("compare", first, second) as heads:
+            a, b = heads
+            _check_comparable(a, b)
+            hidden = self._limits.hidden_states(request.hidden_states, a.d_model)
+            targets = None
+            if request.target_ids is not None:
+                targets = self._targets(request.target_ids, hidden, a)
+            k = self._limits.k(request.k, request.k)
+            full = [await self._full(head, hidden, copies=2) for head in heads]
+            (logits_a, _), (logits_b, _) = full
+            agreement = await self._statistics(compare.agreement, logits_a, logits_b, k)
+            blocks = ({"name": a.name, **a.describe()}, {"name": b.name, **b.describe()})
+            wins = None
+            if targets is not None:
+                scores = [await self._statistics(compare.score, *f, targets) for f in full]
+                wins = compare.wins(a.name, b.name, scores[0], scores[1])
+                for block, result in zip(blocks, scores, strict=True):
+                    block["nll"], block["perplexity"] = result.nll, result.perplexity
+            if request.measure_speed:
+                for head, block in zip(heads, blocks, strict=True):
+                    block["rows_per_s"] = await head.rows_per_second(hidden, SPEED_ROWS, SPEED_RUNS)
+                    block["speed_rows"] = SPEED_ROWS
+            return CompareResult(agreement, blocks, wins)
+
+    # -- control ----------------------------------------------------------------------------
+
+    def authorize(self, presented: str | None) -> None:
+        """The control API needs the admin token when one is set (constant-time compare)."""
+        token = self._settings.admin_token
+        if token is None:
+            return
+        expected = token.get_secret_value().encode()
+        if presented is None or not secrets.compare_digest(presented.encode(), expected):
+            raise Unauthorized("the repository API needs 'Authorization: Bearer <admin token>'")
+
+    def index(self) -> list[dict[str, Any]]:
+        return self._registry.index()
+
+    async def load(self, name: str, version: int | None = None) -> dict[str, Any]:
+        """(Re)load a model, or pin one version; the old version serves until the new one is
+        published, and keeps serving if the load fails (then ``ModelLoadFailed``)."""
+        self._check_writable()
+        record = await self._registry.load(name, version)
+        if record.state is not ModelState.READY or record.reason:
+            raise ModelLoadFailed(
+                f"loading {name!r} failed: {record.reason}"
+                + ("; the previous version keeps serving" if record.versions else "")
+            )
+        return record.describe()
+
+    async def unload(self, name: str) -> dict[str, Any]:
+        self._check_writable()
+        record: ModelRecord = await self._registry.unload(name)
+        return record.describe()
+
+    def _check_writable(self) -> None:
+        if self._settings.read_only:
+            raise Forbidden("the service is read-only (LMHEAD_READ_ONLY); load/unload are disabled")
+        if self._settings.control_mode == "none":
+            raise Forbidden("LMHEAD_CONTROL_MODE is none; load/unload are disabled")
+
+    # -- the rules' helpers -----------------------------------------------------------------
+
+    @contextmanager
+    def _serving(self, verb: str, *targets: Target) -> Iterator[list[LoadedVersion]]:
+        """Look up and lease each target (no ``await`` between), and record the call."""
+        started = perf_counter()
+        model, version, outcome = "", "", "ok"
+        try:
+            with ExitStack() as leases:
+                heads = []
+                for target in targets:
+                    head = self._registry.get(target.model, target.version)
+                    heads.append(leases.enter_context(head.lease()))
+                model, version = heads[0].name, str(heads[0].version)
+                yield heads
+        except ServiceError as error:
+            outcome = error.code
+            raise
+        except BaseException:
+            outcome = "internal_error"
+            raise
+        finally:
+            self._metrics.observe_call(model, version, verb, outcome, perf_counter() - started)
+
+    async def _project(
+        self,
+        model: LoadedVersion,
+        hidden: npt.NDArray[np.float32],
+        k: int,
+        temperature: float,
+        *,
+        full_logits: bool,
+    ) -> Projection:
+        """Run the projection; a request sampled for shadow traffic also fetches its logits."""
+        rows = math.prod(hidden.shape[:-1])
+        if full_logits:
+            self._limits.logits(rows, model.vocab_size)
+        sampled = self._shadow.wants(model) and self._limits.fits_logits(
+            rows, model.vocab_size, copies=2
+        )
+        projection = await model.project(
+            hidden, k, temperature=temperature, full_logits=full_logits or sampled
+        )
+        if sampled:
+            assert projection.logits is not None
+            self._shadow.submit(model, hidden, projection.logits, temperature)
+        return projection
+
+    async def _shadow_logits(
+        self, primary: LoadedVersion, name: str, rows: npt.NDArray[np.float32], temperature: float
+    ) -> npt.NDArray[np.float32]:
+        """The shadow's full logits for sampled rows, leased and limited like any request."""
+        with self._serving("shadow", Target(name)) as (shadow,):
+            _check_comparable(primary, shadow)
+            self._limits.logits(len(rows), shadow.vocab_size, copies=2)
+            projection = await shadow.project(rows, 1, temperature=temperature, full_logits=True)
+            assert projection.logits is not None
+            return projection.logits
+
+    async def _full(
+        self, model: LoadedVersion, hidden: npt.NDArray[np.float32], copies: int
+    ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
+        """Full (rows, vocab) logits and log-sum-exp, within the logits byte limit."""
+        rows = hidden.reshape(-1, model.d_model)
+        self._limits.logits(len(rows), model.vocab_size, copies)
+        projection = await model.project(rows, 1, full_logits=True)
+        assert projection.logits is not None
+        return projection.logits, projection.logsumexp
+
+    async def _statistics(self, function: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._stats, function, *args)
+
+    def _targets(
+        self, raw: npt.NDArray[Any], hidden: npt.NDArray[np.float32], model: LoadedVersion
+    ) -> npt.NDArray[np.int64]:
+        if raw.shape != hidden.shape[:-1]:
+            raise InvalidInput(
+                f"target_ids must have shape {list(hidden.shape[:-1])} (one per row), "
+                f"got {list(raw.shape)[:8]}"
+            )
+        return self._limits.token_ids(raw, model.vocab_size, "target_ids").reshape(-1)
+
+    def _candidates(
+        self,
+        raw: npt.NDArray[Any],
+        logits: npt.NDArray[np.float32],
+        lse: npt.NDArray[np.float32],
+        model: LoadedVersion,
+    ) -> CandidateScores:
+        if raw.ndim not in (1, 2) or raw.shape[-1] > model.vocab_size:
+            raise InvalidInput(
+                "candidate_ids must be one list of ids for every row, or one list per row, "
+                f"of at most {model.vocab_size} ids"
+            )
+        ids = self._limits.token_ids(raw, model.vocab_size, "candidate_ids")
+        per_row = np.broadcast_to(ids, (len(logits), ids.shape[-1])) if ids.ndim == 1 else ids
+        if per_row.shape[0] != len(logits):
+            raise InvalidInput(
+                f"candidate_ids must be one list for all rows or one per row ({len(logits)}), "
+                f"got {ids.shape[0]} lists"
+            )
+        values = np.take_along_axis(logits, per_row, axis=1)
+        return CandidateScores(np.ascontiguousarray(per_row), values, values - lse[:, None])
+
+    def _topk_result(
+        self, model: LoadedVersion, projection: Projection, logprobs: bool, tokens: bool
+    ) -> TopKResult:
+        ids = projection.topk_token_ids
+        return TopKResult(
+            model.info,
+            ids,
+            projection.topk_logits,
+            projection.logsumexp,
+            projection.topk_logprobs if logprobs else None,
+            model.tokens(ids.reshape(-1, ids.shape[-1])) if tokens else None,
+        )
+
+
+def _check_comparable(a: LoadedVersion, b: LoadedVersion) -> None:
+    if a.d_model != b.d_model:
+        raise InvalidInput(f"d_model differs: {a.name} has {a.d_model}, {b.name} has {b.d_model}")
+    if a.vocab_size != b.vocab_size:
+        raise InvalidInput(
+            f"vocab sizes differ ({a.vocab_size} vs {b.vocab_size}): comparing them needs a "
+            "token mapping, which is not supported"
+        )

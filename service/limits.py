@@ -1,0 +1,130 @@
+"""Every limit and range check on inference input, in one place; the data plane calls it.
+
+Front ends decode the wire into numpy arrays and plain values without judging them; what a
+model can take (shape, dtype, finite values, ids in range), how much a request may ask for
+(rows, k, bytes of full logits) and which temperatures are safe is decided here, with messages
+that name the field, the expected and the actual value, and never echo data.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from service.errors import InvalidInput, PayloadTooLarge
+from service.settings import Settings
+
+#: Temperatures outside this range overflow or underflow float32 logits (1e-45 made them inf).
+MIN_TEMPERATURE = 1e-4
+MAX_TEMPERATURE = 1e4
+LOGIT_BYTES = 4  # float32
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Request limits of one service instance (from ``LMHEAD_MAX_*``)."""
+
+    max_rows: int
+    max_k: int
+    max_logits_bytes: int
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Limits:
+        return cls(settings.max_rows, settings.max_k, settings.max_logits_bytes)
+
+    def hidden_states(
+        self, array: npt.NDArray[Any], d_model: int, field: str = "hidden_states"
+    ) -> npt.NDArray[np.float32]:
+        """(rows, d_model) or (batch, tokens, d_model), finite, within the row limit."""
+        if array.dtype.kind != "f":
+            raise InvalidInput(f"{field} must be float32 or float16, got {kind_name(array.dtype)}")
+        if array.ndim not in (2, 3):
+            raise InvalidInput(
+                f"{field} must have shape (rows, {d_model}) or (batch, tokens, {d_model}), "
+                f"got {array.ndim}-D shape {list(array.shape)[:8]}"
+            )
+        if array.shape[-1] != d_model:
+            raise InvalidInput(
+                f"{field} rows must have d_model={d_model} values, got {array.shape[-1]}"
+            )
+        rows = math.prod(array.shape[:-1])
+        if rows == 0:
+            raise InvalidInput(
+                f"{field} is empty (shape {list(array.shape)}); send at least one row"
+            )
+        if rows > self.max_rows:
+            raise PayloadTooLarge(
+                f"{field} has {rows} rows; the limit is {self.max_rows} per request"
+            )
+        hidden = np.ascontiguousarray(array, dtype=np.float32)
+        if not np.isfinite(hidden).all():
+            raise InvalidInput(
+                f"{field} contains NaN, Inf or null (or a value beyond float32's range)"
+            )
+        return hidden
+
+    def token_ids(
+        self, ids: npt.NDArray[Any], vocab_size: int, field: str = "input_ids"
+    ) -> npt.NDArray[np.int64]:
+        """Integer ids in [0, vocab_size), at least one, at most ``max_rows``."""
+        if ids.dtype.kind not in "iu":
+            raise InvalidInput(f"{field} must hold integers, got {kind_name(ids.dtype)}")
+        if ids.size == 0:
+            raise InvalidInput(f"{field} is empty; send at least one token id")
+        if ids.size > self.max_rows:
+            raise PayloadTooLarge(
+                f"{field} has {ids.size} ids; the limit is {self.max_rows} per request"
+            )
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= vocab_size:
+            raise InvalidInput(
+                f"{field} must be in [0, {vocab_size}), got values in [{low}, {high}]"
+            )
+        return ids.astype(np.int64, copy=False)
+
+    def k(self, requested: int | None, default: int) -> int:
+        """The request's k, or the model's default, within [1, max_k]."""
+        k = default if requested is None else requested
+        if not 1 <= k <= self.max_k:
+            raise InvalidInput(f"k must be between 1 and {self.max_k} (max_k), got {k}")
+        return k
+
+    def check_default_k(self, default: int) -> None:
+        """At load time: a model whose default k no request could use must not be served."""
+        if default > self.max_k:
+            raise ValueError(f"default_k {default} is above LMHEAD_MAX_K ({self.max_k})")
+
+    @staticmethod
+    def temperature(value: float) -> float:
+        if not MIN_TEMPERATURE <= value <= MAX_TEMPERATURE:  # NaN fails too
+            raise InvalidInput(
+                f"temperature must be a number in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]"
+            )
+        return float(value)
+
+    def logits(
+        self, rows: int, vocab_size: int, copies: int = 1, what: str = "full logits"
+    ) -> None:
+        """Refuse (413) a request that would hold ``copies`` (rows, vocab) float32 tensors."""
+        size = rows * vocab_size * LOGIT_BYTES * copies
+        if size > self.max_logits_bytes:
+            raise PayloadTooLarge(
+                f"{what} would be {size} bytes ({rows} rows x {vocab_size} tokens"
+                + (f" x {copies} heads" if copies > 1 else "")
+                + f"); the limit is LMHEAD_MAX_LOGITS_BYTES={self.max_logits_bytes} "
+                "(send fewer rows, or use top-k)"
+            )
+
+    def fits_logits(self, rows: int, vocab_size: int, copies: int = 1) -> bool:
+        return rows * vocab_size * LOGIT_BYTES * copies <= self.max_logits_bytes
+
+
+def kind_name(dtype: np.dtype[Any]) -> str:
+    """A dtype as a client would say it: ``strings`` rather than ``<U3``."""
+    return {"b": "booleans", "U": "strings", "S": "bytes", "O": "objects", "c": "complex"}.get(
+        dtype.kind, str(dtype)
+    )

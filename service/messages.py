@@ -1,0 +1,161 @@
+"""What the data plane takes and returns: numpy arrays and small frozen dataclasses.
+
+A front end decodes the wire into one of the requests below (one call), hands it to the data
+plane and encodes the result (one call). Nothing here knows HTTP, gRPC or onnxruntime, and
+nothing calls back into a front end, so a request and its result could cross a process
+boundary as they are. Arrays arrive as decoded, unchecked: the data plane judges them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+Tokens = list[list[str | None]]
+"""Token strings of returned ids, one list per (flattened) row; None past the labels file."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """Which model, and which version (None: the one the registry serves)."""
+
+    model: str
+    version: int | None = None
+
+
+@dataclass(frozen=True)
+class HeadInfo:
+    """The version that answered: for headers, metadata and A/B bookkeeping."""
+
+    name: str
+    version: int
+    tied: bool
+    vocab_size: int
+    d_model: int
+    dtype: str
+
+
+@dataclass(frozen=True)
+class TopKRequest:
+    target: Target
+    hidden_states: npt.NDArray[Any]
+    k: int | None = None
+    temperature: float = 1.0
+    logprobs: bool = False
+    tokens: bool = False
+
+
+@dataclass(frozen=True)
+class TopKResult:
+    """Top-k per row, leading dims as sent: ``token_ids``/``logits`` are (..., k)."""
+
+    head: HeadInfo
+    token_ids: npt.NDArray[np.int64]
+    logits: npt.NDArray[np.float32]
+    logsumexp: npt.NDArray[np.float32]
+    logprobs: npt.NDArray[np.float32] | None = None
+    tokens: Tokens | None = None
+
+
+@dataclass(frozen=True)
+class LogitsRequest:
+    target: Target
+    hidden_states: npt.NDArray[Any]
+    temperature: float = 1.0
+
+
+@dataclass(frozen=True)
+class LogitsResult:
+    head: HeadInfo
+    logits: npt.NDArray[np.float32]
+
+
+@dataclass(frozen=True)
+class EmbedRequest:
+    target: Target
+    input_ids: npt.NDArray[Any]
+
+
+@dataclass(frozen=True)
+class EmbedResult:
+    head: HeadInfo
+    embeddings: npt.NDArray[np.float32]
+
+
+@dataclass(frozen=True)
+class InferRequest:
+    """Several outputs of one version in one call (the V2 protocol's shape).
+
+    The projection runs when ``hidden_states`` is given, the embedding lookup when
+    ``input_ids`` is; both are answered by the same version.
+    """
+
+    target: Target
+    hidden_states: npt.NDArray[Any] | None = None
+    input_ids: npt.NDArray[Any] | None = None
+    k: int | None = None
+    temperature: float = 1.0
+    full_logits: bool = False
+    tokens: bool = False
+
+
+@dataclass(frozen=True)
+class InferResult:
+    head: HeadInfo
+    topk: TopKResult | None = None
+    logits: npt.NDArray[np.float32] | None = None
+    embeddings: npt.NDArray[np.float32] | None = None
+
+
+@dataclass(frozen=True)
+class ScoreRequest:
+    """Score the real next tokens (one per row), optionally a candidate set too."""
+
+    target: Target
+    hidden_states: npt.NDArray[Any]
+    target_ids: npt.NDArray[Any]
+    candidate_ids: npt.NDArray[Any] | None = None
+
+
+@dataclass(frozen=True)
+class CandidateScores:
+    ids: npt.NDArray[np.int64]
+    logits: npt.NDArray[np.float32]
+    logprobs: npt.NDArray[np.float32]
+
+
+@dataclass(frozen=True)
+class ScoreResult:
+    head: HeadInfo
+    logit: npt.NDArray[np.float32]
+    logprob: npt.NDArray[np.float32]
+    rank: npt.NDArray[np.int64]
+    nll: float
+    perplexity: float
+    candidates: CandidateScores | None = None
+
+
+@dataclass(frozen=True)
+class CompareRequest:
+    models: tuple[str, str]
+    hidden_states: npt.NDArray[Any]
+    target_ids: npt.NDArray[Any] | None = None
+    k: int = 10
+    measure_speed: bool = False
+
+
+@dataclass(frozen=True)
+class CompareResult:
+    """Agreement of two heads over the same rows, and a block per head.
+
+    ``agreement`` holds rows, k, top1_agreement, topk_overlap, kl_ab and kl_ba; each block
+    the head's description plus, with targets, nll and perplexity (and rows_per_s if asked);
+    ``wins`` the share of rows each head scores better (equal within float32 = tie).
+    """
+
+    agreement: dict[str, Any]
+    models: tuple[dict[str, Any], dict[str, Any]]
+    wins: dict[str, float] | None = None
