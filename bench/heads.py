@@ -20,7 +20,8 @@ import numpy as np
 
 from bench.machine import describe_machine
 from service.heads import HeadWeights, save_head
-from service.runtime import MEMORY_MODES, HeadSession, MemoryMode
+from service.runtime import MEMORY_MODES, HeadSession
+from service.settings import MemoryMode
 
 ROWS = (1, 8, 64)
 REPEATS = {1: 60, 8: 40, 64: 20}

@@ -38,6 +38,7 @@ from service.poller import RepositoryPoller
 from service.registry import Registry
 from service.repository import model_names
 from service.routes import health, native, repository, v2
+from service.routes.openapi import body_components
 from service.settings import Settings
 
 logger = logging.getLogger("lmhead")
@@ -121,12 +122,14 @@ class LMHeadApp(FastAPI):
             return
         scope["app"] = self
         started = perf_counter()
-        status = 500
+        status, answered = 500, False
 
         async def observe(message: Message) -> None:
-            nonlocal status
+            nonlocal status, answered
             if message["type"] == "http.response.start":
                 status = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                answered = True
             await send(message)
 
         try:
@@ -135,10 +138,25 @@ class LMHeadApp(FastAPI):
                 await super().__call__(scope, receive, observe)
             else:
                 await _serve_raw(route, scope, receive, observe)
+        except Exception:
+            # Starlette re-raises a handled error after its 500 went out (logged by our
+            # handler); passed on, the server would drop a keep-alive connection that is
+            # still good. Only an error before a complete answer goes on up.
+            if not answered:
+                raise
         finally:
             route_seen = scope.get("route")
             endpoint = route_seen.path if isinstance(route_seen, APIRoute) else "unmatched"
             self.metrics.observe_http(endpoint, status, perf_counter() - started)
+
+    def openapi(self) -> dict[str, Any]:
+        """FastAPI's document plus the request bodies that raw-request handlers parse."""
+        if self.openapi_schema is None:
+            document = super().openapi()
+            document.setdefault("components", {}).setdefault("schemas", {}).update(
+                body_components()
+            )
+        return self.openapi_schema or {}
 
     def _raw_route(self, scope: Scope) -> APIRoute | None:
         """The raw-request route matching this request, if any (FastAPI's own matching)."""

@@ -64,6 +64,7 @@ from service.shadow import ShadowTraffic
 
 SPEED_ROWS = 64
 SPEED_RUNS = 5
+SHADOW_CLOSE_S = 2.0
 
 
 class DataPlane:
@@ -81,8 +82,12 @@ class DataPlane:
         )
 
     async def close(self) -> None:
-        await self._shadow.close()
+        await self._shadow.close(SHADOW_CLOSE_S)
         self._stats.shutdown(wait=False, cancel_futures=True)
+
+    async def shadow_settled(self) -> None:
+        """Return once the shadow replays started so far have finished (their metrics are in)."""
+        await self._shadow.settle()
 
     # -- metadata ---------------------------------------------------------------------------
 
@@ -270,9 +275,8 @@ class DataPlane:
         rows = math.prod(hidden.shape[:-1])
         if full_logits:
             self._limits.logits(rows, model.vocab_size)
-        sampled = self._shadow.wants(model) and self._limits.fits_logits(
-            rows, model.vocab_size, copies=2
-        )
+        affordable = self._limits.fits_logits(rows, model.vocab_size, copies=2)
+        sampled = self._shadow.wants(model, affordable)
         projection = await model.project(
             hidden, k, temperature=temperature, full_logits=full_logits or sampled
         )

@@ -107,7 +107,8 @@ class Metrics:
         )
         self.loads = Counter(
             "lmhead_model_loads",
-            "Load or reload calls by outcome (published, kept_previous, failed).",
+            "Load or reload calls by outcome (published, kept_previous, failed; changed_in_place "
+            "per version whose files changed under the same number).",
             ["model", "outcome"],
             registry=self.registry,
         )
@@ -127,7 +128,8 @@ class Metrics:
         pair = ["primary", "shadow"]
         self.shadow_requests = Counter(
             "lmhead_shadow_requests",
-            "Sampled requests replayed on a shadow model, by outcome (ran, dropped, failed).",
+            "Sampled requests replayed on a shadow model, by outcome (ran, failed; dropped when "
+            "the queue was full, too_large when their logits would pass the byte limit).",
             [*pair, "outcome"],
             registry=self.registry,
         )

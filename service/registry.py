@@ -232,11 +232,15 @@ class Registry:
             return self._failed(name, previous, str(error), {})
         loaded: dict[int, LoadedVersion] = {}
         failed: dict[int, str] = {}
+        changed: list[str] = []
         for version in selected:
             reused = previous.versions.get(version) if previous else None
             if reused is not None and reused.signature == source.signatures[version]:
                 loaded[version] = reused
                 continue
+            if reused is not None:  # same number, other files: a new load, never a mix
+                changed.append(f"version {version}'s files changed on disk: loaded again")
+                self._metrics.loads.labels(name, "changed_in_place").inc()
             try:
                 loaded[version] = await self._load_version(source, version)
             except Exception as error:  # any load failure is reported, never fatal
@@ -249,7 +253,10 @@ class Registry:
             )
             return self._failed(name, previous, reason, failed)
         self._metrics.loads.labels(name, "published").inc()
-        notes = _changes(previous, loaded[pin] if pin in loaded else loaded[max(loaded)])
+        notes = (
+            *changed,
+            *_changes(previous, loaded[pin] if pin in loaded else loaded[max(loaded)]),
+        )
         for note in notes:
             logger.info("%s: %s", name, note)
         return ModelRecord(name, ModelState.READY, "", loaded, failed, pin, notes)

@@ -141,7 +141,7 @@ def _random_input(value: ort.NodeArg, model: onnx.ModelProto) -> npt.NDArray[np.
     if value.name == "k":  # lmhead's own heads: a small top-k and temperature 1
         return np.array([3], np.int64)
     if value.name == "temperature":
-        return np.array([1.0], np.float32)
+        return np.ones(shape, np.float32)
     if "int" in value.type:  # token ids: below the smallest 2-D weight dimension
         bound = min(min(t.dims) for t in model.graph.initializer if len(t.dims) == 2)
         return rng.integers(0, bound, size=shape, dtype=np.int64)

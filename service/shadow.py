@@ -46,13 +46,17 @@ class ShadowTraffic:
         self._tasks: set[asyncio.Task[None]] = set()
         self._random = random.Random(0)
 
-    def wants(self, primary: LoadedVersion) -> bool:
-        """Sample this request for the shadow? (A full queue drops it and counts that.)"""
+    def wants(self, primary: LoadedVersion, affordable: bool) -> bool:
+        """Sample this request for the shadow? A sample that is not ``affordable`` (its logits
+        would pass the byte limit) or finds the queue full is dropped and counted."""
         shadow = primary.config.shadow
         if shadow is None or self._random.random() >= shadow.fraction:
             return False
+        dropped = "too_large" if not affordable else None
         if len(self._tasks) >= self._max_pending:
-            self._metrics.shadow_requests.labels(primary.name, shadow.model, "dropped").inc()
+            dropped = "dropped"
+        if dropped is not None:
+            self._metrics.shadow_requests.labels(primary.name, shadow.model, dropped).inc()
             return False
         return True
 
@@ -75,7 +79,14 @@ class ShadowTraffic:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def close(self) -> None:
+    async def settle(self, timeout_s: float | None = None) -> None:
+        """Wait for the replays in flight (all of them, or until ``timeout_s``)."""
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=timeout_s)
+
+    async def close(self, timeout_s: float) -> None:
+        """Let replays in flight finish for up to ``timeout_s``, then cancel the rest."""
+        await self.settle(timeout_s)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

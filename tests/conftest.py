@@ -12,7 +12,9 @@ import pytest
 from onnx import numpy_helper
 
 from service.demo import demo_tokens
-from service.heads import HeadWeights, save_head
+from service.heads import OUTPUT_WEIGHT, HeadWeights, save_head
+from service.reference import output_projection_tied, output_projection_untied
+from service.repository import MODEL_FILE
 
 VOCAB = 997
 D_MODEL = 48
@@ -62,6 +64,22 @@ def initializers(path: Path) -> dict[str, npt.NDArray[np.float32]]:
         for tensor in model.graph.initializer
         if len(tensor.dims) == 2
     }
+
+
+def reference_logits(path: Path, hidden: npt.ArrayLike) -> npt.NDArray[np.float64]:
+    """The numpy reference: float64 logits from the matrices stored in the file itself.
+
+    ``path`` is a ``model.onnx`` or a version directory; a tied file projects through its one
+    matrix, an untied one through ``lm_head.weight``.
+    """
+    model = path / MODEL_FILE if path.is_dir() else path
+    weights = initializers(model)
+    rows = np.asarray(hidden, dtype=np.float64)
+    if len(weights) == 1:
+        (table,) = weights.values()
+        return np.asarray(output_projection_tied(rows, table.astype(np.float64)), np.float64)
+    head = weights[OUTPUT_WEIGHT].astype(np.float64)
+    return np.asarray(output_projection_untied(rows, head), np.float64)
 
 
 def write_tied_and_untied(

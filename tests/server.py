@@ -14,15 +14,34 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO
+from typing import IO, TypeVar
 
 import httpx
 
 READY_DEADLINE_S = 60.0
 POLL_INTERVAL_S = 0.05
+
+
+T = TypeVar("T")
+
+
+def poll(check: Callable[[], T | None], what: str, timeout_s: float = 30.0) -> T:
+    """Call ``check`` until it returns a value, pausing between calls, up to a deadline.
+
+    For outcomes the service reaches after it has answered (shadow statistics, a replaced
+    version draining): the condition itself is checked every time, the pause only keeps the
+    poll from spinning a core the server needs.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = check()
+        if found is not None:
+            return found
+        time.sleep(POLL_INTERVAL_S)
+    raise AssertionError(f"{what} did not happen within {timeout_s} s")
 
 
 def free_port() -> int:

@@ -76,9 +76,15 @@ async def list_models(plane: PlaneDep) -> dict[str, Any]:
     return {"models": plane.models()}
 
 
-@router.get("/models/{name}", response_model=ModelDescription, responses=errors(404))
-async def get_model(name: str, plane: PlaneDep) -> dict[str, Any]:
-    return plane.model(name)
+@router.get(
+    "/models/{name}",
+    response_model=ModelDescription,
+    responses=errors(404),
+    openapi_extra=operation("/v1/models/{name}"),
+)
+async def get_model(request: Request) -> dict[str, Any]:
+    """One model, as in the list."""
+    return plane_of(request).model(request.path_params["name"])
 
 
 @_inference(

@@ -13,13 +13,34 @@ import re
 from typing import Any
 
 from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
 
-from service.protocol import ErrorAnswer, V2ErrorAnswer
+from service.protocol import (
+    CompareBody,
+    EmbedBody,
+    ErrorAnswer,
+    LogitsBody,
+    ScoreBody,
+    TopKBody,
+    V2ErrorAnswer,
+    V2InferBody,
+)
 
 NPY = "application/x-npy"
 NPZ = "application/x-npz"
 OCTET = "application/octet-stream"
-BINARY = {"type": "string", "format": "binary"}
+#: OpenAPI 3.1 describes raw bytes by their media type alone: no JSON schema applies.
+BINARY: dict[str, Any] = {}
+REF = "#/components/schemas/{model}"
+#: Request bodies the handlers parse themselves; ``body_components`` puts them in the document.
+BODIES: tuple[type[BaseModel], ...] = (
+    TopKBody,
+    LogitsBody,
+    EmbedBody,
+    ScoreBody,
+    CompareBody,
+    V2InferBody,
+)
 PATH_PARAMETERS: dict[str, dict[str, Any]] = {
     "name": {
         "description": "Model name (a directory of the repository).",
@@ -83,15 +104,26 @@ def operation(
     ``alternatives`` maps other request media types to their schemas (``.npy``, V2 binary);
     ``answers`` lists binary media types the 200 answer may also have.
     """
-    extra: dict[str, Any] = {"parameters": path_parameters(path) + list(parameters)}
+    in_path = path_parameters(path)
+    named = {parameter["name"] for parameter in in_path}  # /versions/{version} wins over ?version
+    extra: dict[str, Any] = {
+        "parameters": in_path + [p for p in parameters if p["name"] not in named]
+    }
     if body is not None:
-        schema = body.model_json_schema()
-        content: dict[str, Any] = {
-            "application/json": {"schema": schema, "example": schema["examples"][0]}
-        }
+        assert body in BODIES, f"add {body.__name__} to BODIES"
+        example = body.model_json_schema()["examples"][0]
+        schema = {"$ref": REF.format(model=body.__name__)}
+        content: dict[str, Any] = {"application/json": {"schema": schema, "example": example}}
         for media, alternative in (alternatives or {}).items():
-            content[media] = {"schema": alternative}
+            content[media] = alternative
         extra["requestBody"] = {"required": True, "content": content}
     if answers:
-        extra["responses"] = {"200": {"content": {media: {"schema": BINARY} for media in answers}}}
+        extra["responses"] = {"200": {"content": dict.fromkeys(answers, BINARY)}}
     return extra
+
+
+def body_components() -> dict[str, Any]:
+    """Schemas of ``BODIES`` (and the models they nest) for ``components/schemas``."""
+    _, schema = models_json_schema([(model, "validation") for model in BODIES], ref_template=REF)
+    components: dict[str, Any] = schema["$defs"]
+    return components

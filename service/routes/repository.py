@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from service.codec import options, parse_json_object, read_body
 from service.protocol import ModelDescription, RepositoryIndexRow
 from service.routes.deps import PlaneDep, plane_of
-from service.routes.openapi import errors
+from service.routes.openapi import errors, operation
 
 LOAD_BODY_LIMIT = 64 * 1024
 
@@ -25,9 +25,10 @@ async def _authorized(request: Request) -> None:
     plane_of(request).authorize(presented if scheme.lower() == "bearer" else None)
 
 
-router = APIRouter(
-    tags=["repository"], dependencies=[Depends(_authorized)], responses=errors(401, 422)
-)
+router = APIRouter(tags=["repository"], dependencies=[Depends(_authorized)])
+#: V2 paths answer the protocol's error shape, with 400 for every bad request.
+NATIVE_ERRORS = errors(401, 403, 404, 422, 500)
+V2_ERRORS = errors(400, 401, 403, 404, 500, v2=True)
 
 
 class LoadRequest(BaseModel):
@@ -46,42 +47,40 @@ LOAD_BODY = {
 }
 
 
-@router.post("/v2/repository/index", response_model=list[RepositoryIndexRow])
-@router.post("/v1/repository/index", response_model=list[RepositoryIndexRow])
+@router.post(
+    "/v2/repository/index", response_model=list[RepositoryIndexRow], responses=errors(401, v2=True)
+)
+@router.post("/v1/repository/index", response_model=list[RepositoryIndexRow], responses=errors(401))
 async def index(plane: PlaneDep) -> list[dict[str, Any]]:
     """Every model in memory or on disk: ``[{name, version, state, reason}]``."""
     return plane.index()
 
 
-@router.post(
-    "/v2/repository/models/{name}/load",
-    response_model=ModelDescription,
-    responses=errors(400, 403, 404, 500),
-    openapi_extra=LOAD_BODY,
-)
-@router.post(
-    "/v1/repository/models/{name}/load",
-    response_model=ModelDescription,
-    responses=errors(400, 403, 404, 500),
-    openapi_extra=LOAD_BODY,
-)
-async def load(name: str, request: Request, plane: PlaneDep) -> dict[str, Any]:
-    """Load or reload ``name`` from the repository; body ``{"version": N}`` pins a version."""
+def _control(action: str, v2: bool) -> dict[str, Any]:
+    """Route arguments of load/unload on the V2 or the native prefix."""
+    path = f"/{'v2' if v2 else 'v1'}/repository/models/{{name}}/{action}"
+    extra = operation(path)
+    if action == "load":
+        extra |= LOAD_BODY
+    return {
+        "path": path,
+        "response_model": ModelDescription,
+        "responses": V2_ERRORS if v2 else NATIVE_ERRORS,
+        "openapi_extra": extra,
+    }
+
+
+@router.post(**_control("load", v2=True))
+@router.post(**_control("load", v2=False))
+async def load(request: Request, plane: PlaneDep) -> dict[str, Any]:
+    """Load or reload a model from the repository; body ``{"version": N}`` pins a version."""
     body = await read_body(request, LOAD_BODY_LIMIT)
     pin: LoadRequest = options(LoadRequest, parse_json_object(body) if body.strip() else {})
-    return await plane.load(name, pin.version)
+    return await plane.load(request.path_params["name"], pin.version)
 
 
-@router.post(
-    "/v2/repository/models/{name}/unload",
-    response_model=ModelDescription,
-    responses=errors(400, 403, 404),
-)
-@router.post(
-    "/v1/repository/models/{name}/unload",
-    response_model=ModelDescription,
-    responses=errors(400, 403, 404),
-)
-async def unload(name: str, plane: PlaneDep) -> dict[str, Any]:
-    """Stop serving ``name``; answers once its versions are drained and released."""
-    return await plane.unload(name)
+@router.post(**_control("unload", v2=True))
+@router.post(**_control("unload", v2=False))
+async def unload(request: Request, plane: PlaneDep) -> dict[str, Any]:
+    """Stop serving a model; answers once its versions are drained and released."""
+    return await plane.unload(request.path_params["name"])

@@ -15,7 +15,14 @@ from service import __version__, v2
 from service.codec import read_body, target
 from service.protocol import V2InferAnswer, V2InferBody, V2ModelMetadata, V2ServerMetadata
 from service.routes.deps import PlaneDep, body_limit, plane_of
-from service.routes.openapi import BINARY, INFERENCE_ERRORS, OCTET, errors, operation
+from service.routes.openapi import (
+    BINARY,
+    INFERENCE_ERRORS,
+    OCTET,
+    VERSION_QUERY,
+    errors,
+    operation,
+)
 
 router = APIRouter(prefix="/v2", tags=["v2"])
 HEADER_LENGTH = {
@@ -47,11 +54,19 @@ async def ready(plane: PlaneDep) -> dict[str, bool]:
     return {"ready": True}
 
 
-@router.get("/models/{name}", response_model=V2ModelMetadata, responses=V2_ERRORS)
-@router.get(
-    "/models/{name}/versions/{version}", response_model=V2ModelMetadata, responses=V2_ERRORS
-)
-async def model_metadata(request: Request, name: str, version: int | None = None) -> dict[str, Any]:
+def _metadata_route(path: str, answer: type[Any] | None = None) -> dict[str, Any]:
+    return {
+        "path": path,
+        "response_model": answer,
+        "responses": V2_ERRORS,
+        "openapi_extra": operation(router.prefix + path, parameters=(VERSION_QUERY,)),
+    }
+
+
+@router.get(**_metadata_route("/models/{name}", V2ModelMetadata))
+@router.get(**_metadata_route("/models/{name}/versions/{version}", V2ModelMetadata))
+async def model_metadata(request: Request) -> dict[str, Any]:
+    """Inputs, outputs and versions of a model, as the protocol describes them."""
     plane = plane_of(request)
     head = plane.head(target(request))
     return {
@@ -74,9 +89,10 @@ async def model_metadata(request: Request, name: str, version: int | None = None
     }
 
 
-@router.get("/models/{name}/ready", responses=V2_ERRORS)
-@router.get("/models/{name}/versions/{version}/ready", responses=V2_ERRORS)
-async def model_ready(request: Request, name: str, version: int | None = None) -> dict[str, bool]:
+@router.get(**_metadata_route("/models/{name}/ready"))
+@router.get(**_metadata_route("/models/{name}/versions/{version}/ready"))
+async def model_ready(request: Request) -> dict[str, bool]:
+    """200 when the model (version) can serve; 404 unknown, 503 loading or failed."""
     plane_of(request).head(target(request))  # 404 unknown, 503 not ready
     return {"ready": True}
 

@@ -8,10 +8,10 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import onnx
-from onnx import numpy_helper
 
 from service.demo import demo_tokens
+from service.heads import EMBEDDING_WEIGHT, OUTPUT_WEIGHT
+from tests.conftest import initializers
 
 
 def _lmhead(*args: str) -> subprocess.CompletedProcess[str]:
@@ -44,10 +44,10 @@ def test_demo_writes_a_tied_and_an_untied_head_in_the_repository_layout(tmp_path
 
 def test_untied_demo_shares_the_table_but_not_the_output_matrix(tmp_path: Path) -> None:
     _lmhead("demo", "--repository", str(tmp_path), "--vocab-size", "300", "--d-model", "16")
-    (table,) = onnx.load(str(tmp_path / "demo-tied/1/model.onnx")).graph.initializer[:1]
-    untied = onnx.load(str(tmp_path / "demo-untied/1/model.onnx")).graph.initializer
-    embedding, output = (numpy_helper.to_array(t) for t in untied[:2])
-    np.testing.assert_array_equal(embedding, numpy_helper.to_array(table))
+    (table,) = initializers(tmp_path / "demo-tied/1/model.onnx").values()
+    untied = initializers(tmp_path / "demo-untied/1/model.onnx")
+    embedding, output = untied[EMBEDDING_WEIGHT], untied[OUTPUT_WEIGHT]
+    np.testing.assert_array_equal(embedding, table)
     correlation = np.corrcoef(embedding.ravel(), output.ravel())[0, 1]
     assert 0.7 < correlation < 0.9
 

@@ -16,7 +16,8 @@ import numpy.typing as npt
 import onnx
 import pytest
 
-from service.heads import DATA_FILE, HeadWeights, save_head
+from service.heads import HeadWeights, save_head
+from service.repository import DATA_FILE
 from tests.conftest import D_MODEL
 from tests.server import running_server
 
@@ -143,18 +144,18 @@ def test_unload_then_load_again(admin: httpx.Client) -> None:
     "headers", [{}, {"authorization": "Bearer wrong"}, {"authorization": TOKEN}]
 )
 def test_missing_or_wrong_token_is_401(admin: httpx.Client, headers: dict[str, str]) -> None:
-    for path in ("/v2/repository/index", "/v2/repository/models/head/load"):
-        response = httpx.post(f"{admin.base_url}{path}", headers=headers)
-        assert response.status_code == 401
+    for action in ("index", "models/head/load", "models/head/unload"):
+        response = httpx.post(f"{admin.base_url}/v2/repository/{action}", headers=headers)
+        assert response.status_code == 401, action
         assert response.headers["www-authenticate"] == "Bearer"
         assert "Authorization: Bearer" in response.json()["error"]
-    native = httpx.post(f"{admin.base_url}/v1/repository/index", headers=headers)
-    assert native.status_code == 401
-    assert native.json()["error"]["code"] == "unauthorized"
+        native = httpx.post(f"{admin.base_url}/v1/repository/{action}", headers=headers)
+        assert native.status_code == 401, action
+        assert native.json()["error"]["code"] == "unauthorized"
     inference = httpx.post(
         f"{admin.base_url}/v1/models/head/topk", json={"hidden_states": [[0.1] * D_MODEL]}
     )
-    assert inference.status_code == 200  # only the repository API is guarded
+    assert inference.status_code == 200  # only the repository API is guarded; still served
 
 
 @pytest.mark.parametrize("name", ["%2E%2E", ".hidden", "-dash", "a%20b", "x" * 200])

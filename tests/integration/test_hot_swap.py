@@ -19,9 +19,9 @@ import numpy.typing as npt
 import pytest
 
 from service.heads import HeadWeights, save_head
-from service.reference import output_projection_untied, top_k
-from tests.conftest import D_MODEL, initializers
-from tests.server import running_server
+from service.reference import top_k
+from tests.conftest import D_MODEL, reference_logits
+from tests.server import poll, running_server
 
 CLIENTS = 8
 MAX_REQUESTS = 3000
@@ -95,9 +95,7 @@ class Load:
 
 
 def _expected(path: Path) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.floating]]:
-    weights = list(initializers(path).values())
-    logits = output_projection_untied(HIDDEN.astype(np.float64), weights[-1].astype(np.float64))
-    values, ids = top_k(logits, K)
+    values, ids = top_k(reference_logits(path, HIDDEN), K)
     return ids, values
 
 
@@ -152,9 +150,8 @@ def test_swap_through_the_api_under_load(tmp_path: Path, heads: dict[int, HeadWe
                 load.wait_for(100, version=version)
         index = admin.post("/v2/repository/index").json()
         assert index == [{"name": "head", "version": "3", "state": "READY", "reason": ""}]
-        deadline = time.monotonic() + 30
-        while _unloads(admin) < 2 and time.monotonic() < deadline:
-            pass  # the two replaced versions drain in the background; bounded busy poll
+        # The two replaced versions drain in the background, after the loads have answered.
+        poll(lambda: True if _unloads(admin) >= 2 else None, "two versions released")
         assert _unloads(admin) == 2
     answers = load.answers
     _check(answers, expected)

@@ -16,7 +16,7 @@ import pytest
 from service.demo import demo_tokens
 from service.heads import HeadWeights, save_head
 from service.reference import log_softmax, logsumexp, top_k
-from tests.conftest import D_MODEL, VOCAB, initializers, write_tied_and_untied
+from tests.conftest import D_MODEL, VOCAB, reference_logits, write_tied_and_untied
 from tests.server import running_server
 
 NPY = "application/x-npy"
@@ -51,9 +51,7 @@ def client(repository: Path) -> Iterator[httpx.Client]:
 def _reference(
     repository: Path, model: str, version: int, hidden: npt.NDArray[np.floating]
 ) -> npt.NDArray[np.float64]:
-    weights = list(initializers(repository / model / str(version) / "model.onnx").values())
-    logits: npt.NDArray[np.float64] = hidden.astype(np.float64) @ weights[-1].T.astype(np.float64)
-    return logits
+    return reference_logits(repository / model / str(version), hidden)
 
 
 def _hidden(*shape: int, seed: int = 0) -> npt.NDArray[np.float32]:
@@ -232,8 +230,12 @@ def test_full_logits_npy_by_default_and_json_when_asked(
 def test_full_logits_above_the_size_limit_are_refused(client: httpx.Client) -> None:
     response = client.post("/v1/models/tied/logits", json={"hidden_states": _hidden(21).tolist()})
     assert response.status_code == 413
-    assert "use /topk" in response.json()["error"]["message"]
-    assert client.post("/v1/models/tied/logits", json={"hidden_states": _hidden(20).tolist()})
+    message = response.json()["error"]["message"]
+    assert "21 rows x 997 tokens" in message
+    assert "LMHEAD_MAX_LOGITS_BYTES" in message
+    at_limit = client.post("/v1/models/tied/logits", json={"hidden_states": _hidden(20).tolist()})
+    assert at_limit.status_code == 200
+    assert np.load(io.BytesIO(at_limit.content)).shape == (20, VOCAB)
 
 
 @pytest.mark.parametrize("model", ["tied", "untied"])
@@ -263,13 +265,18 @@ def test_a_specific_version_can_be_addressed(client: httpx.Client, repository: P
     _check_topk(latest["results"], _reference(repository, "untied", 2, hidden), 3, False)
 
 
-def test_metrics_count_requests_by_model_version_and_status(client: httpx.Client) -> None:
+def test_metrics_count_requests_by_model_version_and_outcome(client: httpx.Client) -> None:
     client.post("/v1/models/tied/topk", json={"hidden_states": _hidden(1).tolist()})
     client.post("/v1/models/tied/topk", json={"hidden_states": [[1.0]]})
+    client.post("/v1/models/nope/topk", json={"hidden_states": [[1.0]]})
     text = client.get("/metrics").text
-    series = 'lmhead_requests_total{{endpoint="/v1/models/{{name}}/topk",model="tied",{}}}'
-    assert series.format('status="200",version="1"') in text
-    assert series.format('status="422",version=""') in text
+    calls = 'lmhead_requests_total{{model="{}",outcome="{}",verb="topk",version="{}"}}'
+    assert calls.format("tied", "ok", "1") in text
+    assert calls.format("tied", "invalid_input", "1") in text
+    assert calls.format("", "model_not_found", "") in text  # unknown names grow no series
+    http = 'lmhead_http_requests_total{{endpoint="/v1/models/{{name}}/topk",status="{}"}}'
+    assert http.format("200") in text
+    assert http.format("422") in text
     assert 'lmhead_model_loaded{model="untied",tied="false",version="2"} 1.0' in text
     assert "lmhead_inference_duration_seconds_bucket" in text
     assert 'lmhead_model_load_failures_total{model="broken"} 1.0' in text

@@ -19,7 +19,7 @@ from tritonclient.utils import InferenceServerException
 from service.demo import demo_tokens
 from service.heads import HeadWeights, save_head
 from service.reference import log_softmax, logsumexp, top_k
-from tests.conftest import D_MODEL, VOCAB, initializers, write_tied_and_untied
+from tests.conftest import D_MODEL, VOCAB, reference_logits, write_tied_and_untied
 from tests.server import running_server
 
 HIDDEN = np.random.default_rng(21).standard_normal((3, D_MODEL)).astype(np.float32)
@@ -50,9 +50,7 @@ def client(url: str) -> Iterator[triton.InferenceServerClient]:
 
 
 def _logits(repository: Path, model: str, hidden: npt.NDArray[np.floating]) -> npt.NDArray[Any]:
-    weights = list(initializers(repository / model / "1" / "model.onnx").values())
-    logits: npt.NDArray[Any] = hidden.astype(np.float64) @ weights[-1].T.astype(np.float64)
-    return logits
+    return reference_logits(repository / model / "1", hidden)
 
 
 def test_health_and_metadata(client: triton.InferenceServerClient, url: str) -> None:
@@ -186,9 +184,20 @@ def _hidden_input(rows: int, **extra: Any) -> dict[str, Any]:
 
 
 GOOD = HIDDEN[:1].tobytes()
+GOOD_SIZE = {"binary_data_size": len(GOOD)}
 ERROR_CASES: list[tuple[str, str, bytes, dict[str, str], int]] = [
-    ("unknown model", "/v2/models/nope/infer", b'{"inputs": []}', {}, 404),
-    ("unknown version", "/v2/models/tied/versions/9/infer", b'{"inputs": []}', {}, 404),
+    (
+        "unknown model",
+        "/v2/models/nope/infer",
+        *_binary_body({"inputs": [_hidden_input(1, parameters=GOOD_SIZE)]}, GOOD),
+        404,
+    ),
+    (
+        "unknown version",
+        "/v2/models/tied/versions/9/infer",
+        *_binary_body({"inputs": [_hidden_input(1, parameters=GOOD_SIZE)]}, GOOD),
+        404,
+    ),
     ("malformed header", "/v2/models/tied/infer", b'{"inputs": [', {}, 400),
     ("no inputs", "/v2/models/tied/infer", b'{"inputs": []}', {}, 400),
     (
@@ -296,7 +305,7 @@ def test_v2_errors(url: str, path: str, body: bytes, headers: dict[str, str], st
     assert after.status_code == 200
 
 
-def test_binary_answer_layout(url: str) -> None:
+def test_binary_answer_layout(url: str, repository: Path) -> None:
     body, headers = _binary_body(
         {
             "inputs": [_hidden_input(1, parameters={"binary_data_size": len(GOOD)})],
@@ -309,9 +318,12 @@ def test_binary_answer_layout(url: str) -> None:
     header = json.loads(response.content[:length])
     sizes = [o["parameters"]["binary_data_size"] for o in header["outputs"]]
     assert sizes == [2 * 8, 2 * 4]  # INT64 ids then FP32 logits, k = 2
-    ids = struct.unpack("<2q", response.content[length : length + 16])
-    assert len(ids) == 2
     assert len(response.content) == length + sum(sizes)
+    values, expected_ids = top_k(_logits(repository, "tied", HIDDEN[:1]), 2)
+    ids = struct.unpack("<2q", response.content[length : length + 16])
+    assert list(ids) == expected_ids[0].tolist()
+    logits = np.frombuffer(response.content[length + 16 :], dtype="<f4")
+    np.testing.assert_allclose(logits, values[0], rtol=1e-4, atol=1e-4)
 
 
 def test_client_errors_reach_tritonclient(client: triton.InferenceServerClient) -> None:

@@ -14,8 +14,11 @@ import numpy.typing as npt
 import pytest
 from fastapi import FastAPI
 from pydantic import ValidationError
+from starlette.requests import Request
+from starlette.responses import Response
 
 from service.app import create_app
+from service.dataplane import DataPlane
 from service.heads import HeadWeights, save_head
 from service.metrics import Metrics
 from service.reference import output_projection_tied, top_k
@@ -49,7 +52,7 @@ def test_ready_is_503_until_the_repository_is_loaded(repository: Path) -> None:
     async def scenario() -> tuple[int, int, str]:
         with ThreadPoolExecutor(1) as executor:
             registry = Registry(settings, executor, Metrics())
-            app.state.registry = registry
+            app.state.plane = DataPlane(registry, settings, Metrics())
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
                 before = await client.get("/health/ready")
@@ -123,3 +126,33 @@ def test_demo_heads_are_written_into_an_empty_repository_when_asked(tmp_path: Pa
         "models": {"demo-tied": "READY", "demo-untied": "READY"},
     }
     assert (tmp_path / "models" / "demo-tied" / "1" / "vocab.txt").is_file()
+
+
+def test_an_unexpected_error_is_a_generic_500_without_its_text(repository: Path) -> None:
+    """Through FastAPI and through the raw-route dispatch alike: the text stays in the log."""
+    app = create_app(Settings(repository=repository))
+
+    @app.post("/v1/models/{name}/explode")
+    async def through_fastapi(name: str) -> None:
+        raise RuntimeError(f"secret detail about {name}")
+
+    @app.post("/v2/models/{name}/explode-raw")
+    async def raw(request: Request) -> Response:
+        raise RuntimeError("secret detail, raw")
+
+    async def scenario() -> list[httpx.Response]:
+        async with serving(app) as client:
+            return [
+                await client.post("/v1/models/tied/explode"),
+                await client.post("/v2/models/tied/explode-raw"),
+            ]
+
+    native, v2 = asyncio.run(scenario())
+    assert native.status_code == v2.status_code == 500
+    assert native.json() == {
+        "error": {
+            "code": "internal_error",
+            "message": "internal error; the server log has the details",
+        }
+    }
+    assert v2.json() == {"error": "internal error; the server log has the details"}

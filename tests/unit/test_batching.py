@@ -16,7 +16,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from service.batching import Batcher, BatchLimits, BatchStats
+from service.batching import Batcher, BatchLimits, BatchStats, RunBatch
 from service.errors import InferenceFailed, ModelNotReady, QueueFull
 from service.runtime import HeadSession, Projection
 from tests.conftest import D_MODEL
@@ -36,15 +36,19 @@ class GatedRun:
         self.started = threading.Event()
         self.gate = threading.Event()
         self.calls: list[int] = []
-        self.temperatures: list[float] = []
+        self.temperatures: list[list[float]] = []
 
     def __call__(
-        self, rows: npt.NDArray[np.float32], k: int, full: bool, temperature: float = 1.0
+        self,
+        rows: npt.NDArray[np.float32],
+        k: int,
+        full: bool,
+        temperature: npt.NDArray[np.float32] | float = 1.0,
     ) -> Projection:
         self.started.set()
         self.gate.wait(timeout=WAIT)
         self.calls.append(len(rows))
-        self.temperatures.append(temperature)
+        self.temperatures.append(np.broadcast_to(temperature, len(rows)).tolist())
         return self.session.project(rows, k, temperature=temperature, full_logits=full)
 
     async def wait_started(self) -> None:
@@ -52,7 +56,7 @@ class GatedRun:
 
 
 def _with_batcher(
-    run: Callable[[npt.NDArray[np.float32], int, bool, float], Projection],
+    run: RunBatch,
     limits: BatchLimits,
     scenario: Callable[[Batcher], object],
     on_batch: Callable[[BatchStats], None] = lambda stats: None,
@@ -148,7 +152,9 @@ def test_a_failing_run_fails_every_caller_and_the_next_batch_runs(tied_path: Pat
     gated = GatedRun(session)
     failures = iter([False, True, False])
 
-    def flaky(rows: npt.NDArray[np.float32], k: int, full: bool, temperature: float) -> Projection:
+    def flaky(
+        rows: npt.NDArray[np.float32], k: int, full: bool, temperature: npt.NDArray[np.float32]
+    ) -> Projection:
         result = gated(rows, k, full, temperature)
         if next(failures):
             raise RuntimeError("onnxruntime exploded")
@@ -212,21 +218,26 @@ def test_close_lets_the_running_batch_finish_and_fails_the_queued(tied_path: Pat
         batcher.enqueue(_rows(1, 0), 1)
 
 
-def test_requests_with_other_temperatures_are_not_merged(tied_path: Path) -> None:
-    """For heads that need temperature in the graph (soft-cap, bias) a run has one value."""
-    run = GatedRun(HeadSession(tied_path, tied=True))
+def test_requests_at_other_temperatures_share_a_run_and_keep_their_own(tied_path: Path) -> None:
+    """The graph takes one temperature per row: merged rows keep their request's value."""
+    session = HeadSession(tied_path, tied=True)
+    run = GatedRun(session)
+    asked = [(_rows(1, 1), 0.5), (_rows(2, 2), 0.5), (_rows(1, 3), 2.0)]
 
-    async def scenario(batcher: Batcher) -> None:
+    async def scenario(batcher: Batcher) -> list[Projection]:
         first = batcher.enqueue(_rows(1, 0), 1)
         await run.wait_started()
-        queued = [
-            batcher.enqueue(_rows(1, 1), 1, temperature=0.5),
-            batcher.enqueue(_rows(1, 2), 1, temperature=0.5),
-            batcher.enqueue(_rows(1, 3), 1, temperature=2.0),
-        ]
+        queued = [batcher.enqueue(rows, 4, temperature=t) for rows, t in asked]
         run.gate.set()
-        await asyncio.gather(first, *queued)
+        await first
+        return list(await asyncio.gather(*queued))
 
-    _with_batcher(run, BatchLimits(max_wait_s=0.01), scenario)
-    assert run.calls == [1, 2, 1]
-    assert run.temperatures == [1.0, 0.5, 2.0]
+    results = _with_batcher(run, BatchLimits(max_wait_s=0.01), scenario)
+    assert run.calls == [1, 4]
+    assert run.temperatures[1] == [0.5, 0.5, 0.5, 2.0]
+    assert isinstance(results, list)
+    for (rows, temperature), result in zip(asked, results, strict=True):
+        alone = session.project(rows, 4, temperature=temperature)
+        np.testing.assert_array_equal(result.topk_token_ids, alone.topk_token_ids)
+        np.testing.assert_allclose(result.topk_logits, alone.topk_logits, rtol=1e-5)
+        np.testing.assert_allclose(result.logsumexp, alone.logsumexp, rtol=1e-5)

@@ -9,14 +9,8 @@ import numpy.typing as npt
 import onnx
 import pytest
 
-from service.heads import (
-    DATA_FILE,
-    EXTERNAL_ALIGNMENT,
-    MODEL_FILE,
-    HeadWeights,
-    build_head,
-    save_head,
-)
+from service.heads import EXTERNAL_ALIGNMENT, HeadWeights, build_head, save_head
+from service.repository import DATA_FILE, MODEL_FILE
 from tests.conftest import D_MODEL, VOCAB, initializers
 
 
@@ -32,7 +26,8 @@ def test_tied_file_has_one_matrix_feeding_gather_and_projection(tied_path: Path)
     (name,) = weights
     assert _consumers(model, name) == ["Gather", "Gemm"]
     gemm = next(node for node in model.graph.node if node.op_type == "Gemm")
-    assert onnx.helper.get_attribute_value(gemm.attribute[0]) == 1  # transB: no Transpose(W)
+    attributes = {a.name: onnx.helper.get_attribute_value(a) for a in gemm.attribute}
+    assert attributes.get("transB") == 1  # W read as stored: no Transpose(W) to fold
     assert not any(node.op_type == "Transpose" for node in model.graph.node)
     assert {prop.key: prop.value for prop in model.metadata_props}["lmhead.tied"] == "true"
 

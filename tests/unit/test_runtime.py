@@ -8,7 +8,6 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from service import output_projection_tied, output_projection_untied
 from service.heads import HeadWeights, save_head
 from service.reference import log_softmax, logsumexp, top_k
 from service.runtime import (
@@ -16,27 +15,17 @@ from service.runtime import (
     CUDA,
     MEMORY_MODES,
     HeadSession,
-    MemoryMode,
-    ProviderChoice,
     select_providers,
     session_options,
 )
-from tests.conftest import D_MODEL, VOCAB, initializers
+from service.settings import MemoryMode, ProviderChoice
+from tests.conftest import D_MODEL, VOCAB, initializers, reference_logits
 
 LEADING_SHAPES = [(1,), (5,), (2, 3), (2, 2, 3)]
 
 
 def _open(path: Path, memory_mode: MemoryMode = "shared") -> HeadSession:
     return HeadSession(path, tied=len(initializers(path)) == 1, memory_mode=memory_mode)
-
-
-def _reference_logits(path: Path, hidden: npt.NDArray[np.floating]) -> npt.NDArray[np.floating]:
-    """float64 reference logits from the matrices stored in the file itself."""
-    weights = list(initializers(path).values())
-    hidden64 = hidden.astype(np.float64)
-    if len(weights) == 1:
-        return output_projection_tied(hidden64, weights[0].astype(np.float64))
-    return output_projection_untied(hidden64, weights[1].astype(np.float64))
 
 
 @pytest.fixture(params=["tied", "untied"])
@@ -53,7 +42,7 @@ def test_projection_equals_reference(
     hidden = np.random.default_rng(sum(leading)).standard_normal((*leading, D_MODEL))
     hidden = hidden.astype(np.float32)
     result = session.project(hidden, 7, full_logits=True)
-    logits = _reference_logits(head_path, hidden)
+    logits = reference_logits(head_path, hidden)
     values, ids = top_k(logits, 7)
     assert result.topk_token_ids.shape == (*leading, 7)
     np.testing.assert_array_equal(result.topk_token_ids, ids)
@@ -78,7 +67,7 @@ def test_temperature_scales_values_and_keeps_the_order(head_path: Path) -> None:
     hot = session.project(hidden, 10, temperature=2.5)
     np.testing.assert_array_equal(hot.topk_token_ids, plain.topk_token_ids)
     np.testing.assert_allclose(hot.topk_logits, plain.topk_logits / 2.5, rtol=1e-5, atol=1e-5)
-    scaled = _reference_logits(head_path, hidden) / 2.5
+    scaled = reference_logits(head_path, hidden) / 2.5
     expected = np.take_along_axis(log_softmax(scaled), hot.topk_token_ids, axis=-1)
     np.testing.assert_allclose(hot.topk_logprobs, expected, rtol=1e-4, atol=1e-4)
 

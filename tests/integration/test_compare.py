@@ -6,7 +6,6 @@ import json
 import re
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,11 +16,11 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from service.contrast import kl_rows
+from service.compare import kl_rows
 from service.heads import HeadWeights, save_head
 from service.reference import log_softmax, logsumexp, top_k
-from tests.conftest import D_MODEL, VOCAB, initializers
-from tests.server import running_server
+from tests.conftest import D_MODEL, VOCAB, reference_logits
+from tests.server import poll, running_server
 
 HIDDEN = np.random.default_rng(17).standard_normal((12, D_MODEL)).astype(np.float32)
 TARGETS = np.random.default_rng(18).integers(0, VOCAB, 12)
@@ -51,8 +50,7 @@ def url(repository: Path) -> Iterator[str]:
 
 
 def _logits(repository: Path, model: str, hidden: npt.NDArray[np.float32]) -> Any:
-    weights = list(initializers(repository / model / "1" / "model.onnx").values())
-    return hidden.astype(np.float64) @ weights[-1].T.astype(np.float64)
+    return reference_logits(repository / model / "1", hidden)
 
 
 def test_score_equals_reference(url: str, repository: Path) -> None:
@@ -173,18 +171,20 @@ def _metric(text: str, name: str, **labels: str) -> float:
 
 
 def _wait_for(url: str, name: str, value: float, **labels: str) -> str:
-    deadline = time.monotonic() + 30
-    text = ""
-    while time.monotonic() < deadline:  # bounded poll: shadow runs finish after the answers
+    """Shadow runs finish after the answers: poll /metrics until the count is reached."""
+
+    def reached() -> str | None:
         text = httpx.get(f"{url}/metrics").text
-        if _metric(text, name, **labels) >= value:
-            return text
-    raise AssertionError(f"{name} never reached {value}")
+        return text if _metric(text, name, **labels) >= value else None
+
+    return poll(reached, f"{name} reaching {value}")
 
 
 def test_shadow_traffic_metrics_match_a_reference(url: str, repository: Path) -> None:
+    temperature = 0.5  # the shadow must run at the request's temperature too
+
     def primary(row: npt.NDArray[np.float32]) -> list[int]:
-        body = {"hidden_states": [row.tolist()], "k": 3}
+        body = {"hidden_states": [row.tolist()], "k": 3, "temperature": temperature}
         answer = httpx.post(f"{url}/v1/models/shadowed/topk", json=body, timeout=30).json()
         assert answer["model"] == "shadowed"
         ids: list[int] = answer["results"][0]["token_ids"]
@@ -198,7 +198,8 @@ def test_shadow_traffic_metrics_match_a_reference(url: str, repository: Path) ->
     text = _wait_for(url, "lmhead_shadow_requests_total", 12, outcome="ran", **pair)
     agree = _metric(text, "lmhead_shadow_top1_rows_total", agree="true", **pair)
     disagree = _metric(text, "lmhead_shadow_top1_rows_total", agree="false", **pair)
-    a, b = _logits(repository, "shadowed", HIDDEN), _logits(repository, "perturbed", HIDDEN)
+    a = _logits(repository, "shadowed", HIDDEN) / temperature
+    b = _logits(repository, "perturbed", HIDDEN) / temperature
     assert agree + disagree == 12
     assert agree == int(np.sum(a.argmax(1) == b.argmax(1)))
     kl_sum = _metric(text, "lmhead_shadow_kl_sum", **pair)

@@ -1,0 +1,307 @@
+"""The data plane in-process (no HTTP): each inference rule, checked against the numpy reference.
+
+Every front end goes through ``DataPlane``; these tests pin the rules it alone owns: lookup
+and lease, rows / k / temperature / logits-bytes limits on every path, shadow sampling at the
+request's temperature, call metrics, and the control API's guards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+from prometheus_client import CollectorRegistry
+from pydantic import SecretStr
+
+from service.compare import kl_rows
+from service.dataplane import DataPlane
+from service.errors import (
+    Forbidden,
+    InvalidInput,
+    ModelNotFound,
+    PayloadTooLarge,
+    Unauthorized,
+    VersionNotFound,
+)
+from service.heads import HeadWeights, save_head
+from service.messages import (
+    CompareRequest,
+    EmbedRequest,
+    InferRequest,
+    LogitsRequest,
+    ScoreRequest,
+    Target,
+    TopKRequest,
+)
+from service.metrics import Metrics
+from service.reference import log_softmax, top_k
+from service.registry import Registry
+from service.settings import Settings
+from tests.conftest import D_MODEL, VOCAB, reference_logits
+
+T = TypeVar("T")
+TIED, UNTIED = Target("tied"), Target("untied")
+LOGIT_ROWS = 8  # the logits byte limit below admits this many rows of one head
+
+
+def _hidden(rows: int, seed: int = 0) -> npt.NDArray[np.float32]:
+    return np.random.default_rng(seed).standard_normal((rows, D_MODEL)).astype(np.float32)
+
+
+@pytest.fixture
+def repository(
+    tmp_path: Path, table: npt.NDArray[np.float32], output_weight: npt.NDArray[np.float32]
+) -> Path:
+    save_head(HeadWeights.from_arrays(table), tmp_path / "tied" / "1")
+    save_head(HeadWeights.from_arrays(table, output_weight), tmp_path / "untied" / "1")
+    save_head(HeadWeights.from_arrays(table), tmp_path / "twin" / "1")
+    shadow = {"shadow": {"model": "twin", "fraction": 1.0}, "default_k": 4}
+    (tmp_path / "tied" / "config.json").write_text(json.dumps(shadow))
+    return tmp_path
+
+
+def _settings(repository: Path, **overrides: Any) -> Settings:
+    values: dict[str, Any] = {
+        "repository": repository,
+        "max_rows": 64,
+        "max_k": 50,
+        "max_logits_bytes": LOGIT_ROWS * VOCAB * 4,
+    }
+    return Settings(**(values | overrides))
+
+
+@asynccontextmanager
+async def _plane(settings: Settings) -> AsyncIterator[tuple[DataPlane, Metrics]]:
+    metrics = Metrics()
+    with ThreadPoolExecutor(1) as executor:
+        registry = Registry(settings, executor, metrics)
+        plane = DataPlane(registry, settings, metrics)
+        await registry.load_all()
+        try:
+            yield plane, metrics
+        finally:
+            await plane.close()
+            await registry.close()
+
+
+def _run(settings: Settings, scenario: Callable[[DataPlane, Metrics], Awaitable[T]]) -> T:
+    async def main() -> T:
+        async with _plane(settings) as (plane, metrics):
+            return await scenario(plane, metrics)
+
+    return asyncio.run(main())
+
+
+def _sample(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    return registry.get_sample_value(name, labels) or 0.0
+
+
+@pytest.mark.parametrize("target", [TIED, UNTIED])
+def test_topk_equals_the_reference_at_any_temperature(repository: Path, target: Target) -> None:
+    hidden = _hidden(6).reshape(2, 3, D_MODEL)
+    request = TopKRequest(target, hidden, k=7, temperature=0.6, logprobs=True)
+    result = _run(_settings(repository), lambda plane, _: plane.topk(request))
+    logits = reference_logits(repository / target.model / "1", hidden) / 0.6
+    values, ids = top_k(logits, 7)
+    np.testing.assert_array_equal(result.token_ids, ids)
+    np.testing.assert_allclose(result.logits, values, rtol=1e-4, atol=1e-4)
+    assert result.logprobs is not None
+    expected = np.take_along_axis(log_softmax(logits), ids, axis=-1)
+    np.testing.assert_allclose(result.logprobs, expected, rtol=1e-4, atol=1e-4)
+    assert (result.head.name, result.head.version, result.head.tied) == (
+        target.model,
+        1,
+        target == TIED,
+    )
+
+
+def test_k_defaults_to_the_model_and_is_bounded(repository: Path) -> None:
+    async def scenario(plane: DataPlane, _: Metrics) -> list[int]:
+        widths = [(await plane.topk(TopKRequest(TIED, _hidden(1)))).token_ids.shape[-1]]
+        widths.append((await plane.topk(TopKRequest(UNTIED, _hidden(1)))).token_ids.shape[-1])
+        for k in (0, 51):
+            with pytest.raises(InvalidInput, match=r"k must be between 1 and 50 \(max_k\)"):
+                await plane.topk(TopKRequest(TIED, _hidden(1), k=k))
+        with pytest.raises(InvalidInput, match="max_k"):
+            await plane.infer(InferRequest(TIED, _hidden(1), k=51))
+        return widths
+
+    assert _run(_settings(repository, default_k=6), scenario) == [4, 6]  # config, then setting
+
+
+@pytest.mark.parametrize("temperature", [0.0, -1.0, 1e-45, 1e39, float("nan"), float("inf")])
+def test_unsafe_temperatures_are_refused_on_every_path(
+    repository: Path, temperature: float
+) -> None:
+    async def scenario(plane: DataPlane, _: Metrics) -> None:
+        requests: list[Awaitable[Any]] = [
+            plane.topk(TopKRequest(TIED, _hidden(1), temperature=temperature)),
+            plane.logits(LogitsRequest(TIED, _hidden(1), temperature=temperature)),
+            plane.infer(InferRequest(TIED, _hidden(1), temperature=temperature)),
+        ]
+        for request in requests:
+            with pytest.raises(InvalidInput, match="temperature must be a number in"):
+                await request
+
+    _run(_settings(repository), scenario)
+
+
+def test_rows_are_bounded_for_hidden_states_and_ids(repository: Path) -> None:
+    async def scenario(plane: DataPlane, _: Metrics) -> None:
+        with pytest.raises(PayloadTooLarge, match="65 rows; the limit is 64"):
+            await plane.topk(TopKRequest(TIED, _hidden(65)))
+        with pytest.raises(PayloadTooLarge, match="65 ids; the limit is 64"):
+            await plane.embed(EmbedRequest(TIED, np.zeros(65, np.int64)))
+        with pytest.raises(InvalidInput, match=r"input_ids must be in \[0, 997\)"):
+            await plane.embed(EmbedRequest(TIED, np.array([VOCAB])))
+
+    _run(_settings(repository), scenario)
+
+
+def test_every_path_that_makes_full_logits_obeys_the_byte_limit(repository: Path) -> None:
+    """/logits, V2 logits, score and compare (two heads) all count rows x vocab bytes."""
+    fits, too_many = _hidden(LOGIT_ROWS), _hidden(LOGIT_ROWS + 1)
+    targets = np.zeros(LOGIT_ROWS + 1, np.int64)
+    half = LOGIT_ROWS // 2
+
+    async def scenario(plane: DataPlane, _: Metrics) -> None:
+        assert (await plane.logits(LogitsRequest(TIED, fits))).logits.shape == (LOGIT_ROWS, VOCAB)
+        refused: list[Awaitable[Any]] = [
+            plane.logits(LogitsRequest(TIED, too_many)),
+            plane.infer(InferRequest(TIED, too_many, full_logits=True)),
+            plane.score(ScoreRequest(TIED, too_many, targets)),
+            plane.compare(CompareRequest(("tied", "untied"), _hidden(half + 1))),
+        ]
+        for request in refused:
+            with pytest.raises(PayloadTooLarge, match="LMHEAD_MAX_LOGITS_BYTES"):
+                await request
+        compared = await plane.compare(CompareRequest(("tied", "untied"), _hidden(half)))
+        assert compared.agreement["rows"] == half
+        top = await plane.infer(InferRequest(TIED, too_many))  # top-k only: no full logits
+        assert top.topk is not None
+        assert top.logits is None
+
+    _run(_settings(repository), scenario)
+
+
+def test_shadow_replays_at_the_request_temperature(repository: Path) -> None:
+    """tied is shadowed by twin (the same weights): agreement must be total, KL zero."""
+    hidden = _hidden(5, seed=4)
+
+    async def scenario(plane: DataPlane, metrics: Metrics) -> None:
+        for row in hidden:
+            await plane.topk(TopKRequest(TIED, row[None, :], temperature=0.25))
+        await plane.shadow_settled()
+        registry = metrics.registry
+        pair = {"primary": "tied", "shadow": "twin"}
+        assert _sample(registry, "lmhead_shadow_requests_total", outcome="ran", **pair) == 5
+        assert _sample(registry, "lmhead_shadow_top1_rows_total", agree="true", **pair) == 5
+        assert _sample(registry, "lmhead_shadow_kl_sum", **pair) == pytest.approx(0, abs=1e-6)
+
+    _run(_settings(repository), scenario)
+
+
+def test_shadow_skips_requests_whose_logits_would_pass_the_limit(repository: Path) -> None:
+    async def scenario(plane: DataPlane, metrics: Metrics) -> None:
+        await plane.topk(TopKRequest(TIED, _hidden(LOGIT_ROWS)))  # primary + shadow: 2x
+        await plane.topk(TopKRequest(TIED, _hidden(LOGIT_ROWS // 2)))
+        await plane.shadow_settled()
+        pair = {"primary": "tied", "shadow": "twin"}
+        registry = metrics.registry
+        assert _sample(registry, "lmhead_shadow_requests_total", outcome="too_large", **pair) == 1
+        assert _sample(registry, "lmhead_shadow_requests_total", outcome="ran", **pair) == 1
+
+    _run(_settings(repository), scenario)
+
+
+def test_shadow_logits_equal_a_reference_kl(repository: Path, output_weight: Any) -> None:
+    """A shadow with other weights: KL(primary || shadow) at the request temperature."""
+    (repository / "tied" / "config.json").write_text(
+        json.dumps({"shadow": {"model": "untied", "fraction": 1.0}})
+    )
+    hidden = _hidden(3, seed=9)
+
+    async def scenario(plane: DataPlane, metrics: Metrics) -> float:
+        await plane.topk(TopKRequest(TIED, hidden, temperature=2.0))
+        await plane.shadow_settled()
+        labels = {"primary": "tied", "shadow": "untied"}
+        return _sample(metrics.registry, "lmhead_shadow_kl_sum", **labels)
+
+    kl_sum = _run(_settings(repository), scenario)
+    ours = reference_logits(repository / "tied" / "1", hidden) / 2.0
+    theirs = reference_logits(repository / "untied" / "1", hidden) / 2.0
+    assert kl_sum == pytest.approx(float(kl_rows(ours, theirs).sum()), rel=1e-3)
+
+
+def test_lookup_errors_and_version_pinning(repository: Path, output_weight: Any) -> None:
+    save_head(HeadWeights.from_arrays(output_weight), repository / "tied" / "2")
+    (repository / "tied" / "config.json").write_text(json.dumps({"versions": "all"}))
+
+    async def scenario(plane: DataPlane, metrics: Metrics) -> list[int]:
+        versions = [
+            (await plane.topk(TopKRequest(target, _hidden(1)))).head.version
+            for target in (TIED, Target("tied", 1), Target("tied", 2))
+        ]
+        with pytest.raises(ModelNotFound):
+            await plane.topk(TopKRequest(Target("nope"), _hidden(1)))
+        with pytest.raises(VersionNotFound):
+            await plane.topk(TopKRequest(Target("tied", 7), _hidden(1)))
+        registry = metrics.registry
+        labels = {"verb": "topk", "version": "1", "model": "tied", "outcome": "ok"}
+        assert _sample(registry, "lmhead_requests_total", **labels) == 1
+        unknown = {"verb": "topk", "version": "", "model": "", "outcome": "model_not_found"}
+        assert _sample(registry, "lmhead_requests_total", **unknown) == 1
+        return versions
+
+    assert _run(_settings(repository), scenario) == [2, 1, 2]
+
+
+def test_a_version_whose_files_change_is_loaded_again_never_served_stale(
+    repository: Path, output_weight: npt.NDArray[np.float32]
+) -> None:
+    """Same version number, new files: the next load serves the new weights, with a note."""
+    hidden = _hidden(2, seed=5)
+
+    async def scenario(plane: DataPlane, _: Metrics) -> tuple[Any, Any, dict[str, Any]]:
+        before = (await plane.topk(TopKRequest(TIED, hidden))).token_ids
+        staged = save_head(HeadWeights.from_arrays(output_weight), repository / "staged")
+        shutil.copy(staged, repository / "tied" / "1" / "model.onnx")  # edited in place
+        unchanged = (await plane.topk(TopKRequest(TIED, hidden))).token_ids
+        np.testing.assert_array_equal(unchanged, before)  # the served copy is the process's
+        described = await plane.load("tied")
+        after = (await plane.topk(TopKRequest(TIED, hidden))).token_ids
+        return before, after, described
+
+    before, after, described = _run(_settings(repository), scenario)
+    expected = top_k(reference_logits(repository / "tied" / "1", hidden), 4)[1]
+    np.testing.assert_array_equal(after, expected)
+    assert not np.array_equal(before, after)
+    assert "version 1's files changed on disk: loaded again" in described["notes"]
+
+
+def test_control_api_guards(repository: Path) -> None:
+    async def guarded(plane: DataPlane, _: Metrics) -> None:
+        plane.authorize("s3cret")
+        for presented in (None, "", "wrong"):
+            with pytest.raises(Unauthorized):
+                plane.authorize(presented)
+
+    _run(_settings(repository, admin_token=SecretStr("s3cret")), guarded)
+
+    async def read_only(plane: DataPlane, _: Metrics) -> None:
+        with pytest.raises(Forbidden, match="read-only"):
+            await plane.load("tied")
+        with pytest.raises(Forbidden, match="read-only"):
+            await plane.unload("tied")
+        assert (await plane.topk(TopKRequest(TIED, _hidden(1)))).head.version == 1
+
+    _run(_settings(repository, read_only=True), read_only)
