@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from service import native
+from service.codec import native
 from service.protocol import (
     CompareAnswer,
     CompareBody,

@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from service.codec import options, parse_json_object, read_body
+from service.codec.wire import options, parse_json_object, read_body
 from service.protocol import ModelDescription, RepositoryIndexRow
 from service.routes.deps import PlaneDep, plane_of
 from service.routes.openapi import errors, operation

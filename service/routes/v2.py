@@ -11,8 +11,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from service import __version__, v2
-from service.codec import read_body, target
+from service import __version__
+from service.codec import v2
+from service.codec.wire import target
 from service.protocol import V2InferAnswer, V2InferBody, V2ModelMetadata, V2ServerMetadata
 from service.routes.deps import PlaneDep, body_limit, plane_of
 from service.routes.openapi import (
@@ -121,13 +122,5 @@ def _infer_operation(path: str) -> dict[str, Any]:
 )
 async def infer(request: Request) -> Response:
     """Top-k, log-probs, full logits, classification and embeddings (JSON or binary)."""
-    body = await read_body(request, body_limit(request))
-    decoded, plan = v2.decode(body, request.headers.get(v2.HEADER_LENGTH), target(request))
-    result = await plane_of(request).infer(decoded)
-    payload, headers = v2.encode(result, plan)
-    headers |= {
-        "x-lmhead-model": result.head.name,
-        "x-lmhead-version": str(result.head.version),
-        "x-lmhead-tied": "true" if result.head.tied else "false",
-    }
-    return Response(payload, headers=headers)
+    decoded, plan = await v2.decode_http(request, body_limit(request))
+    return v2.encode_http(await plane_of(request).infer(decoded), plan)

@@ -18,8 +18,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import orjson
+from starlette.requests import Request
+from starlette.responses import Response
 
-from service.codec import json_bytes
+from service.codec.wire import json_bytes, read_body, target
 from service.errors import InvalidInput, MalformedBody
 from service.messages import InferRequest, InferResult, Target, Tokens
 
@@ -52,9 +54,24 @@ class OutputPlan:
     outputs: list[OutputRequest] = field(default_factory=list)
 
 
-def decode(
-    body: bytes, header_length: str | None, target: Target
-) -> tuple[InferRequest, OutputPlan]:
+async def decode_http(request: Request, body_limit: int) -> tuple[InferRequest, OutputPlan]:
+    """An HTTP infer request: body (JSON or binary extension), target from the path."""
+    body = await read_body(request, body_limit)
+    return decode(body, request.headers.get(HEADER_LENGTH), target(request))
+
+
+def encode_http(result: InferResult, plan: OutputPlan) -> Response:
+    """The answer, with the headers every lmhead inference answer carries."""
+    payload, headers = encode(result, plan)
+    headers |= {
+        "x-lmhead-model": result.head.name,
+        "x-lmhead-version": str(result.head.version),
+        "x-lmhead-tied": "true" if result.head.tied else "false",
+    }
+    return Response(payload, headers=headers)
+
+
+def decode(body: bytes, header_length: str | None, to: Target) -> tuple[InferRequest, OutputPlan]:
     """Split header and binary part, read inputs, parameters and requested outputs."""
     header_bytes, binary = _split(body, header_length)
     try:
@@ -78,7 +95,7 @@ def decode(
         raise InvalidInput("output embeddings needs the input input_ids")
     asked = [n for o in outputs for n in (o.classification, o.k) if n is not None]
     request = InferRequest(
-        target,
+        to,
         hidden if names & set(PROJECTION_OUTPUTS) else None,
         ids if "embeddings" in names else None,
         max(asked) if asked else _optional_int(parameters, "k"),

@@ -17,7 +17,7 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
 
-from service.codec import (
+from service.codec.wire import (
     JSON,
     NPY,
     NPZ,
