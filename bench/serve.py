@@ -11,6 +11,11 @@ near-zero CPU per request leaves the cores to the server, so every ratio comes f
 (shared, noisy) machine. Writes a markdown report.
 
     python -m bench.serve [--model demo-tied] [--output bench/results-serve.md]
+    python -m bench.serve --baseline ../lmhead-before --output bench/results-before-after.md
+
+``--baseline DIR`` (a checkout of an earlier commit, e.g. ``git worktree add``) measures only
+the acceptance rows, for that checkout's service and this one, alternating in one run: 64-row
+npy and JSON at 16 clients against the bare session, and batching on/off at 64 one-row clients.
 """
 
 from __future__ import annotations
@@ -19,9 +24,12 @@ import argparse
 import asyncio
 import io
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,8 +42,9 @@ import uvloop
 from bench.loadgen import build_request, closed_loop
 from bench.machine import describe_machine
 from service.demo import write_demo_models
+from service.inspect import inspect_head
 from service.runtime import HeadSession
-from tests.server import running_server
+from tests.server import running_checkout, running_server
 
 ROWS = (1, 8, 64)
 CLIENTS = (1, 16, 64)
@@ -56,19 +65,28 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="demo-tied")
     parser.add_argument("--output", type=Path)
+    parser.add_argument("--baseline", type=Path, help="an earlier checkout to compare with")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         repository = Path(scratch)
         write_demo_models(repository)
-        report = _run(repository, args.model)
+        if args.baseline is None:
+            report = _run(repository, args.model)
+        else:
+            report = _before_after(repository, args.baseline.resolve(), args.model)
     print(report)
     if args.output:
         args.output.write_text(report + "\n", encoding="utf-8")
     return 0
 
 
+def _session(repository: Path, model: str) -> HeadSession:
+    path = repository / model / "1" / "model.onnx"
+    return HeadSession(path, tied=inspect_head(path).tied)
+
+
 def _run(repository: Path, model: str) -> str:
-    session = HeadSession(repository / model / "1" / "model.onnx", tied=model.endswith("tied"))
+    session = _session(repository, model)
     before = {rows: _bare(session, rows) for rows in ROWS}
     url_path = f"/v1/models/{model}/topk"
     served = []
@@ -123,6 +141,71 @@ def _run(repository: Path, model: str) -> str:
     lines += ["", "Dynamic batching, 64 concurrent clients sending one row each (JSON):", ""]
     lines += _batching_table(repository, url_path)
     return "\n".join(lines)
+
+
+ROUNDS = 2  # baseline and current alternate, twice each, so drift hits both alike
+
+
+def _before_after(repository: Path, baseline: Path, model: str) -> str:
+    """The acceptance rows for an earlier checkout and this one, alternating in one run."""
+    old_repository = repository.parent / (repository.name + "-baseline")
+    subprocess.run(  # the baseline writes its own demo heads (file formats may differ)
+        [sys.executable, "-m", "service", "demo", "--repository", str(old_repository)],
+        cwd=baseline,
+        env={"PYTHONPATH": str(baseline), "PATH": ""},
+        check=True,
+        capture_output=True,
+    )
+    session = _session(repository, model)
+    bare = _bare(session, 64)
+    url_path = f"/v1/models/{model}/topk"
+    builds = {"before": (baseline, old_repository), "after": (None, repository)}
+    measured: dict[tuple[str, str], list[float]] = {}
+    for _ in range(ROUNDS):
+        for build, (source, models) in builds.items():
+            with _server(source, models) as url:
+                for kind in ("npy", "json"):
+                    result = uvloop.run(_drive(url + url_path, kind, 64, 16))
+                    measured.setdefault((build, kind), []).append(result.rows_per_s)
+            for batching in ("false", "true"):
+                with _server(source, models, batching=batching) as url:
+                    result = uvloop.run(_batching_run(url, url_path, "raw"))
+                    measured.setdefault((build, f"batching {batching}"), []).append(
+                        result.rows_per_s
+                    )
+    bare = _mean(bare, _bare(session, 64))
+    mean = {key: statistics.fmean(values) for key, values in measured.items()}
+    lines = [
+        describe_machine(),
+        "",
+        f"Before: `{baseline.name}`; after: this checkout. Head `{model}` (32000 x 512), "
+        f"k={K}; each build measured {ROUNDS} times, alternating; rows/s means. Bare session "
+        f"at 64 rows: {bare.rows_per_s:.0f} rows/s.",
+        "",
+        "| measure | before | after | after / before | target |",
+        "|---|---|---|---|---|",
+    ]
+    for kind, target in (("npy", 0.9), ("json", 0.8)):
+        ratios = [mean[(build, kind)] / bare.rows_per_s for build in builds]
+        lines.append(
+            f"| 64-row {kind} at 16 clients, vs bare session | {ratios[0]:.2f}x | "
+            f"{ratios[1]:.2f}x | {ratios[1] / ratios[0]:.2f} | >= {target}x |"
+        )
+    gains = [mean[(b, "batching true")] / mean[(b, "batching false")] for b in builds]
+    lines.append(
+        f"| 64 one-row JSON clients, batching on / off | {gains[0]:.1f}x | {gains[1]:.1f}x | "
+        f"{gains[1] / gains[0]:.2f} | >= 8x |"
+    )
+    lines += ["", "| build | measure | rows/s, each round |", "|---|---|---|"]
+    for (build, measure), values in sorted(measured.items()):
+        lines.append(f"| {build} | {measure} | {', '.join(f'{v:.0f}' for v in values)} |")
+    return "\n".join(lines)
+
+
+def _server(source: Path | None, repository: Path, **settings: str) -> AbstractContextManager[str]:
+    if source is None:
+        return running_server(repository, log_level="warning", **settings)
+    return running_checkout(source, repository, log_level="warning", **settings)
 
 
 def _batching_table(repository: Path, url_path: str) -> list[str]:

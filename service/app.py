@@ -20,10 +20,11 @@ import logging
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from itertools import chain
 from time import perf_counter
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI
 from fastapi.routing import APIRoute
 from starlette.requests import Request
 from starlette.routing import Match
@@ -114,7 +115,17 @@ class LMHeadApp(FastAPI):
     def __init__(self, metrics: Metrics, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.metrics = metrics
+        self._routers: list[APIRouter] = []
         self._raw_routes: list[APIRoute] | None = None
+
+    def include_router(self, router: APIRouter, *args: Any, **kwargs: Any) -> None:
+        """Include as FastAPI does, and remember the router: its routes are the table the raw
+        dispatch matches against (newer FastAPI keeps included routes behind a wrapper)."""
+        if args or kwargs.get("prefix"):
+            raise ValueError("include lmhead routers without a prefix: their paths are final")
+        super().include_router(router, **kwargs)
+        self._routers.append(router)
+        self._raw_routes = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -163,10 +174,13 @@ class LMHeadApp(FastAPI):
         if scope["method"] != "POST":
             return None
         if self._raw_routes is None:
+            routes = chain(self.router.routes, *(router.routes for router in self._routers))
             self._raw_routes = [
                 route
-                for route in self.router.routes
-                if isinstance(route, APIRoute) and _takes_only_request(route)
+                for route in routes
+                if isinstance(route, APIRoute)
+                and "POST" in (route.methods or ())
+                and _takes_only_request(route)
             ]
         for route in self._raw_routes:
             match, child = route.matches(scope)

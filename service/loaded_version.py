@@ -9,9 +9,8 @@ one real run whose output shapes are checked. Requests hold a reference to a
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Executor
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -57,21 +56,19 @@ class LoadedVersion:
     def __post_init__(self) -> None:
         self._idle.set()
 
-    @contextmanager
-    def lease(self) -> Iterator[LoadedVersion]:
-        """Hold this version for one request: ``retire`` waits until every lease is returned.
+    def acquire(self) -> None:
+        """Take a lease for one request: ``retire`` waits until every lease is released.
 
         Take it right after ``Registry.get`` with no ``await`` between, so a swap can never
-        release a version that a request has already been given.
+        release a version that a request has already been given (the data plane does).
         """
         self._inflight += 1
         self._idle.clear()
-        try:
-            yield self
-        finally:
-            self._inflight -= 1
-            if self._inflight == 0:
-                self._idle.set()
+
+    def release(self) -> None:
+        self._inflight -= 1
+        if self._inflight == 0:
+            self._idle.set()
 
     async def retire(self, timeout_s: float) -> bool:
         """Let admitted requests finish (up to ``timeout_s``), then release the session.

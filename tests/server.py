@@ -54,8 +54,23 @@ def free_port() -> int:
 @contextmanager
 def running_server(repository: Path, **settings: str) -> Iterator[str]:
     """Start the service on a free loopback port; yield its base URL once ready."""
+    with _serving(repository, None, settings) as url:
+        yield url
+
+
+@contextmanager
+def running_checkout(source: Path, repository: Path, **settings: str) -> Iterator[str]:
+    """``running_server`` with the ``service`` package of another checkout (before/after)."""
+    with _serving(repository, source, settings) as url:
+        yield url
+
+
+@contextmanager
+def _serving(repository: Path, source: Path | None, settings: dict[str, str]) -> Iterator[str]:
     port = free_port()
     env = {**os.environ, **{f"LMHEAD_{key.upper()}": value for key, value in settings.items()}}
+    if source is not None:
+        env["PYTHONPATH"] = str(source)
     command = [sys.executable, "-m", "service", "serve", "--repository", str(repository)]
     with tempfile.TemporaryFile() as log:
         process = subprocess.Popen(
@@ -63,6 +78,7 @@ def running_server(repository: Path, **settings: str) -> Iterator[str]:
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
+            cwd=source,
         )
         base_url = f"http://127.0.0.1:{port}"
         try:
