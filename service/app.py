@@ -26,7 +26,8 @@ from typing import Any
 
 from fastapi import APIRouter, FastAPI
 from fastapi.routing import APIRoute
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
 from starlette.routing import Match
 from starlette.types import Message, Receive, Scope, Send
 
@@ -43,6 +44,7 @@ from service.routes.openapi import body_components
 from service.settings import Settings
 
 logger = logging.getLogger("lmhead")
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client gone before the answer (metrics only)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -133,6 +135,11 @@ class LMHeadApp(FastAPI):
             return
         scope["app"] = self
         started = perf_counter()
+        route = self._raw_route(scope)
+        if route is not None:  # the hot path: the response object itself has the status
+            status = await _serve_raw(route, scope, receive, send)
+            self.metrics.observe_http(route.path, status, perf_counter() - started)
+            return
         status, answered = 500, False
 
         async def observe(message: Message) -> None:
@@ -144,11 +151,7 @@ class LMHeadApp(FastAPI):
             await send(message)
 
         try:
-            route = self._raw_route(scope)
-            if route is None:
-                await super().__call__(scope, receive, observe)
-            else:
-                await _serve_raw(route, scope, receive, observe)
+            await super().__call__(scope, receive, observe)
         except Exception:
             # Starlette re-raises a handled error after its 500 went out (logged by our
             # handler); passed on, the server would drop a keep-alive connection that is
@@ -203,10 +206,14 @@ def _takes_only_request(route: APIRoute) -> bool:
     )
 
 
-async def _serve_raw(route: APIRoute, scope: Scope, receive: Receive, send: Send) -> None:
+async def _serve_raw(route: APIRoute, scope: Scope, receive: Receive, send: Send) -> int:
+    """Call the handler, map any error as FastAPI's handlers do, send; return the status."""
     request = Request(scope, receive)
     try:
-        response = await route.endpoint(request)
-    except Exception as error:  # the same mapping FastAPI's exception handlers use
+        response: Response = await route.endpoint(request)
+    except ClientDisconnect:
+        return CLIENT_CLOSED_REQUEST  # nobody to answer; not an error of ours
+    except Exception as error:
         response = error_response(request, error)
     await response(scope, receive, send)
+    return response.status_code

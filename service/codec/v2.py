@@ -21,7 +21,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from service.codec.wire import json_bytes, read_body, target
+from service.codec.wire import header, json_bytes, read_body, target
 from service.errors import InvalidInput, MalformedBody
 from service.messages import InferRequest, InferResult, Target, Tokens
 
@@ -57,7 +57,7 @@ class OutputPlan:
 async def decode_http(request: Request, body_limit: int) -> tuple[InferRequest, OutputPlan]:
     """An HTTP infer request: body (JSON or binary extension), target from the path."""
     body = await read_body(request, body_limit)
-    return decode(body, request.headers.get(HEADER_LENGTH), target(request))
+    return decode(body, header(request, HEADER_LENGTH.encode()), target(request))
 
 
 def encode_http(result: InferResult, plan: OutputPlan) -> Response:

@@ -36,6 +36,17 @@ NPZ = "application/x-npz"
 VERSION = re.compile(r"[0-9]{1,18}")  # ASCII digits only: str.isdigit() takes "²"
 
 
+def header(request: Request, name: bytes, default: str | None = None) -> str | None:
+    """One request header (``name`` in lower case); the headers are indexed once per request
+    (Starlette's ``Headers.get`` scans them all on every call)."""
+    scope = request.scope
+    index: dict[bytes, bytes] | None = scope.get("lmhead.headers")
+    if index is None:
+        index = scope["lmhead.headers"] = dict(scope["headers"])
+    value = index.get(name)
+    return default if value is None else value.decode("latin-1")
+
+
 def target(request: Request) -> Target:
     """The model and version a request addresses: path ``/versions/{v}`` or ``?version=v``."""
     params = request.path_params
@@ -49,7 +60,7 @@ def target(request: Request) -> Target:
 
 async def read_body(request: Request, limit: int) -> bytes:
     """The body, refused with 413 as soon as it is known to exceed ``limit`` bytes."""
-    declared = request.headers.get("content-length")
+    declared = header(request, b"content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"request body is {int(declared)} bytes; the limit is {limit}")
     chunks, size = [], 0
@@ -68,23 +79,23 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 def content_type(request: Request, accepted: Iterable[str]) -> str:
     """The body's media type (JSON when absent), or 415 naming what is accepted."""
-    header = request.headers.get("content-type", JSON)
-    media = header.split(";", 1)[0].strip().lower()
+    given = header(request, b"content-type", JSON) or JSON
+    media = given.split(";", 1)[0].strip().lower()
     accepted = tuple(accepted)
     if media not in accepted:
         raise UnsupportedMediaType(
-            f"Content-Type {media!r} is not supported here; send one of {', '.join(accepted)}"
+            f"Content-Type {media[:64]!r} is not supported here; send one of {', '.join(accepted)}"
         )
     return media
 
 
 def response_type(request: Request, offered: Iterable[str], default: str) -> str:
     """Pick the answer's media type from Accept (first acceptable, in the client's order)."""
-    header = request.headers.get("accept", "")
-    if header in ("", "*/*"):  # what most clients send
+    accept = header(request, b"accept", "") or ""
+    if accept in ("", "*/*"):  # what most clients send
         return default
     offered = tuple(offered)
-    wanted = [part.split(";", 1)[0].strip().lower() for part in header.split(",") if part.strip()]
+    wanted = [part.split(";", 1)[0].strip().lower() for part in accept.split(",") if part.strip()]
     if not wanted:
         return default
     for media in wanted:
@@ -92,7 +103,9 @@ def response_type(request: Request, offered: Iterable[str], default: str) -> str
             return media
         if media in ("*/*", "application/*"):
             return default
-    raise NotAcceptable(f"cannot answer in {header!r}; this endpoint offers {', '.join(offered)}")
+    raise NotAcceptable(
+        f"cannot answer in {accept[:64]!r}; this endpoint offers {', '.join(offered)}"
+    )
 
 
 def parse_json_object(body: bytes) -> dict[str, Any]:

@@ -1,0 +1,134 @@
+"""The README's benchmark headlines, read from the results files the benchmarks write.
+
+The README quotes no number by hand: ``python -m bench.readme`` prints the headline table
+from ``bench/results-*.md`` and a test keeps the README's copy equal to it. Re-run a
+benchmark, then this, and paste (or ``--write``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+README = BENCH.parent / "README.md"
+BEGIN = "<!-- bench.readme: begin -->"
+END = "<!-- bench.readme: end -->"
+Row = dict[str, str]
+
+
+def tables(name: str) -> list[list[Row]]:
+    """Every markdown table in ``bench/<name>``, as rows keyed by the header cells."""
+    found: list[list[Row]] = []
+    header: list[str] | None = None
+    for line in (BENCH / name).read_text(encoding="utf-8").splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if not line.startswith("|"):
+            header = None
+        elif header is None:
+            header = cells
+            found.append([])
+        elif not set(line) <= set("|-: "):
+            found[-1].append(dict(zip(header, cells, strict=True)))
+    return found
+
+
+def machine(name: str) -> str:
+    first = (BENCH / name).read_text(encoding="utf-8").splitlines()[0]
+    return first.removeprefix("Machine: ").rstrip(".") if first.startswith("Machine") else ""
+
+
+def pick(rows: list[Row], column: str, **match: str) -> str:
+    for row in rows:
+        if all(row.get(key) == value for key, value in match.items()):
+            return row[column]
+    raise KeyError(f"no row {match} with {column}")
+
+
+def headlines() -> str:
+    serve, v2, batching = tables("results-serve.md")
+    heads = tables("results-heads.md")[0]
+    (swap,) = tables("results-swap.md")
+    (shadow,) = tables("results-shadow.md")
+    before_after = tables("results-before-after.md")[0]
+    gpt2 = {"head": "tied", "vocab x d": "50257 x 768"}
+    rows = [
+        (
+            "64-row `.npy` requests, 16 clients, vs a bare onnxruntime session",
+            pick(serve, "vs bare session", body="npy", **{"rows/req": "64", "clients": "16"}),
+            "results-serve.md",
+        ),
+        (
+            "64-row JSON requests, 16 clients, vs a bare session",
+            pick(serve, "vs bare session", body="json", **{"rows/req": "64", "clients": "16"}),
+            "results-serve.md",
+        ),
+        (
+            "dynamic batching on / off, 64 one-row clients",
+            pick(batching, "speed-up", client="raw", batching="on"),
+            "results-serve.md",
+        ),
+        (
+            "V2 binary vs native `.npy`, 64 rows, 16 clients",
+            pick(v2, "vs native npy", **{"API and body": "v2 binary", "clients": "16"}),
+            "results-serve.md",
+        ),
+        (
+            "tied 50257 x 768 head resident, `shared` / `fast` mode (x W)",
+            f"{pick(heads, 'resident / W', **gpt2, **{'memory mode': 'shared'})} / "
+            f"{pick(heads, 'resident / W', **gpt2, **{'memory mode': 'fast'})}",
+            "results-heads.md",
+        ),
+        (
+            "tied head time at 64 rows, `shared` vs `fast`",
+            pick(heads, "vs fast @64", **gpt2, **{"memory mode": "shared"}),
+            "results-heads.md",
+        ),
+        (
+            "failed requests across tied/untied hot swaps under load",
+            " + ".join(
+                f"{pick(swap, 'failed', head=h, swap='v1 -> v2 (untied)')} of "
+                f"{pick(swap, 'requests', head=h, swap='v1 -> v2 (untied)')}"
+                for h in ("demo 32000x512", "large 128256x2048")
+            ),
+            "results-swap.md",
+        ),
+        (
+            "primary rows/s with 10% shadow traffic, vs none",
+            pick(shadow, "vs no shadow", **{"shadow sampling": "10%"}),
+            "results-shadow.md",
+        ),
+        (
+            "one data plane (issue 12): batching on/off before / after",
+            f"{pick(before_after, 'before', measure='64 one-row JSON clients, batching on / off')}"
+            f" / {pick(before_after, 'after', measure='64 one-row JSON clients, batching on / off')}",
+            "results-before-after.md",
+        ),
+    ]
+    lines = [
+        BEGIN,
+        f"Machine: {machine('results-serve.md')}.",
+        "",
+        "| measure | result | from |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {what} | {value} | [{name}](bench/{name}) |" for what, value, name in rows]
+    return "\n".join([*lines, END])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--write", action="store_true", help="replace the README's copy")
+    args = parser.parse_args()
+    table = headlines()
+    if not args.write:
+        print(table)
+        return 0
+    text = README.read_text(encoding="utf-8")
+    start, end = text.index(BEGIN), text.index(END) + len(END)
+    README.write_text(text[:start] + table + text[end:], encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
