@@ -143,7 +143,7 @@ def _run(repository: Path, model: str) -> str:
     return "\n".join(lines)
 
 
-ROUNDS = 2  # baseline and current alternate, twice each, so drift hits both alike
+ROUNDS = 3  # baseline and current alternate, twice each, so drift hits both alike
 
 
 def _before_after(repository: Path, baseline: Path, model: str) -> str:
