@@ -143,7 +143,7 @@ def _run(repository: Path, model: str) -> str:
     return "\n".join(lines)
 
 
-ROUNDS = 3  # baseline and current alternate, twice each, so drift hits both alike
+ROUNDS = 3  # baseline and current alternate, so drift on the machine hits both alike
 
 
 def _before_after(repository: Path, baseline: Path, model: str) -> str:
@@ -178,7 +178,8 @@ def _before_after(repository: Path, baseline: Path, model: str) -> str:
     lines = [
         describe_machine(),
         "",
-        f"Before: `{baseline.name}`; after: this checkout. Head `{model}` (32000 x 512), "
+        f"Before: `{_revision(baseline)}`; after: `{_revision(Path.cwd())}` "
+        f"(plus uncommitted changes, if any). Head `{model}` (32000 x 512), "
         f"k={K}; each build measured {ROUNDS} times, alternating; rows/s means. Bare session "
         f"at 64 rows: {bare.rows_per_s:.0f} rows/s.",
         "",
@@ -200,6 +201,13 @@ def _before_after(repository: Path, baseline: Path, model: str) -> str:
     for (build, measure), values in sorted(measured.items()):
         lines.append(f"| {build} | {measure} | {', '.join(f'{v:.0f}' for v in values)} |")
     return "\n".join(lines)
+
+
+def _revision(checkout: Path) -> str:
+    done = subprocess.run(
+        ["git", "-C", str(checkout), "log", "-1", "--format=%h %s"], capture_output=True, text=True
+    )
+    return done.stdout.strip()[:72] or checkout.name
 
 
 def _server(source: Path | None, repository: Path, **settings: str) -> AbstractContextManager[str]:

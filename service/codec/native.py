@@ -21,6 +21,7 @@ from service.codec.wire import (
     JSON,
     NPY,
     NPZ,
+    booleans_hidden,
     content_type,
     float_array,
     int_array,
@@ -82,34 +83,42 @@ async def decode_embed(request: Request, body_limit: int) -> tuple[EmbedRequest,
         ids = parse_npy(body, "input_ids")
     else:
         payload = parse_json_object(body)
-        ids = int_array(_required(payload, "input_ids", "a nested list of token ids"), "input_ids")
+        booleans = booleans_hidden(body, payload)
+        ids = _required(payload, "input_ids", "a nested list of token ids")
+        ids = int_array(ids, "input_ids", booleans)
         options(EmbedOptions, payload)
     return EmbedRequest(target(request), ids), answer
 
 
 async def decode_score(request: Request, body_limit: int) -> ScoreRequest:
-    payload = parse_json_object(await read_body(request, body_limit))
-    hidden = float_array(_required(payload, HIDDEN, "(rows, d_model)"), HIDDEN)
-    targets = int_array(_required(payload, "target_ids", "one token id per row"), "target_ids")
+    content_type(request, (JSON,))
+    body = await read_body(request, body_limit)
+    payload = parse_json_object(body)
+    booleans = booleans_hidden(body, payload)
+    hidden = float_array(_required(payload, HIDDEN, "(rows, d_model)"), HIDDEN, booleans)
+    targets = _required(payload, "target_ids", "one token id per row")
     candidates = payload.pop("candidate_ids", None)
     options(ScoreOptions, payload)
     return ScoreRequest(
         target(request),
         hidden,
-        targets,
-        None if candidates is None else int_array(candidates, "candidate_ids"),
+        int_array(targets, "target_ids", booleans),
+        None if candidates is None else int_array(candidates, "candidate_ids", booleans),
     )
 
 
 async def decode_compare(request: Request, body_limit: int) -> CompareRequest:
-    payload = parse_json_object(await read_body(request, body_limit))
-    hidden = float_array(_required(payload, HIDDEN, "(rows, d_model)"), HIDDEN)
+    content_type(request, (JSON,))
+    body = await read_body(request, body_limit)
+    payload = parse_json_object(body)
+    booleans = booleans_hidden(body, payload)
+    hidden = float_array(_required(payload, HIDDEN, "(rows, d_model)"), HIDDEN, booleans)
     targets = payload.pop("target_ids", None)
     opts: CompareOptions = options(CompareOptions, payload)
     return CompareRequest(
         (opts.models[0], opts.models[1]),
         hidden,
-        None if targets is None else int_array(targets, "target_ids"),
+        None if targets is None else int_array(targets, "target_ids", booleans),
         opts.k,
         opts.measure_speed,
     )
@@ -182,8 +191,9 @@ async def _hidden_and_options(
         values = {k: v for k, v in request.query_params.items() if k != "version"}
         return array, options(schema, values, strict=False)
     values = parse_json_object(body)
+    booleans = booleans_hidden(body, values)
     expected = "(rows, d_model) or (batch, tokens, d_model)"
-    array = float_array(_required(values, HIDDEN, expected), HIDDEN)
+    array = float_array(_required(values, HIDDEN, expected), HIDDEN, booleans)
     return array, options(schema, values)
 
 

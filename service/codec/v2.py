@@ -21,7 +21,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from service.codec.wire import header, json_bytes, read_body, target
+from service.codec.wire import float_array, header, int_array, json_bytes, read_body, target
 from service.errors import InvalidInput, MalformedBody
 from service.messages import InferRequest, InferResult, Target, Tokens
 
@@ -36,6 +36,7 @@ DTYPES: dict[str, np.dtype[Any]] = {
 INPUT_TYPES = {"hidden_states": ("FP32", "FP16"), "input_ids": ("INT64", "INT32")}
 PROJECTION_OUTPUTS = ("topk_token_ids", "topk_logits", "topk_logprobs", "logsumexp", "logits")
 OUTPUTS = (*PROJECTION_OUTPUTS, "embeddings")
+MAX_RANK = 4
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,9 @@ def decode(body: bytes, header_length: str | None, to: Target) -> tuple[InferReq
     if not isinstance(header, dict):
         raise MalformedBody("inference header must be a JSON object")
     parameters = _mapping(header.get("parameters"), "parameters")
-    inputs = _inputs(header.get("inputs"), binary)
+    # numpy reads a JSON ``true`` inside data as 1: scan for them when the header has any.
+    booleans = b"true" in header_bytes or b"false" in header_bytes
+    inputs = _inputs(header.get("inputs"), binary, booleans)
     default_binary = _flag(parameters, "binary_data_output")
     outputs = _outputs(header.get("outputs"), default_binary) or _default_outputs(
         inputs, parameters, default_binary
@@ -233,7 +236,11 @@ def _mapping(value: Any, where: str) -> dict[str, Any]:
     return value
 
 
-def _inputs(entries: Any, binary: bytes) -> dict[str, npt.NDArray[Any]]:
+def _dimension(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31
+
+
+def _inputs(entries: Any, binary: bytes, booleans: bool) -> dict[str, npt.NDArray[Any]]:
     if not isinstance(entries, list) or not entries:
         raise InvalidInput(
             "inputs must be a non-empty list of tensors (hidden_states or input_ids)"
@@ -253,14 +260,20 @@ def _inputs(entries: Any, binary: bytes) -> dict[str, npt.NDArray[Any]]:
                 f"input {name} must have datatype {' or '.join(INPUT_TYPES[name])}, "
                 f"got {str(datatype)[:16]!r}"
             )
-        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-            raise InvalidInput(f"input {name} needs a shape of non-negative integers")
+        if (
+            not isinstance(shape, list)
+            or not 1 <= len(shape) <= MAX_RANK
+            or not all(_dimension(d) for d in shape)
+        ):
+            raise InvalidInput(
+                f"input {name} needs a shape of 1 to {MAX_RANK} non-negative integers below 2**31"
+            )
         dtype = DTYPES[datatype]
         size = _mapping(entry.get("parameters"), f"input {name} parameters").get("binary_data_size")
         if size is not None:
             array, offset = _binary_tensor(name, shape, dtype, size, binary, offset)
         else:
-            array = _json_tensor(name, shape, dtype, entry.get("data"))
+            array = _json_tensor(name, shape, dtype, entry.get("data"), booleans)
         arrays[name] = array
     if offset != len(binary):
         raise MalformedBody(
@@ -286,22 +299,24 @@ def _binary_tensor(
     return array, offset + size
 
 
-def _json_tensor(name: str, shape: list[int], dtype: np.dtype[Any], data: Any) -> npt.NDArray[Any]:
+def _json_tensor(
+    name: str, shape: list[int], dtype: np.dtype[Any], data: Any, booleans: bool
+) -> npt.NDArray[Any]:
     if not isinstance(data, list):
         raise InvalidInput(f"input {name} needs data (a flat or nested list) or binary_data_size")
-    try:
-        array = np.array(data, dtype=dtype)
-    except (ValueError, TypeError):
-        raise InvalidInput(
-            f"input {name}: data must be a list of numbers of one length per row"
-        ) from None
-    if dtype.kind == "i" and any(isinstance(v, float) for v in array.reshape(-1)[:1].tolist()):
-        raise InvalidInput(f"input {name} must hold integers")
+    field = f"input {name}"
+    if dtype.kind == "f":
+        array: npt.NDArray[Any] = float_array(data, field, booleans)
+    else:
+        array = int_array(data, field, booleans)
+        limits = np.iinfo(dtype)
+        if array.size and (int(array.min()) < limits.min or int(array.max()) > limits.max):
+            raise InvalidInput(f"{field}: values beyond the {dtype.name} range")
     if array.size != math.prod(shape):
         raise InvalidInput(
-            f"input {name}: shape {shape} needs {math.prod(shape)} values, data has {array.size}"
+            f"{field}: shape {shape} needs {math.prod(shape)} values, data has {array.size}"
         )
-    return array.reshape(shape)
+    return array.astype(dtype, copy=False).reshape(shape)
 
 
 def _outputs(entries: Any, default_binary: bool) -> list[OutputRequest]:

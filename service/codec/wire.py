@@ -34,6 +34,7 @@ JSON = "application/json"
 NPY = "application/x-npy"
 NPZ = "application/x-npz"
 VERSION = re.compile(r"[0-9]{1,18}")  # ASCII digits only: str.isdigit() takes "²"
+MAX_DEPTH = 8  # the deepest array an endpoint takes is 3-D; numpy is never shown more
 
 
 def header(request: Request, name: bytes, default: str | None = None) -> str | None:
@@ -136,27 +137,63 @@ def options(model: type[BaseModel], values: Mapping[str, Any], *, strict: bool =
         raise InvalidInput(describe_validation_errors(error.errors())) from None
 
 
-def float_array(value: Any, field: str) -> npt.NDArray[np.float32]:
-    """A nested JSON list of numbers -> float32 array; ragged or non-numeric is refused."""
-    if not isinstance(value, list):
-        raise InvalidInput(f"{field} must be a nested list of numbers, got {_json_type(value)}")
-    try:
-        return np.array(value, dtype=np.float32)
-    except (ValueError, TypeError):
-        raise InvalidInput(_diagnose(value, field, "numbers")) from None
+def booleans_hidden(body: bytes, payload: dict[str, Any]) -> bool:
+    """Could a JSON boolean sit inside the payload's arrays? numpy turns ``true`` into 1.0
+    silently, so arrays are scanned for them, but only when the raw body has more boolean
+    literals than the top-level options hold (a cheap count; nearly always no)."""
+    literals = body.count(b"true") + body.count(b"false")
+    return literals > sum(isinstance(value, bool) for value in payload.values())
 
 
-def int_array(value: Any, field: str) -> npt.NDArray[np.int64]:
-    """A nested JSON list of integers -> int64 array."""
-    if not isinstance(value, list):
-        raise InvalidInput(f"{field} must be a nested list of integers, got {_json_type(value)}")
-    try:
-        array = np.array(value)
-    except (ValueError, TypeError):
-        raise InvalidInput(_diagnose(value, field, "integers")) from None
+def float_array(value: Any, field: str, booleans: bool = True) -> npt.NDArray[np.float32]:
+    """A nested JSON list of numbers -> float32; strings, booleans, ragged rows are refused.
+
+    ``booleans=False`` skips the scan for booleans hidden among numbers (see
+    ``booleans_hidden``). Values beyond float32's range become Inf, which the data plane
+    refuses as non-finite.
+    """
+    array = _numbers(value, field, "numbers", booleans)
+    if array.dtype.kind not in "fiu":
+        raise InvalidInput(f"{field} must hold numbers only, got {kind_name(array.dtype)}")
+    return array.astype(np.float32)
+
+
+def int_array(value: Any, field: str, booleans: bool = True) -> npt.NDArray[np.int64]:
+    """A nested JSON list of integers -> int64; floats, strings, booleans are refused."""
+    array = _numbers(value, field, "integers", booleans)
     if array.size and array.dtype.kind not in "iu":
         raise InvalidInput(f"{field} must hold integers only, got {kind_name(array.dtype)}")
+    if array.dtype.kind == "u" and array.size and int(array.max()) > np.iinfo(np.int64).max:
+        raise InvalidInput(f"{field} holds integers beyond the int64 range")
     return array.astype(np.int64, copy=False)
+
+
+def _numbers(value: Any, field: str, what: str, booleans: bool) -> npt.NDArray[Any]:
+    if not isinstance(value, list):
+        raise InvalidInput(f"{field} must be a nested list of {what}, got {_json_type(value)}")
+    depth, inner = 0, value
+    while isinstance(inner, list) and inner and depth <= MAX_DEPTH:
+        depth, inner = depth + 1, inner[0]
+    if depth > MAX_DEPTH:
+        raise InvalidInput(f"{field} is nested deeper than {MAX_DEPTH} levels")
+    try:
+        array = np.array(value)
+    except (ValueError, TypeError, RecursionError):
+        raise InvalidInput(_diagnose(value, field, what)) from None
+    if booleans and array.dtype.kind in "iuf" and _holds_boolean(value):
+        raise InvalidInput(f"{field} must hold {what} only; found a JSON boolean")
+    return array
+
+
+def _holds_boolean(value: list[Any]) -> bool:
+    pending = [value]
+    while pending:
+        for item in pending.pop():
+            if item is True or item is False:
+                return True
+            if isinstance(item, list):
+                pending.append(item)
+    return False
 
 
 def json_bytes(payload: Any) -> bytes:
@@ -178,7 +215,7 @@ def npz_bytes(arrays: Mapping[str, npt.NDArray[Any]]) -> bytes:
 def _diagnose(value: list[Any], field: str, what: str) -> str:
     try:
         array = np.array(value, dtype=object)
-    except ValueError:
+    except (ValueError, RecursionError):
         array = None
     if array is None or array.dtype == object and any(isinstance(v, list) for v in array.flat):
         return f"{field} rows have different lengths (ragged); every row must be equally long"

@@ -27,6 +27,13 @@ def _npy(array: npt.NDArray[Any]) -> bytes:
     return stream.getvalue()
 
 
+def _nested(depth: int) -> list[Any]:
+    value: list[Any] = [1.0]
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
 def _rows(count: int) -> list[list[float]]:
     rng = np.random.default_rng(count)
     rows: list[list[float]] = rng.standard_normal((count, D_MODEL)).tolist()
@@ -118,6 +125,62 @@ JSON_CASES: list[tuple[str, str, Any, int, str]] = [
         "temperature 0",
         "/v1/models/tied/topk",
         {"hidden_states": _rows(1), "temperature": 0},
+        422,
+        "invalid_input",
+    ),
+    (
+        "k as a number string",
+        "/v1/models/tied/topk",
+        {"hidden_states": _rows(1), "k": "3"},
+        422,
+        "invalid_input",
+    ),
+    (
+        "k as a boolean",
+        "/v1/models/tied/topk",
+        {"hidden_states": _rows(1), "k": True},
+        422,
+        "invalid_input",
+    ),
+    (
+        "logprobs as a number",
+        "/v1/models/tied/topk",
+        {"hidden_states": _rows(1), "logprobs": 1},
+        422,
+        "invalid_input",
+    ),
+    (
+        "number strings in hidden_states",
+        "/v1/models/tied/topk",
+        {"hidden_states": [[str(v) for v in _rows(1)[0]]]},
+        422,
+        "invalid_input",
+    ),
+    (
+        "a boolean among the numbers",
+        "/v1/models/tied/topk",
+        {"hidden_states": [[*_rows(1)[0][:-1], True]], "logprobs": True},
+        422,
+        "invalid_input",
+    ),
+    (
+        "temperature 1e-45",
+        "/v1/models/tied/topk",
+        {"hidden_states": _rows(1), "temperature": 1e-45},
+        422,
+        "invalid_input",
+    ),
+    (
+        "nested 200 levels",
+        "/v1/models/tied/topk",
+        {"hidden_states": _nested(200)},
+        422,
+        "invalid_input",
+    ),
+    (
+        "floats as input ids",
+        "/v1/models/tied/embed",
+        {"input_ids": [1.9, 2.9]},
         422,
         "invalid_input",
     ),

@@ -23,10 +23,8 @@ from service.heads import HeadWeights, save_head
 from service.metrics import Metrics
 from service.reference import output_projection_tied, top_k
 from service.registry import Registry
-from service.settings import Settings, settings_table
+from service.settings import Settings
 from tests.conftest import D_MODEL
-
-README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 @asynccontextmanager
@@ -108,10 +106,6 @@ def test_settings_fail_fast_on_inconsistent_values() -> None:
         Settings(memory_mode="tiny")
     with pytest.raises(ValidationError, match="max_wait_ms"):
         Settings(max_wait_ms=-1)
-
-
-def test_readme_configuration_table_matches_the_settings_class() -> None:
-    assert settings_table() in README.read_text(encoding="utf-8")
 
 
 def test_demo_heads_are_written_into_an_empty_repository_when_asked(tmp_path: Path) -> None:
