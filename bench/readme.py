@@ -15,6 +15,7 @@ README = BENCH.parent / "README.md"
 BEGIN = "<!-- bench.readme: begin -->"
 END = "<!-- bench.readme: end -->"
 Row = dict[str, str]
+BATCHING = "64 one-row JSON clients, batching on / off"
 
 
 def tables(name: str) -> list[list[Row]]:
@@ -100,8 +101,8 @@ def headlines() -> str:
         ),
         (
             "one data plane (issue 12): batching on/off before / after",
-            f"{pick(before_after, 'before', measure='64 one-row JSON clients, batching on / off')}"
-            f" / {pick(before_after, 'after', measure='64 one-row JSON clients, batching on / off')}",
+            f"{pick(before_after, 'before', measure=BATCHING)} / "
+            f"{pick(before_after, 'after', measure=BATCHING)}",
             "results-before-after.md",
         ),
     ]
