@@ -244,11 +244,12 @@ def _takes_only_request(route: APIRoute) -> bool:
 async def _serve_raw(route: APIRoute, scope: Scope, receive: Receive, send: Send) -> int:
     """Call the handler, map any error as FastAPI's handlers do, send; return the status."""
     request = Request(scope, receive)
-    try:
-        response: Response = await route.endpoint(request)
-    except ClientDisconnect:
-        return CLIENT_CLOSED_REQUEST  # nobody to answer; not an error of ours
-    except Exception as error:
-        response = error_response(request, error)
-    await response(scope, receive, send)
+    with scope["app"].state.plane.admit():  # the request's memory, held until it is sent
+        try:
+            response: Response = await route.endpoint(request)
+        except ClientDisconnect:
+            return CLIENT_CLOSED_REQUEST  # nobody to answer; not an error of ours
+        except Exception as error:
+            response = error_response(request, error)
+        await response(scope, receive, send)
     return response.status_code

@@ -1,11 +1,14 @@
 """Statistics that compare two heads, or a head with the real next tokens (numpy, exact).
 
 The data plane's score and compare, and shadow traffic, use them. Log-probabilities always
-use the full-vocabulary log-sum-exp; KL is taken over the full softmax in float64.
+use the full-vocabulary log-sum-exp; KL is taken over the full softmax in float64. Rows are
+processed in chunks of ``CHUNK_BYTES`` of logits: the float64 and index temporaries of a
+chunk are ~10x its bytes, so the statistics never hold more than ~10 x CHUNK_BYTES.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +16,22 @@ import numpy as np
 import numpy.typing as npt
 
 from service.reference import log_softmax
+
+CHUNK_BYTES = 16 * 2**20
+
+
+def _chunks(rows: int, vocab_size: int) -> Iterator[slice]:
+    step = max(1, CHUNK_BYTES // (4 * vocab_size))
+    for start in range(0, rows, step):
+        yield slice(start, start + step)
+
+
+def _by_rows(
+    function: Callable[..., tuple[npt.NDArray[Any], ...]], *arrays: npt.NDArray[Any]
+) -> tuple[npt.NDArray[Any], ...]:
+    """``function`` over row chunks of ``arrays`` (the first one is (rows, vocab)), joined."""
+    parts = [function(*(array[part] for array in arrays)) for part in _chunks(*arrays[0].shape)]
+    return tuple(np.concatenate(column) for column in zip(*parts, strict=True))
 
 
 @dataclass(frozen=True)
@@ -36,12 +55,18 @@ def score(
     logits: npt.NDArray[np.float32], lse: npt.NDArray[np.float32], targets: npt.NDArray[np.int64]
 ) -> Scores:
     """Target logit, log-prob and rank (0 = top; equal logits rank lower ids first) per row."""
+    return Scores(*_by_rows(_score, logits, lse, targets))
+
+
+def _score(
+    logits: npt.NDArray[np.float32], lse: npt.NDArray[np.float32], targets: npt.NDArray[np.int64]
+) -> tuple[npt.NDArray[Any], ...]:
     rows = np.arange(len(targets))
     target_logit = logits[rows, targets]
     above = (logits > target_logit[:, None]).sum(axis=1)
     ids = np.arange(logits.shape[1])
     tied_before = ((logits == target_logit[:, None]) & (ids[None, :] < targets[:, None])).sum(1)
-    return Scores(target_logit, target_logit - lse, (above + tied_before).astype(np.int64))
+    return target_logit, target_logit - lse, (above + tied_before).astype(np.int64)
 
 
 def summary(values: npt.NDArray[np.floating]) -> dict[str, float]:
@@ -57,6 +82,10 @@ def summary(values: npt.NDArray[np.floating]) -> dict[str, float]:
 
 def kl_rows(logits_p: npt.NDArray[np.floating], logits_q: npt.NDArray[np.floating]) -> Any:
     """KL(P || Q) per row over the full softmax, in float64."""
+    return _by_rows(lambda p, q: (_kl(p, q),), logits_p, logits_q)[0]
+
+
+def _kl(logits_p: npt.NDArray[np.floating], logits_q: npt.NDArray[np.floating]) -> Any:
     log_p, log_q = log_softmax(logits_p), log_softmax(logits_q)
     return np.sum(np.exp(log_p) * (log_p - log_q), axis=-1)
 
@@ -69,6 +98,13 @@ def row_agreement(
     Top-1 is ``argmax`` (the lowest id on ties, as in the top-k contract); the top-k sets come
     from ``argpartition`` (linear in the vocabulary, no full sort).
     """
+    agree, overlap, kl = _by_rows(lambda a, b: _row_agreement(a, b, k), logits_a, logits_b)
+    return agree, overlap, kl
+
+
+def _row_agreement(
+    logits_a: npt.NDArray[np.floating], logits_b: npt.NDArray[np.floating], k: int
+) -> tuple[npt.NDArray[Any], ...]:
     k = min(k, logits_a.shape[1])
     top_a = np.argpartition(-logits_a, k - 1, axis=1)[:, :k]
     top_b = np.argpartition(-logits_b, k - 1, axis=1)[:, :k]
@@ -79,7 +115,7 @@ def row_agreement(
         ]
     )
     agree = logits_a.argmax(axis=1) == logits_b.argmax(axis=1)
-    return agree, overlap, kl_rows(logits_a, logits_b)
+    return agree, overlap, _kl(logits_a, logits_b)
 
 
 def agreement(

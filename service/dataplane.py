@@ -20,6 +20,7 @@ import asyncio
 import math
 import secrets
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from time import perf_counter
 from typing import Any
 
@@ -35,7 +36,7 @@ from service.errors import (
     ServiceError,
     Unauthorized,
 )
-from service.limits import Limits
+from service.limits import LOGIT_BYTES, Limits, MemoryBudget, Reservation, charge
 from service.loaded_version import LoadedVersion
 from service.messages import (
     CandidateScores,
@@ -63,6 +64,8 @@ from service.shadow import ShadowTraffic
 SPEED_ROWS = 64
 SPEED_RUNS = 5
 SHADOW_CLOSE_S = 2.0
+#: Full logits held per answer: the tensor and its encoding (JSON text is ~3x the floats).
+ANSWER_COPIES = 4
 
 
 class DataPlane:
@@ -72,6 +75,7 @@ class DataPlane:
         self._registry = registry
         self._settings = settings
         self._limits = Limits.from_settings(settings)
+        self._budget = MemoryBudget(self._limits.max_inflight_bytes)
         self._metrics = metrics
         # Statistics of compare and shadow run here, never on the inference threads.
         self._stats = ThreadPoolExecutor(1, thread_name_prefix="lmhead-stats")
@@ -86,6 +90,10 @@ class DataPlane:
     async def shadow_settled(self) -> None:
         """Return once the shadow replays started so far have finished (their metrics are in)."""
         await self._shadow.settle()
+
+    def admit(self) -> AbstractContextManager[Reservation]:
+        """Front ends: hold one request's memory (body, logits, answer) until it is answered."""
+        return self._budget.request()
 
     # -- metadata ---------------------------------------------------------------------------
 
@@ -255,6 +263,7 @@ class DataPlane:
         rows = math.prod(hidden.shape[:-1])
         if full_logits:
             self._limits.logits(rows, model.vocab_size)
+            charge(rows * model.vocab_size * LOGIT_BYTES * ANSWER_COPIES)
         affordable = self._limits.fits_logits(rows, model.vocab_size, copies=2)
         sampled = self._shadow.wants(model, affordable)
         projection = await model.project(
@@ -282,6 +291,7 @@ class DataPlane:
         """Full (rows, vocab) logits and log-sum-exp, within the logits byte limit."""
         rows = hidden.reshape(-1, model.d_model)
         self._limits.logits(len(rows), model.vocab_size, copies)
+        charge(len(rows) * model.vocab_size * LOGIT_BYTES)
         projection = await model.project(rows, 1, full_logits=True)
         assert projection.logits is not None
         return projection.logits, projection.logsumexp

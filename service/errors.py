@@ -95,6 +95,13 @@ class QueueFull(ServiceError):
     code = "queue_full"
 
 
+class ServerBusy(ServiceError):
+    """503 with Retry-After: the requests in flight hold the memory budget; try again shortly."""
+
+    status = 503
+    code = "server_busy"
+
+
 class InferenceFailed(ServiceError):
     """500: onnxruntime failed on a batch; every caller in it gets this, the service goes on."""
 

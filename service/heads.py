@@ -39,6 +39,8 @@ IR_VERSION = 10
 OPSET = 17
 #: ``lmhead.format`` of the files written here; 1 had one temperature per run.
 FORMAT = 2
+#: Metadata of an untied twin made on purpose (``HeadWeights.twin``).
+UNTIED_ON_PURPOSE = "lmhead.untied_on_purpose"
 HIDDEN_STATES = "hidden_states"
 INPUT_IDS = "input_ids"
 K = "k"
@@ -90,6 +92,9 @@ class HeadWeights:
     output: npt.NDArray[np.float32] | None = None
     bias: npt.NDArray[np.float32] | None = None
     transforms: HeadTransforms = HeadTransforms()
+    twin: bool = False
+    """An untied head whose output matrix starts as a copy of the table on purpose (to be
+    fine-tuned apart): the file says so, so the inspector does not call it a broken tie."""
 
     @classmethod
     def from_arrays(
@@ -99,6 +104,7 @@ class HeadWeights:
         *,
         bias: npt.ArrayLike | None = None,
         transforms: HeadTransforms = HeadTransforms(),
+        twin: bool = False,
     ) -> HeadWeights:
         """Check shapes and convert to contiguous float32, the served dtype on CPU."""
         table = _as_weight(embedding, "embedding")
@@ -110,7 +116,7 @@ class HeadWeights:
         vector = None if bias is None else np.ascontiguousarray(bias, dtype=np.float32)
         if vector is not None and vector.shape != (table.shape[0],):
             raise ValueError(f"bias must have shape ({table.shape[0]},), got {vector.shape}")
-        return cls(table, head, vector, transforms)
+        return cls(table, head, vector, transforms, twin and head is not None)
 
     @property
     def tied(self) -> bool:
@@ -228,7 +234,8 @@ def _head_model(tensors: list[TensorProto], weights: HeadWeights) -> onnx.ModelP
             "lmhead.transforms": json.dumps(
                 weights.transforms.describe() | ({"bias": True} if weights.bias is not None else {})
             ),
-        },
+        }
+        | ({UNTIED_ON_PURPOSE: "true"} if weights.twin else {}),
     )
     return model
 

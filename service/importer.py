@@ -60,7 +60,7 @@ def import_checkpoint(
     bias = checkpoint.bias()
     if transforms.describe() or bias is not None:
         weights = HeadWeights.from_arrays(
-            weights.embedding, weights.output, bias=bias, transforms=transforms
+            weights.embedding, weights.output, bias=bias, transforms=transforms, twin=weights.twin
         )
         shown = transforms.describe() | ({"bias": True} if bias is not None else {})
         notes.append(f"head transforms in the graph: {shown}")
@@ -89,7 +89,7 @@ def _weights(
     if head_name is None:
         if options.untie:
             notes.append("--untie: the head starts as a separate copy of the embedding")
-            return HeadWeights.from_arrays(table, table.copy())
+            return HeadWeights.from_arrays(table, table.copy(), twin=True)
         return HeadWeights.from_arrays(table)
     head = checkpoint.tensor(head_name, Progress(f"[2/3] reading {head_name}"))
     if head.shape != table.shape:

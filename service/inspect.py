@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -23,6 +23,7 @@ import numpy.typing as npt
 import onnx
 from onnx import numpy_helper
 
+from service.heads import UNTIED_ON_PURPOSE
 from service.repository import MODEL_FILE
 
 PROJECTION_OPS = frozenset({"Gemm", "MatMul", "FusedMatMul"})
@@ -58,6 +59,9 @@ class HeadReport:
     transforms: dict[str, Any]
     format: int
     """``lmhead.format`` of files lmhead wrote (0 for other producers)."""
+    untied_on_purpose: bool
+    """An identical untied twin written on purpose (``lmhead import --untie``), not a broken
+    tie."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -93,7 +97,7 @@ def inspect_head(path: str | Path) -> HeadReport:
     weights = {
         name: t for name, t in initializers.items() if len(t.dims) == 2 and name not in inputs
     }
-    _check_external_locations(model_path.parent, initializers.values())
+    _check_external_locations(_all_tensors(graph))
     producers = {out: node for node in graph.node for out in node.output}
     gather = _find_gather(graph, producers, weights)
     vocab_size, d_model = (int(dim) for dim in weights[gather.initializer].dims)
@@ -206,8 +210,9 @@ def _report(
         duplicate_bytes=table_bytes if duplicate else 0,
         external_data=external,
         file_bytes=model_path.stat().st_size + data_bytes,
-        transforms=json.loads(props.get("lmhead.transforms", "{}")),
-        format=int(props.get("lmhead.format", "0")),
+        transforms=_transforms(props.get("lmhead.transforms", "{}")),
+        format=int(props["lmhead.format"]) if props.get("lmhead.format", "").isdigit() else 0,
+        untied_on_purpose=props.get(UNTIED_ON_PURPOSE) == "true",
     )
 
 
@@ -243,15 +248,52 @@ def _array(tensor: onnx.TensorProto, base_dir: Path) -> npt.NDArray[Any]:
     )
 
 
-def _check_external_locations(base_dir: Path, tensors: Iterable[onnx.TensorProto]) -> None:
-    """External data must live inside the model's own directory (no ``..``, no absolute path)."""
-    root = base_dir.resolve()
+TRANSFORM_KEYS = frozenset({"input_scale", "logit_scale", "softcap", "bias"})
+
+
+def _transforms(text: str) -> dict[str, Any]:
+    """``lmhead.transforms`` metadata: an object of known keys with numbers (bias: true)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict) or not set(value) <= TRANSFORM_KEYS:
+        raise HeadInspectionError(
+            f"metadata lmhead.transforms must be an object with keys among "
+            f"{sorted(TRANSFORM_KEYS)}, got {text[:64]!r}"
+        )
+    for key, number in value.items():
+        valid = number is True if key == "bias" else _finite_number(number)
+        if not valid:
+            raise HeadInspectionError(f"metadata lmhead.transforms.{key} is not valid")
+    return value
+
+
+def _finite_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _all_tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
+    """Initializers and the tensors inside Constant nodes (either may use external data)."""
+    yield from graph.initializer
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.HasField("t"):
+                yield attribute.t
+            yield from attribute.tensors
+
+
+def _check_external_locations(tensors: Iterable[onnx.TensorProto]) -> None:
+    """External data must be a file in the model's own directory: a plain file name, no
+    ``..``, no absolute path, no subdirectory (whatever the onnxruntime version accepts)."""
     for tensor in tensors:
         for entry in tensor.external_data:
-            if entry.key == "location" and not (root / entry.value).resolve().is_relative_to(root):
+            if entry.key == "location" and (
+                entry.value != Path(entry.value).name or entry.value in ("", ".", "..")
+            ):
                 raise HeadInspectionError(
-                    f"external data of {tensor.name!r} points outside {base_dir}: "
-                    f"{entry.value[:128]!r}"
+                    f"external data of {tensor.name[:64]!r} must be a file beside the model, "
+                    f"got {entry.value[:128]!r}"
                 )
 
 

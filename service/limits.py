@@ -9,19 +9,24 @@ that name the field, the expected and the actual value, and never echo data.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from service.errors import InvalidInput, PayloadTooLarge
+from service.errors import InvalidInput, PayloadTooLarge, ServerBusy
 from service.settings import Settings
 
 #: Temperatures outside this range overflow or underflow float32 logits (1e-45 made them inf).
 MIN_TEMPERATURE = 1e-4
 MAX_TEMPERATURE = 1e4
 LOGIT_BYTES = 4  # float32
+#: A decoded body holds about this many times its bytes at its peak (JSON: Python floats).
+BODY_EXPANSION = 3
 
 
 @dataclass(frozen=True)
@@ -31,10 +36,16 @@ class Limits:
     max_rows: int
     max_k: int
     max_logits_bytes: int
+    max_inflight_bytes: int
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Limits:
-        return cls(settings.max_rows, settings.max_k, settings.max_logits_bytes)
+        return cls(
+            settings.max_rows,
+            settings.max_k,
+            settings.max_logits_bytes,
+            settings.max_inflight_bytes,
+        )
 
     def hidden_states(
         self, array: npt.NDArray[Any], d_model: int, field: str = "hidden_states"
@@ -121,6 +132,74 @@ class Limits:
 
     def fits_logits(self, rows: int, vocab_size: int, copies: int = 1) -> bool:
         return rows * vocab_size * LOGIT_BYTES * copies <= self.max_logits_bytes
+
+    def rows_per_run(self, vocab_size: int) -> int:
+        """Rows of one onnxruntime run: its logits and log-softmax (2 x rows x vocab floats)
+        stay within ``max_logits_bytes``; bigger requests run in chunks of this many rows."""
+        return max(1, self.max_logits_bytes // (2 * vocab_size * LOGIT_BYTES))
+
+
+_held: ContextVar[Reservation | None] = ContextVar("lmhead_reservation", default=None)
+
+
+class MemoryBudget:
+    """Bytes that requests in flight may hold at once: bodies as decoded, full logits, answers.
+
+    A front end opens a reservation per request (``request``) and holds it until the answer is
+    sent; the body is ``charge``d as it is read, and the data plane charges before it
+    materialises a (rows x vocab) tensor. Past the capacity the request gets 503 with
+    Retry-After, never a memory spike: RSS stays under models + capacity + the per-run terms
+    that README "Limits and safety" adds up. One request is always admitted, whatever its size
+    (the other limits bound it).
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.used = 0
+
+    @contextmanager
+    def request(self) -> Iterator[Reservation]:
+        """Open the current request's reservation (``charge`` adds to it); release on exit."""
+        reservation = Reservation(self)
+        token = _held.set(reservation)
+        try:
+            yield reservation
+        finally:
+            _held.reset(token)
+            reservation.release()
+
+
+def charge(nbytes: int) -> None:
+    """Charge the current request's reservation, or raise ``ServerBusy`` past the budget.
+
+    Outside a request (in-process callers, tests) it charges nothing.
+    """
+    reservation = _held.get()
+    if reservation is not None:
+        reservation.grow(nbytes)
+
+
+class Reservation:
+    """One request's share of the budget; released whole when the request is done."""
+
+    def __init__(self, budget: MemoryBudget) -> None:
+        self._budget = budget
+        self.bytes = 0
+
+    def grow(self, nbytes: int) -> None:
+        budget = self._budget
+        if budget.used > 0 and budget.used + nbytes > budget.capacity:
+            raise ServerBusy(
+                f"requests in flight hold {budget.used} of {budget.capacity} bytes "
+                "(LMHEAD_MAX_INFLIGHT_BYTES); retry shortly",
+                headers={"Retry-After": "1"},
+            )
+        budget.used += nbytes
+        self.bytes += nbytes
+
+    def release(self) -> None:
+        self._budget.used -= self.bytes
+        self.bytes = 0
 
 
 def kind_name(dtype: np.dtype[Any]) -> str:

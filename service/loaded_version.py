@@ -22,8 +22,16 @@ import numpy.typing as npt
 
 from service.batching import Batcher, BatchLimits, BatchStats
 from service.inspect import HeadReport, inspect_head
+from service.limits import Limits
 from service.messages import HeadInfo
-from service.repository import MODEL_FILE, ModelConfig, Signature, read_labels
+from service.repository import (
+    MODEL_FILE,
+    ModelConfig,
+    ModelSource,
+    Signature,
+    private_copy,
+    read_labels,
+)
 from service.runtime import HeadSession, Projection
 from service.settings import MemoryMode
 
@@ -33,7 +41,11 @@ class LoadOptions:
     memory_mode: MemoryMode
     intra_op_threads: int
     default_k: int
+    limits: Limits
+    repository: Path
     providers: tuple[str, ...] = ("CPUExecutionProvider",)
+    scratch: Path | None = None
+    """Where private copies of versions are made while loading (the system's temp dir)."""
 
 
 @dataclass
@@ -48,6 +60,7 @@ class LoadedVersion:
     labels: list[str] | None
     default_k: int
     signature: Signature = ()
+    rows_per_run: int = 1 << 30
     batcher: Batcher | None = field(default=None, repr=False)
     executor: Executor | None = field(default=None, repr=False)
     _inflight: int = field(default=0, repr=False)
@@ -113,16 +126,14 @@ class LoadedVersion:
         self,
         executor: Executor,
         limits: BatchLimits,
+        rows_per_run: int,
         on_batch: Callable[[BatchStats], None],
         on_reject: Callable[[], None],
     ) -> None:
-        if self.config.max_batch_rows is not None:
-            limits = BatchLimits(
-                limits.merge,
-                min(limits.max_batch_rows, self.config.max_batch_rows),
-                limits.max_wait_s,
-                limits.max_queue_rows,
-            )
+        """Serve: runs of at most ``rows_per_run`` rows (and the batch caps) from now on."""
+        self.rows_per_run = rows_per_run
+        caps = (limits.max_batch_rows, self.config.max_batch_rows or rows_per_run, rows_per_run)
+        limits = BatchLimits(limits.merge, min(caps), limits.max_wait_s, limits.max_queue_rows)
         self.executor = executor
         self.batcher = Batcher(
             self._run, executor, limits, label=self.label, on_batch=on_batch, on_reject=on_reject
@@ -141,11 +152,23 @@ class LoadedVersion:
         temperature: float = 1.0,
         full_logits: bool = False,
     ) -> Projection:
-        """Project (..., d_model) float32 hidden states through the batcher."""
+        """Project (..., d_model) float32 hidden states through the batcher.
+
+        More rows than one run may take go in chunks, one after another: each run's logits
+        stay within the byte limit, and other requests (other models too) run in between.
+        """
         assert self.batcher is not None, "start() the version before serving it"
         leading = hidden.shape[:-1]
         rows = hidden.reshape(-1, self.d_model)
-        flat = await self.batcher.submit(rows, k, full_logits, temperature)
+        step = self.rows_per_run
+        if len(rows) <= step:
+            flat = await self.batcher.submit(rows, k, full_logits, temperature)
+        else:
+            parts = [
+                await self.batcher.submit(rows[i : i + step], k, full_logits, temperature)
+                for i in range(0, len(rows), step)
+            ]
+            flat = _concatenate(parts)
         return Projection(
             flat.topk_logits.reshape(*leading, -1),
             flat.topk_token_ids.reshape(*leading, -1),
@@ -210,23 +233,28 @@ class LoadedVersion:
         return self.session.project(rows, k, temperature=temperature, full_logits=full_logits)
 
 
-def load_version(
-    name: str,
-    version: int,
-    directory: Path,
-    config: ModelConfig,
-    options: LoadOptions,
-    signature: Signature = (),
-) -> LoadedVersion:
-    """Inspect, open, label and warm one version (blocking; run it off the event loop)."""
-    report = inspect_head(directory / MODEL_FILE)
-    session = HeadSession(
-        directory / MODEL_FILE,
-        tied=report.tied,
-        memory_mode=options.memory_mode,
-        intra_op_threads=options.intra_op_threads,
-        providers=options.providers,
-    )
+def load_version(source: ModelSource, version: int, options: LoadOptions) -> LoadedVersion:
+    """Inspect, open, label and warm one version (blocking; run it off the event loop).
+
+    Everything is read from a private copy of the version (``private_copy``): what is served
+    is what was inspected, whatever happens to the repository's files afterwards.
+    """
+    root = options.repository.resolve()
+    directory, config = source.versions[version], source.config
+    with private_copy(directory, source.files[version], root, options.scratch) as private:
+        try:
+            report = inspect_head(private / MODEL_FILE)
+            session = HeadSession(
+                private / MODEL_FILE,
+                tied=report.tied,
+                memory_mode=options.memory_mode,
+                intra_op_threads=options.intra_op_threads,
+                providers=options.providers,
+            )
+            labels = read_labels(private, config.labels, report.vocab_size)
+        except Exception as error:  # say where, not the private copy's temporary path
+            text = str(error).replace(str(private), f"{source.name}/{version}")
+            raise VersionLoadError(f"{type(error).__name__}: {text}") from None
     if (session.vocab_size, session.d_model) != (report.vocab_size, report.d_model):
         raise ValueError(
             f"graph outputs say vocab {session.vocab_size} x d_model {session.d_model} but the "
@@ -236,18 +264,33 @@ def load_version(
         raise ValueError(
             f"head has d_model {report.d_model} but config.json requires {config.d_model}"
         )
-    labels = read_labels(directory, config.labels, report.vocab_size)
+    default_k = config.default_k or options.default_k
+    options.limits.check_default_k(default_k)
     _warm(session)
     return LoadedVersion(
-        name=name,
+        name=source.name,
         version=version,
         session=session,
         report=report,
         config=config,
         labels=labels,
-        default_k=config.default_k or options.default_k,
-        signature=signature,
+        default_k=default_k,
+        signature=source.signature(version),
     )
+
+
+def _concatenate(parts: list[Projection]) -> Projection:
+    logits = [part.logits for part in parts if part.logits is not None]
+    return Projection(
+        np.concatenate([part.topk_logits for part in parts]),
+        np.concatenate([part.topk_token_ids for part in parts]),
+        np.concatenate([part.logsumexp for part in parts]),
+        np.concatenate(logits) if logits else None,
+    )
+
+
+class VersionLoadError(ValueError):
+    """A version could not be opened; the message names the model and version, not a path."""
 
 
 def _warm(session: HeadSession) -> None:

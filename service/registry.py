@@ -23,7 +23,8 @@ from typing import Any
 
 from service.batching import BatchLimits, BatchStats
 from service.errors import InvalidModelName, ModelNotFound, ModelNotReady, VersionNotFound
-from service.loaded_version import LoadedVersion, LoadOptions, load_version
+from service.limits import Limits
+from service.loaded_version import LoadedVersion, LoadOptions, VersionLoadError, load_version
 from service.memory import trim_heap
 from service.metrics import Metrics
 from service.repository import (
@@ -114,7 +115,10 @@ class Registry:
             settings.memory_mode,
             settings.intra_op_threads,
             settings.default_k,
+            Limits.from_settings(settings),
+            settings.repository,
             select_providers(settings.provider),
+            settings.scratch_dir,
         )
         self._limits = BatchLimits(
             merge=settings.batching,
@@ -133,16 +137,28 @@ class Registry:
         return [self._records[name] for name in sorted(self._records)]
 
     async def load_all(self) -> None:
-        """Load every model in the repository, then report ready (failures included)."""
-        for name in model_names(self._settings.repository):
+        """Load every model in the repository, then report ready (failures included).
+
+        A repository path that is missing or not a directory is a start-up failure (the
+        service reports it in readiness), never a healthy service with nothing to serve.
+        """
+        repository = self._settings.repository
+        if not repository.is_dir():
+            raise RepositoryError(
+                f"the repository {str(repository)[:200]!r} is not a directory "
+                "(LMHEAD_REPOSITORY or --repository)"
+            )
+        for name in model_names(repository):
             try:
                 await self.load(name)
             except Exception as error:  # one bad model must not keep the service unready
                 logger.exception("loading %s failed", name)
-                self._records[name] = ModelRecord(name, ModelState.FAILED, _reason(error))
+                self._records[name] = ModelRecord(name, ModelState.FAILED, self._reason(error))
         self.ready = True
         states = {record.name: record.state.value for record in self.records()}
-        logger.info("lmhead ready: %s", states or "no models in the repository")
+        if not states:
+            logger.warning("the repository %s has no models: nothing is served", repository)
+        logger.info("lmhead ready: %s", states or "no models")
 
     async def load(self, name: str, pin: int | None = None) -> ModelRecord:
         """(Re)load ``name`` from disk and publish the result in one step.
@@ -151,6 +167,8 @@ class Registry:
         and warmed first. If nothing new could be loaded, the serving versions stay.
         """
         _check_name(name)
+        if name not in self._records and not (self._settings.repository / name).is_dir():
+            raise ModelNotFound(f"no model directory {name!r} in the repository")
         async with self._locks.setdefault(name, asyncio.Lock()):
             started = time.monotonic()
             previous = self._records.get(name)
@@ -235,7 +253,7 @@ class Registry:
         changed: list[str] = []
         for version in selected:
             reused = previous.versions.get(version) if previous else None
-            if reused is not None and reused.signature == source.signatures[version]:
+            if reused is not None and reused.signature == source.signature(version):
                 loaded[version] = reused
                 continue
             if reused is not None:  # same number, other files: a new load, never a mix
@@ -244,7 +262,7 @@ class Registry:
             try:
                 loaded[version] = await self._load_version(source, version)
             except Exception as error:  # any load failure is reported, never fatal
-                failed[version] = _reason(error)
+                failed[version] = self._reason(error)
                 self._metrics.load_failures.labels(name).inc()
                 logger.warning("failed to load %s/%d: %s", name, version, failed[version])
         if not loaded:
@@ -264,20 +282,22 @@ class Registry:
     async def _load_version(self, source: ModelSource, version: int) -> LoadedVersion:
         loop = asyncio.get_running_loop()
         model = await loop.run_in_executor(
-            self._loader,
-            load_version,
-            source.name,
-            version,
-            source.versions[version],
-            source.config,
-            self._options,
-            source.signatures[version],
+            self._loader, load_version, source, version, self._options
         )
         rejected = self._metrics.queue_full.labels(source.name, str(version))
-        model.start(self._executor, self._limits, self._observer(model), rejected.inc)
+        rows_per_run = self._options.limits.rows_per_run(model.vocab_size)
+        model.start(self._executor, self._limits, rows_per_run, self._observer(model), rejected.inc)
         tied = str(model.tied).lower()
         self._metrics.models_loaded.labels(source.name, str(version), tied).set(1)
         return model
+
+    def _reason(self, error: Exception) -> str:
+        """A load failure for operators and clients: no absolute paths of this machine."""
+        text = _reason(error)
+        repository = self._settings.repository
+        for prefix in {str(repository.resolve()), str(repository.absolute()), str(repository)}:
+            text = text.replace(prefix + "/", "").replace(prefix, "<repository>")
+        return text
 
     def _failed(
         self, name: str, previous: ModelRecord | None, reason: str, failed: dict[int, str]
@@ -350,5 +370,6 @@ def _changes(previous: ModelRecord | None, new: LoadedVersion) -> tuple[str, ...
 
 
 def _reason(error: Exception) -> str:
-    text = f"{type(error).__name__}: {error}".replace("\n", " ")
+    plain = isinstance(error, RepositoryError | VersionLoadError)  # their messages say it all
+    text = (str(error) if plain else f"{type(error).__name__}: {error}").replace("\n", " ")
     return text if len(text) <= MAX_REASON_CHARS else text[: MAX_REASON_CHARS - 3] + "..."

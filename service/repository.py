@@ -11,19 +11,30 @@ Names and versions are validated here so that nothing taken from a request can a
 path outside the repository: names are a strict pattern, and every model and version directory
 must resolve (symlinks followed) to a place inside the repository.
 
-A version's *signature* is the name, size and modification time of each of its files. The
-registry reuses a loaded version whose signature is unchanged, and the poller only considers a
-version once its signature has been stable across two scans (a copy in progress changes it).
+A version's *signature* is the name, size and modification time of each of its files and of
+the model's ``config.json``. The registry reuses a loaded version whose signature is unchanged
+(a config edit or a file changed under the same number loads the version again), and the
+poller only considers a version once its signature was stable across two scans (a copy in
+progress changes it).
+
+Versions are immutable once served: ``private_copy`` loads each from a copy that nobody else
+can write (removed as soon as onnxruntime has it), so truncating or overwriting the files of a
+served version changes nothing it answers, and a change is seen as a change (a new load).
 """
 
 from __future__ import annotations
 
 import re
+import shutil
+import stat
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from service.errors import describe_validation_errors
 
@@ -34,6 +45,7 @@ DATA_FILE = "model.onnx.data"
 CONFIG_FILE = "config.json"
 LABELS_FILE = "vocab.txt"
 Signature = tuple[tuple[str, int, int], ...]
+MAX_CONFIG_BYTES = 1 << 20
 
 
 class RepositoryError(ValueError):
@@ -58,6 +70,14 @@ class ModelConfig(BaseModel):
     """Which versions to load: the highest only (default, like Triton), all, or a list."""
     labels: str = LABELS_FILE
     """Token strings file inside each version directory (one token per line)."""
+
+    @field_validator("labels")
+    @classmethod
+    def _plain_file_name(cls, value: str) -> str:
+        if not is_valid_name(value):
+            raise ValueError("must be a file name inside the version directory")
+        return value
+
     default_k: int | None = Field(default=None, ge=1)
     """Top-k for requests that do not say; the service setting applies when absent."""
     d_model: int | None = Field(default=None, ge=1)
@@ -77,7 +97,12 @@ class ModelSource:
     name: str
     config: ModelConfig
     versions: dict[int, Path] = field(default_factory=dict)
-    signatures: dict[int, Signature] = field(default_factory=dict)
+    files: dict[int, Signature] = field(default_factory=dict)
+    config_file: Signature = ()
+
+    def signature(self, version: int) -> Signature:
+        """The version's files with the model's config.json: an edit of either is a change."""
+        return self.files[version] + self.config_file
 
     def selected(self, pin: int | None = None) -> list[int]:
         """The versions to serve: the pinned one, or those the config's policy names."""
@@ -129,18 +154,64 @@ def read_source(repository: Path, name: str) -> ModelSource:
             _check_inside(entry, root)
             versions[int(entry.name)] = entry
     ordered = dict(sorted(versions.items()))
-    signatures = {version: signature(path) for version, path in ordered.items()}
-    return ModelSource(name, read_config(directory), ordered, signatures)
+    config_path = directory / CONFIG_FILE
+    config_signature = _file_signature(config_path) if config_path.exists() else ()
+    config = read_config(directory, root)
+    files = {version: signature(path) for version, path in ordered.items()}
+    return ModelSource(name, config, ordered, files, config_signature)
 
 
 def signature(version_dir: Path) -> Signature:
     """Name, size and mtime of each file in a version directory (cheap: stat only)."""
-    entries = []
-    for entry in sorted(version_dir.iterdir()):
-        if entry.is_file():
-            stat = entry.stat()
-            entries.append((entry.name, stat.st_size, stat.st_mtime_ns))
-    return tuple(entries)
+    return tuple(
+        entry
+        for path in sorted(version_dir.iterdir())
+        if path.is_file()
+        for entry in _file_signature(path)
+    )
+
+
+def _file_signature(path: Path) -> Signature:
+    status = path.stat()
+    return ((path.name, status.st_size, status.st_mtime_ns),)
+
+
+@contextmanager
+def private_copy(
+    version_dir: Path, expected: Signature, root: Path, into: Path | None = None
+) -> Iterator[Path]:
+    """The version's files copied where nobody else can write them; removed on exit.
+
+    Load from the copy, then let it go: onnxruntime keeps what it mapped (an unlinked file
+    stays readable while mapped), and no later write to the repository reaches it. Only
+    regular files inside the repository are copied (a FIFO would block the loader, a link out
+    of the repository would serve files nobody put there); files that differ from ``expected``
+    (``ModelSource.files`` as scanned) after the copy fail the load: never a mix of two versions.
+    """
+    target = Path(tempfile.mkdtemp(prefix="lmhead-version-", dir=into))
+    try:
+        for path in sorted(version_dir.iterdir()):
+            if path.is_dir():
+                continue
+            _check_regular(path, root)
+            shutil.copyfile(path, target / path.name)
+        if signature(version_dir) != expected:
+            raise RepositoryError(
+                f"the files of {version_dir.parent.name}/{version_dir.name} changed while "
+                "being loaded; publish a version by renaming a complete directory into place"
+            )
+        yield target
+    finally:
+        shutil.rmtree(target, ignore_errors=True)
+
+
+def _check_regular(path: Path, root: Path) -> None:
+    """A regular file, itself or behind a link that stays inside the repository."""
+    where = f"{path.parent.parent.name}/{path.parent.name}/{path.name}"
+    if not path.resolve().is_relative_to(root):
+        raise RepositoryError(f"{where} resolves outside the repository")
+    if not stat.S_ISREG(path.stat().st_mode):
+        raise RepositoryError(f"{where} is not a regular file")
 
 
 def _check_inside(path: Path, root: Path) -> None:
@@ -148,21 +219,23 @@ def _check_inside(path: Path, root: Path) -> None:
         raise RepositoryError(f"{path.name!r} resolves outside the repository (symlink?)")
 
 
-def read_config(directory: Path) -> ModelConfig:
+def read_config(directory: Path, root: Path) -> ModelConfig:
     path = directory / CONFIG_FILE
-    if not path.is_file():
+    if not path.exists():
         return ModelConfig()
+    where = f"{directory.name}/{CONFIG_FILE}"
+    _check_regular(path, root)
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise RepositoryError(f"{where} is over {MAX_CONFIG_BYTES} bytes")
     try:
         return ModelConfig.model_validate_json(path.read_bytes())
     except ValidationError as error:
-        raise RepositoryError(f"{path}: {describe_validation_errors(error.errors())}") from None
+        raise RepositoryError(f"{where}: {describe_validation_errors(error.errors())}") from None
 
 
 def read_labels(version_dir: Path, filename: str, vocab_size: int) -> list[str] | None:
     """Token strings for a version, or None without a labels file; never more than the vocab."""
-    path = (version_dir / filename).resolve()
-    if not path.is_relative_to(version_dir.resolve()):
-        raise RepositoryError(f"labels file {filename!r} is outside {version_dir}")
+    path = version_dir / filename
     if not path.is_file():
         return None
     labels = path.read_text(encoding="utf-8").split("\n")
@@ -170,6 +243,6 @@ def read_labels(version_dir: Path, filename: str, vocab_size: int) -> list[str] 
         labels.pop()
     if len(labels) > vocab_size:
         raise RepositoryError(
-            f"{path} has {len(labels)} labels but the head has vocab_size {vocab_size}"
+            f"{filename} has {len(labels)} labels but the head has vocab_size {vocab_size}"
         )
     return labels

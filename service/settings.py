@@ -19,19 +19,29 @@ ProviderChoice = Literal["auto", "cpu", "cuda"]
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 
 
-class Settings(BaseSettings):
+class PlaceSettings(BaseSettings):
+    """Where the repository is and which port serves: what every ``lmhead`` command reads
+    (``demo`` and ``import`` write to the same repository that ``serve`` serves)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="LMHEAD_", use_attribute_docstrings=True, extra="ignore", frozen=True
+    )
+
+    repository: Path = Path("models")
+    """Model repository: `<name>/<version>/model.onnx` (+ optional `<name>/config.json`)."""
+    port: int = Field(default=8000, ge=0, le=65535)
+    """TCP port (0 picks a free one)."""
+
+
+class Settings(PlaceSettings):
     """All knobs of the service; environment variables are ``LMHEAD_<FIELD>``."""
 
     model_config = SettingsConfigDict(
         env_prefix="LMHEAD_", use_attribute_docstrings=True, extra="forbid", frozen=True
     )
 
-    repository: Path = Path("models")
-    """Model repository: `<name>/<version>/model.onnx` (+ optional `<name>/config.json`)."""
     host: str = "127.0.0.1"
     """Address to bind; use 0.0.0.0 in a container."""
-    port: int = Field(default=8000, ge=0, le=65535)
-    """TCP port (0 picks a free one)."""
     default_k: int = Field(default=5, ge=1)
     """Top-k when a request does not say (a model's config.json may override it)."""
     max_k: int = Field(default=1000, ge=1)
@@ -41,7 +51,20 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(default=64 * 2**20, ge=1024)
     """Largest request body; larger is refused with 413 before it is read."""
     max_logits_bytes: int = Field(default=256 * 2**20, ge=1024)
-    """Largest full-logits answer (rows x vocab x 4 bytes) `/logits` will produce (413)."""
+    """Largest (rows x vocab) float32 tensor a request may make: full logits are refused (413)
+    above it, top-k runs in chunks below it."""
+    max_inflight_bytes: int = Field(default=2**30, ge=2**20)
+    """Memory all requests in flight may hold (bodies as decoded, full logits); past it 503."""
+    max_connections: int = Field(default=1000, ge=1)
+    """Open connections at once; more are answered 503 and closed (`lmhead serve` only)."""
+    max_header_bytes: int = Field(default=32 * 1024, ge=1024)
+    """Request line and headers; more is answered 431 and the connection closed."""
+    header_timeout_s: float = Field(default=10.0, gt=0)
+    """A request head (or a new connection's first one) must arrive within this; else 408."""
+    body_timeout_s: float = Field(default=30.0, gt=0)
+    """A request body may stall this long between two reads; then 408."""
+    keep_alive_s: float = Field(default=5.0, gt=0)
+    """An idle keep-alive connection is closed after this."""
     batching: bool = True
     """Merge concurrent requests for one model into one onnxruntime run."""
     max_batch_rows: int = Field(default=128, ge=1)
@@ -58,6 +81,8 @@ class Settings(BaseSettings):
     """shared: a tied head holds its matrix once (~1.1x W, ~20% slower at 64 rows); fast: ~2x W."""
     provider: ProviderChoice = "auto"
     """Execution provider: auto (CUDA when present, else CPU), cuda (falls back to CPU), cpu."""
+    scratch_dir: Path | None = None
+    """Where a version is copied while it loads (default: the system's temp directory)."""
     create_demo_models: bool = False
     """Write the demo heads at start when the repository has no models (the image sets it)."""
     shadow_max_pending: int = Field(default=8, ge=1)

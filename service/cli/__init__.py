@@ -1,64 +1,96 @@
-"""``lmhead`` command line: serve, demo, import, inspect, retie, health."""
+"""``lmhead`` command line: serve, demo, import, inspect, retie, compare, health.
+
+Every command takes the repository and port from ``LMHEAD_REPOSITORY`` and ``LMHEAD_PORT``
+when not given (so ``demo`` and ``import`` write where ``serve`` serves); ``serve`` reads every
+other ``LMHEAD_*`` setting too.
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
-import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from pydantic import ValidationError
 
+from service import __version__
 from service.checkpoints import CheckpointError
-from service.demo import TIED_NAME, UNTIED_NAME, DemoSpec, write_demo_models
+from service.cli import commands
+from service.cli.errors import CommandError
+from service.demo import DemoSpec
 from service.errors import describe_validation_errors
-from service.heads import FORMAT
-from service.importer import ImportOptions, import_checkpoint
-from service.inspect import HeadInspectionError, HeadReport, inspect_head
-from service.repository import MODEL_FILE
-from service.retie import retie
+from service.inspect import HeadInspectionError
+from service.settings import PlaceSettings, Settings
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
     try:
+        parser = _parser(PlaceSettings())
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help()
+            return 0
         return int(args.handler(args))
-    except (HeadInspectionError, CheckpointError) as error:
+    except (HeadInspectionError, CheckpointError, CommandError) as error:
         print(f"lmhead: {error}", file=sys.stderr)
-        return 2
+        return 1 if isinstance(error, CommandError) else 2
     except ValidationError as error:
         print(
             f"lmhead: invalid settings: {describe_validation_errors(error.errors())}",
             file=sys.stderr,
         )
         return 2
+    except BrokenPipeError:  # `lmhead ... | head`: the reader left; not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(place: PlaceSettings) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lmhead", description="Serve language-model heads.")
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"lmhead {__version__}")
+    subcommands = parser.add_subparsers(dest="command")
 
-    demo = commands.add_parser("demo", help="write the demo tied and untied heads")
-    demo.add_argument("--repository", type=Path, default=Path("models"))
+    def repository(command: argparse.ArgumentParser) -> None:
+        command.add_argument(
+            "--repository",
+            type=Path,
+            default=place.repository,
+            help=f"model repository (default: LMHEAD_REPOSITORY, now {place.repository})",
+        )
+
+    def url(command: argparse.ArgumentParser) -> None:
+        command.add_argument(
+            "--url",
+            default=f"http://127.0.0.1:{place.port}",
+            help="the running service (default: this machine on LMHEAD_PORT)",
+        )
+
+    demo = subcommands.add_parser("demo", help="write the demo tied and untied heads")
+    repository(demo)
     demo.add_argument("--vocab-size", type=int, default=DemoSpec.vocab_size)
     demo.add_argument("--d-model", type=int, default=DemoSpec.d_model)
     demo.add_argument("--seed", type=int, default=DemoSpec.seed)
     demo.add_argument("--force", action="store_true", help="rewrite models that exist")
-    demo.set_defaults(handler=_demo)
+    demo.set_defaults(handler=commands.demo)
 
-    serve = commands.add_parser("serve", help="serve the model repository over HTTP")
+    serve = subcommands.add_parser(
+        "serve",
+        help="serve the model repository over HTTP",
+        epilog="Every other setting is an environment variable: "
+        + ", ".join(f"LMHEAD_{name.upper()}" for name in Settings.model_fields)
+        + " (see the README's configuration table).",
+    )
     serve.add_argument("--repository", type=Path, help="overrides LMHEAD_REPOSITORY")
     serve.add_argument("--host", help="overrides LMHEAD_HOST")
     serve.add_argument("--port", type=int, help="overrides LMHEAD_PORT")
-    serve.set_defaults(handler=_serve)
+    serve.set_defaults(handler=commands.serve)
 
-    importer = commands.add_parser("import", help="make a head from a HF safetensors checkpoint")
+    importer = subcommands.add_parser("import", help="make a head from a HF safetensors checkpoint")
     importer.add_argument("checkpoint", type=Path, help="directory with config.json, *.safetensors")
     importer.add_argument("--name", required=True, help="model name in the repository")
-    importer.add_argument("--repository", type=Path, default=Path("models"))
+    repository(importer)
     importer.add_argument("--version", type=int, help="default: the next free version")
     importer.add_argument("--embedding-tensor", help="override the input embedding tensor name")
     importer.add_argument("--head-tensor", help="override the output head tensor name")
@@ -66,162 +98,34 @@ def _parser() -> argparse.ArgumentParser:
     tying.add_argument("--tie", action="store_true", help="force one shared matrix")
     tying.add_argument("--untie", action="store_true", help="separate copy of W for the head")
     importer.add_argument("--external-data", action="store_true", help="weights in model.onnx.data")
-    importer.set_defaults(handler=_import)
+    importer.set_defaults(handler=commands.import_head)
 
-    versus = commands.add_parser("compare", help="contrast two served heads on your hidden states")
+    versus = subcommands.add_parser(
+        "compare", help="contrast two served heads on your hidden states"
+    )
     versus.add_argument("model_a")
     versus.add_argument("model_b")
     versus.add_argument("--hidden", type=Path, required=True, help=".npy of (rows, d_model)")
     versus.add_argument("--targets", type=Path, help=".npy of the real next token ids")
     versus.add_argument("--k", type=int, default=10)
-    versus.add_argument("--url", default="http://127.0.0.1:8000", help="the running service")
-    versus.add_argument(
-        "--repository",
-        type=Path,
-        default=Path("models"),
-        help="where the model files are, to measure resident memory",
-    )
+    url(versus)
+    repository(versus)
     versus.add_argument("--json", action="store_true")
-    versus.set_defaults(handler=_compare)
+    versus.set_defaults(handler=commands.compare)
 
-    repair = commands.add_parser("retie", help="repair a duplicated tied weight in place or to -o")
+    repair = subcommands.add_parser("retie", help="repair a duplicated tied weight")
     repair.add_argument("path", type=Path, help="model.onnx or a version directory")
-    repair.add_argument("-o", "--output", type=Path, help="write here instead of in place")
-    repair.set_defaults(handler=_retie)
+    where = repair.add_mutually_exclusive_group()
+    where.add_argument("-o", "--output", type=Path, help="write the repaired model here")
+    where.add_argument("--in-place", action="store_true", help="rewrite the model itself")
+    repair.set_defaults(handler=commands.retie_head)
 
-    health = commands.add_parser("health", help="exit 0 when the local service is ready")
-    health.add_argument("--port", type=int, help="overrides LMHEAD_PORT")
-    health.set_defaults(handler=_health)
+    health = subcommands.add_parser("health", help="exit 0 when the service is ready")
+    url(health)
+    health.set_defaults(handler=commands.health)
 
-    inspect = commands.add_parser("inspect", help="report how an ONNX head's weights are wired")
+    inspect = subcommands.add_parser("inspect", help="report how an ONNX head's weights are wired")
     inspect.add_argument("path", type=Path, help="model.onnx or a version directory")
     inspect.add_argument("--json", action="store_true", help="print one JSON object")
-    inspect.set_defaults(handler=_inspect)
+    inspect.set_defaults(handler=commands.inspect)
     return parser
-
-
-def _demo(args: argparse.Namespace) -> int:
-    repository: Path = args.repository
-    existing = [repository / name / "1" / MODEL_FILE for name in (TIED_NAME, UNTIED_NAME)]
-    current = all(path.is_file() and inspect_head(path).format == FORMAT for path in existing)
-    if current and not args.force:
-        print(f"demo models already in {repository} (use --force to rewrite)")
-        return 0
-    spec = DemoSpec(vocab_size=args.vocab_size, d_model=args.d_model, seed=args.seed)
-    for version_dir in write_demo_models(repository, spec):
-        print(f"wrote {version_dir}")
-    return 0
-
-
-def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from service.app import create_app
-    from service.settings import Settings
-
-    flags = {"repository": args.repository, "host": args.host, "port": args.port}
-    settings = Settings(**{key: value for key, value in flags.items() if value is not None})
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(
-        create_app(settings),
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
-        access_log=settings.access_log,
-        timeout_graceful_shutdown=10,
-        # X-Forwarded-* would only rewrite the client address that access logs show; the
-        # middleware that reads them wraps every request (~3% of a one-row request's CPU).
-        proxy_headers=settings.access_log,
-    )
-    return 0
-
-
-def _import(args: argparse.Namespace) -> int:
-    options = ImportOptions(
-        version=args.version,
-        embedding_tensor=args.embedding_tensor,
-        head_tensor=args.head_tensor,
-        tie=args.tie,
-        untie=args.untie,
-        external_data=True if args.external_data else None,
-    )
-    result = import_checkpoint(args.checkpoint, args.repository, args.name, options)
-    kind = "tied" if result.tied else "untied"
-    print(f"wrote {result.directory}: {kind} head, {result.vocab_size} x {result.d_model}")
-    for note in result.notes:
-        print(f"  note: {note}")
-    return 0
-
-
-def _compare(args: argparse.Namespace) -> int:
-    from service.cli.compare import compare_served, format_comparison
-
-    report = compare_served(
-        args.url, args.model_a, args.model_b, args.hidden, args.targets, args.k, args.repository
-    )
-    print(json.dumps(report, indent=2) if args.json else format_comparison(report))
-    return 0
-
-
-def _retie(args: argparse.Namespace) -> int:
-    result = retie(args.path, args.output)
-    print(
-        f"wrote {result.output}: tied, {result.bytes_saved:,} bytes saved, outputs unchanged "
-        f"(max |difference| {result.max_abs_difference:.2g} on random inputs)"
-    )
-    return 0
-
-
-def _health(args: argparse.Namespace) -> int:
-    """For container health checks: GET /health/ready on this machine's port."""
-    import httpx
-
-    from service.settings import Settings
-
-    port = args.port or Settings(host="127.0.0.1").port
-    try:
-        response = httpx.get(f"http://127.0.0.1:{port}/health/ready", timeout=3)
-    except httpx.TransportError as error:
-        print(f"lmhead: not reachable on port {port}: {error}", file=sys.stderr)
-        return 1
-    print(response.text)
-    return 0 if response.status_code == 200 else 1
-
-
-def _inspect(args: argparse.Namespace) -> int:
-    report = inspect_head(args.path)
-    if args.json:
-        print(json.dumps(report.to_dict(), indent=2))
-    else:
-        print(format_report(report))
-    return 0
-
-
-def format_report(report: HeadReport) -> str:
-    """A readable summary: the tie first, then sizes."""
-    if report.tied:
-        wiring = "tied: one initializer feeds the Gather and the projection"
-    elif report.duplicate:
-        wiring = (
-            f"untied, DUPLICATED ({report.duplicate}): a broken tie, the projection weight "
-            f"repeats the embedding; re-tying saves {report.duplicate_bytes:,} bytes"
-        )
-    else:
-        wiring = "untied: separate embedding and projection initializers"
-    layout = " (stored transposed)" if report.projection_transposed else ""
-    rows = [
-        ("head", wiring),
-        ("embedding", f"{report.embedding_initializer} -> {report.gather_node}"),
-        ("projection", f"{report.projection_initializer}{layout} -> {report.projection_node}"),
-        ("vocab x d_model", f"{report.vocab_size} x {report.d_model} {report.dtype}"),
-        ("parameters", f"{report.parameters:,}"),
-        ("weight bytes", f"{report.weight_bytes:,}"),
-        ("saved by tying", f"{report.bytes_saved_by_tying:,}"),
-        (
-            "file bytes",
-            f"{report.file_bytes:,}"
-            + (" (external data)" if report.external_data else " (inline)"),
-        ),
-    ]
-    width = max(len(name) for name, _ in rows)
-    return "\n".join([report.path] + [f"  {name:<{width}}  {value}" for name, value in rows])

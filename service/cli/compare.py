@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from service.cli.errors import CommandError
 from service.repository import MODEL_FILE
 
 
@@ -32,9 +33,12 @@ def compare_served(
     }
     if targets_path is not None:
         body["target_ids"] = np.load(targets_path).tolist()
-    response = httpx.post(f"{url.rstrip('/')}/v1/compare", json=body, timeout=300)
+    try:
+        response = httpx.post(f"{url.rstrip('/')}/v1/compare", json=body, timeout=300)
+    except httpx.TransportError as error:
+        raise CommandError(f"{url} is not reachable: {error}") from None
     if response.status_code != 200:
-        raise SystemExit(f"lmhead compare: {response.status_code} {response.text[:500]}")
+        raise CommandError(f"the service answered {response.status_code}: {response.text[:500]}")
     report: dict[str, Any] = response.json()
     for block in report["models"]:
         block["resident_bytes"] = _resident(repository, block)

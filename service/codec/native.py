@@ -28,6 +28,7 @@ from service.codec.wire import (
     json_bytes,
     npy_bytes,
     npz_bytes,
+    off_loop,
     options,
     parse_json_object,
     parse_npy,
@@ -46,6 +47,7 @@ from service.messages import (
     LogitsResult,
     ScoreRequest,
     ScoreResult,
+    Target,
     TopKRequest,
     TopKResult,
 )
@@ -82,17 +84,27 @@ async def decode_embed(request: Request, body_limit: int) -> tuple[EmbedRequest,
     if content_type(request, (JSON, NPY)) == NPY:
         ids = parse_npy(body, "input_ids")
     else:
-        payload = parse_json_object(body)
-        booleans = booleans_hidden(body, payload)
-        ids = _required(payload, "input_ids", "a nested list of token ids")
-        ids = int_array(ids, "input_ids", booleans)
-        options(EmbedOptions, payload)
+        ids = await off_loop(len(body), _json_ids, body)
     return EmbedRequest(target(request), ids), answer
+
+
+def _json_ids(body: bytes) -> npt.NDArray[np.int64]:
+    payload = parse_json_object(body)
+    booleans = booleans_hidden(body, payload)
+    ids = int_array(
+        _required(payload, "input_ids", "a nested list of token ids"), "input_ids", booleans
+    )
+    options(EmbedOptions, payload)
+    return ids
 
 
 async def decode_score(request: Request, body_limit: int) -> ScoreRequest:
     content_type(request, (JSON,))
     body = await read_body(request, body_limit)
+    return await off_loop(len(body), _score_request, body, target(request))
+
+
+def _score_request(body: bytes, to: Target) -> ScoreRequest:
     payload = parse_json_object(body)
     booleans = booleans_hidden(body, payload)
     hidden = float_array(_required(payload, HIDDEN, "(rows, d_model)"), HIDDEN, booleans)
@@ -100,7 +112,7 @@ async def decode_score(request: Request, body_limit: int) -> ScoreRequest:
     candidates = payload.pop("candidate_ids", None)
     options(ScoreOptions, payload)
     return ScoreRequest(
-        target(request),
+        to,
         hidden,
         int_array(targets, "target_ids", booleans),
         None if candidates is None else int_array(candidates, "candidate_ids", booleans),
@@ -110,6 +122,10 @@ async def decode_score(request: Request, body_limit: int) -> ScoreRequest:
 async def decode_compare(request: Request, body_limit: int) -> CompareRequest:
     content_type(request, (JSON,))
     body = await read_body(request, body_limit)
+    return await off_loop(len(body), _compare_request, body)
+
+
+def _compare_request(body: bytes) -> CompareRequest:
     payload = parse_json_object(body)
     booleans = booleans_hidden(body, payload)
     hidden = float_array(_required(payload, HIDDEN, "(rows, d_model)"), HIDDEN, booleans)
@@ -124,7 +140,30 @@ async def decode_compare(request: Request, body_limit: int) -> CompareRequest:
     )
 
 
-def encode_topk(result: TopKResult, answer: str) -> Response:
+async def encode_topk(result: TopKResult, answer: str) -> Response:
+    return await off_loop(result.token_ids.size * 32, _topk_response, result, answer)
+
+
+async def encode_logits(result: LogitsResult, answer: str) -> Response:
+    return await off_loop(result.logits.nbytes * 3, _logits_response, result, answer)
+
+
+async def encode_embed(result: EmbedResult, answer: str) -> Response:
+    return await off_loop(result.embeddings.nbytes * 3, _embed_response, result, answer)
+
+
+async def encode_score(result: ScoreResult) -> Response:
+    size = result.rank.size * 64 + (
+        0 if result.candidates is None else result.candidates.ids.size * 40
+    )
+    return await off_loop(size, _score_response, result)
+
+
+async def encode_compare(result: CompareResult) -> Response:
+    return _compare_response(result)  # a few summaries: small whatever the rows
+
+
+def _topk_response(result: TopKResult, answer: str) -> Response:
     if answer == JSON:
         return _reply(result.head, json_bytes(_topk_payload(result)), JSON)
     if answer == NPZ:
@@ -138,21 +177,21 @@ def encode_topk(result: TopKResult, answer: str) -> Response:
     return _reply(result.head, npy_bytes(_topk_records(result)), NPY)
 
 
-def encode_logits(result: LogitsResult, answer: str) -> Response:
+def _logits_response(result: LogitsResult, answer: str) -> Response:
     if answer == JSON:
         payload = {**_identity(result.head), "logits": result.logits}
         return _reply(result.head, json_bytes(payload), JSON)
     return _reply(result.head, npy_bytes(result.logits), NPY)
 
 
-def encode_embed(result: EmbedResult, answer: str) -> Response:
+def _embed_response(result: EmbedResult, answer: str) -> Response:
     if answer == NPY:
         return _reply(result.head, npy_bytes(result.embeddings), NPY)
     payload = {**_identity(result.head), "embeddings": result.embeddings}
     return _reply(result.head, json_bytes(payload), JSON)
 
 
-def encode_score(result: ScoreResult) -> Response:
+def _score_response(result: ScoreResult) -> Response:
     payload: dict[str, Any] = {
         **_identity(result.head),
         "results": [
@@ -175,7 +214,7 @@ def encode_score(result: ScoreResult) -> Response:
     return _reply(result.head, json_bytes(payload), JSON)
 
 
-def encode_compare(result: CompareResult) -> Response:
+def _compare_response(result: CompareResult) -> Response:
     payload: dict[str, Any] = {**result.agreement, "models": list(result.models)}
     if result.wins is not None:
         payload["wins"] = result.wins
@@ -190,6 +229,10 @@ async def _hidden_and_options(
         array = parse_npy(body, HIDDEN)
         values = {k: v for k, v in request.query_params.items() if k != "version"}
         return array, options(schema, values, strict=False)
+    return await off_loop(len(body), _json_hidden_and_options, body, schema)
+
+
+def _json_hidden_and_options(body: bytes, schema: type[BaseModel]) -> tuple[npt.NDArray[Any], Any]:
     values = parse_json_object(body)
     booleans = booleans_hidden(body, values)
     expected = "(rows, d_model) or (batch, tokens, d_model)"

@@ -21,7 +21,15 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from service.codec.wire import float_array, header, int_array, json_bytes, read_body, target
+from service.codec.wire import (
+    float_array,
+    header,
+    int_array,
+    json_bytes,
+    off_loop,
+    read_body,
+    target,
+)
 from service.errors import InvalidInput, MalformedBody
 from service.messages import InferRequest, InferResult, Target, Tokens
 
@@ -58,12 +66,14 @@ class OutputPlan:
 async def decode_http(request: Request, body_limit: int) -> tuple[InferRequest, OutputPlan]:
     """An HTTP infer request: body (JSON or binary extension), target from the path."""
     body = await read_body(request, body_limit)
-    return decode(body, header(request, HEADER_LENGTH.encode()), target(request))
+    length = header(request, HEADER_LENGTH.encode())
+    return await off_loop(len(body), decode, body, length, target(request))
 
 
-def encode_http(result: InferResult, plan: OutputPlan) -> Response:
+async def encode_http(result: InferResult, plan: OutputPlan) -> Response:
     """The answer, with the headers every lmhead inference answer carries."""
-    payload, headers = encode(result, plan)
+    size = sum(a.nbytes for a in (result.logits, result.embeddings) if a is not None) * 3
+    payload, headers = await off_loop(size, encode, result, plan)
     headers |= {
         "x-lmhead-model": result.head.name,
         "x-lmhead-version": str(result.head.version),

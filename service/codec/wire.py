@@ -8,10 +8,11 @@ echo values.
 
 from __future__ import annotations
 
+import asyncio
 import io
 import re
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -27,7 +28,7 @@ from service.errors import (
     UnsupportedMediaType,
     describe_validation_errors,
 )
-from service.limits import kind_name
+from service.limits import BODY_EXPANSION, charge, kind_name
 from service.messages import Target
 
 JSON = "application/json"
@@ -35,6 +36,20 @@ NPY = "application/x-npy"
 NPZ = "application/x-npz"
 VERSION = re.compile(r"[0-9]{1,18}")  # ASCII digits only: str.isdigit() takes "²"
 MAX_DEPTH = 8  # the deepest array an endpoint takes is 3-D; numpy is never shown more
+#: Parsing or encoding more than this runs in a worker thread, off the event loop.
+OFFLOAD_BYTES = 1 << 20
+T = TypeVar("T")
+
+
+async def off_loop(size: int, function: Callable[..., T], *args: Any) -> T:
+    """``function(*args)``, in a worker thread when ``size`` (bytes of work) is large.
+
+    A 700 MB JSON answer encoded on the event loop held every other request, health checks
+    included, for seconds; small ones stay inline, where a thread hop would cost more.
+    """
+    if size <= OFFLOAD_BYTES:
+        return function(*args)
+    return await asyncio.to_thread(function, *args)
 
 
 def header(request: Request, name: bytes, default: str | None = None) -> str | None:
@@ -73,6 +88,7 @@ async def read_body(request: Request, limit: int) -> bytes:
         size += len(chunk)
         if size > limit:
             raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+        charge(len(chunk) * BODY_EXPANSION)  # 503 when the requests in flight hold too much
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)  # a single chunk comes back as is, no copy
@@ -113,6 +129,8 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
     try:
         payload = orjson.loads(body)
     except orjson.JSONDecodeError as error:
+        if "infinity" in error.msg:  # 1e999: valid JSON, but Inf as a float
+            raise InvalidInput(f"a number at byte {error.pos} is beyond float range") from None
         raise MalformedBody(f"body is not valid JSON ({error.msg} at byte {error.pos})") from None
     if not isinstance(payload, dict):
         raise MalformedBody(f"body must be a JSON object, got a JSON {_json_type(payload)}")

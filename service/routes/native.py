@@ -98,7 +98,7 @@ async def get_model(request: Request) -> dict[str, Any]:
 async def topk(request: Request) -> Response:
     """Top-k token ids and logits (and log-probs, token strings) for each row."""
     decoded, answer = await native.decode_topk(request, body_limit(request))
-    return native.encode_topk(await plane_of(request).topk(decoded), answer)
+    return await native.encode_topk(await plane_of(request).topk(decoded), answer)
 
 
 @_inference(
@@ -112,7 +112,7 @@ async def topk(request: Request) -> Response:
 async def logits(request: Request) -> Response:
     """All (rows, vocab) logits: ``.npy`` by default, JSON when asked; bounded in bytes."""
     decoded, answer = await native.decode_logits(request, body_limit(request))
-    return native.encode_logits(await plane_of(request).logits(decoded), answer)
+    return await native.encode_logits(await plane_of(request).logits(decoded), answer)
 
 
 @_inference(
@@ -126,14 +126,14 @@ async def logits(request: Request) -> Response:
 async def embed(request: Request) -> Response:
     """Input embeddings for token ids: the Gather side of the same head."""
     decoded, answer = await native.decode_embed(request, body_limit(request))
-    return native.encode_embed(await plane_of(request).embed(decoded), answer)
+    return await native.encode_embed(await plane_of(request).embed(decoded), answer)
 
 
 @_inference("score", ScoreBody, ScoreAnswer, answers=(), parameters=(VERSION_QUERY,))
 async def score(request: Request) -> Response:
     """Per row: the target's logit, log-prob and rank; the batch's NLL and perplexity."""
     decoded = await native.decode_score(request, body_limit(request))
-    return native.encode_score(await plane_of(request).score(decoded))
+    return await native.encode_score(await plane_of(request).score(decoded))
 
 
 @router.post(
@@ -146,4 +146,4 @@ async def compare(request: Request) -> Response:
     """The same hidden states through two heads: agreement, KL both ways, and per head
     NLL/perplexity (with ``target_ids``), tie flag, sizes and, if asked, rows/s."""
     decoded = await native.decode_compare(request, body_limit(request))
-    return native.encode_compare(await plane_of(request).compare(decoded))
+    return await native.encode_compare(await plane_of(request).compare(decoded))

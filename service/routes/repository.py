@@ -8,11 +8,13 @@ one drains in the background); ``unload`` once the versions are drained and rele
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import urlsplit
 
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from service.codec.wire import options, parse_json_object, read_body
+from service.codec.wire import header, options, parse_json_object, read_body
+from service.errors import Forbidden
 from service.protocol import ModelDescription, RepositoryIndexRow
 from service.routes.deps import PlaneDep, plane_of
 from service.routes.openapi import errors, operation
@@ -21,7 +23,15 @@ LOAD_BODY_LIMIT = 64 * 1024
 
 
 async def _authorized(request: Request) -> None:
-    scheme, _, presented = request.headers.get("authorization", "").partition(" ")
+    """The admin token (when set), and never a browser's cross-site request: with no token
+    on a loopback service, a web page's "simple" POST could otherwise load and unload."""
+    site = header(request, b"sec-fetch-site")
+    origin = header(request, b"origin")
+    if site in ("cross-site", "same-site") or (
+        origin is not None and urlsplit(origin).netloc != header(request, b"host")
+    ):
+        raise Forbidden("cross-origin requests may not use the repository API")
+    scheme, _, presented = (header(request, b"authorization") or "").partition(" ")
     plane_of(request).authorize(presented if scheme.lower() == "bearer" else None)
 
 

@@ -123,4 +123,4 @@ def _infer_operation(path: str) -> dict[str, Any]:
 async def infer(request: Request) -> Response:
     """Top-k, log-probs, full logits, classification and embeddings (JSON or binary)."""
     decoded, plan = await v2.decode_http(request, body_limit(request))
-    return v2.encode_http(await plane_of(request).infer(decoded), plan)
+    return await v2.encode_http(await plane_of(request).infer(decoded), plan)

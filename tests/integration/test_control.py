@@ -72,7 +72,7 @@ def _escaping_data(directory: Path, table: npt.NDArray[np.float32]) -> None:
         (_truncated, "not a readable ONNX model"),
         (_wrong_d_model, f"config.json requires {D_MODEL}"),
         (_missing_data, "model.onnx.data"),
-        (_escaping_data, "points outside"),
+        (_escaping_data, "must be a file beside the model"),
     ],
     ids=["truncated file", "wrong d_model vs config", "missing data file", "data outside folder"],
 )
@@ -187,10 +187,17 @@ def test_a_symlink_out_of_the_repository_is_refused(
         (repository / "evil").unlink()
 
 
-def test_unknown_model_load_is_reported(admin: httpx.Client) -> None:
-    response = admin.post("/v2/repository/models/nothing-here/load")
-    assert response.status_code == 500
-    assert "no model directory" in response.json()["error"]
+def test_loading_a_model_that_does_not_exist_is_404_and_leaves_no_record(
+    admin: httpx.Client,
+) -> None:
+    before = admin.get("/metrics").text
+    for name in ("nothing-here", "junk-1", "junk-2"):
+        response = admin.post(f"/v2/repository/models/{name}/load")
+        assert response.status_code == 404
+        assert "no model directory" in response.json()["error"]
+    assert "nothing-here" not in str(admin.post("/v2/repository/index").json())
+    assert "junk-1" not in admin.get("/v1/models").text
+    assert admin.get("/metrics").text.count("junk") == before.count("junk") == 0
 
 
 def test_read_only_service_refuses_load_and_unload(repository: Path) -> None:

@@ -82,13 +82,34 @@ def test_in_process_topk_matches_reference(
     np.testing.assert_array_equal(ids, expected)
 
 
-def test_empty_repository_is_ready_with_no_models(tmp_path: Path) -> None:
+def test_empty_repository_is_ready_and_says_it_serves_nothing(tmp_path: Path) -> None:
     async def scenario() -> tuple[object, object]:
-        async with serving(create_app(Settings(repository=tmp_path / "none"))) as client:
+        async with serving(create_app(Settings(repository=tmp_path))) as client:
             ready = (await client.get("/health/ready")).json()
             return ready, (await client.get("/v1/models")).json()
 
-    assert asyncio.run(scenario()) == ({"status": "ready", "models": {}}, {"models": []})
+    ready, models = asyncio.run(scenario())
+    assert ready == {"status": "ready", "models": {}, "warning": "the repository has no models"}
+    assert models == {"models": []}
+
+
+@pytest.mark.parametrize("where", ["missing", "a-file"])
+def test_a_missing_repository_fails_start_up_and_readiness_says_why(
+    tmp_path: Path, where: str
+) -> None:
+    path = tmp_path / where
+    if where == "a-file":
+        path.write_text("not a directory")
+
+    async def scenario() -> tuple[int, str]:
+        async with serving(create_app(Settings(repository=path))) as client:
+            answer = await client.get("/health/ready")
+            return answer.status_code, answer.json()["error"]["message"]
+
+    status, message = asyncio.run(scenario())
+    assert status == 503
+    assert "start-up failed" in message
+    assert "is not a directory" in message
 
 
 def test_settings_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,135 @@
+"""The ``lmhead`` commands' work; ``service.cli`` parses the arguments and reports errors."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+from service.cli.errors import CommandError
+from service.demo import TIED_NAME, UNTIED_NAME, DemoSpec, write_demo_models
+from service.heads import FORMAT
+from service.importer import ImportOptions, import_checkpoint
+from service.inspect import HeadReport, inspect_head
+from service.repository import MODEL_FILE
+from service.retie import retie
+
+
+def demo(args: argparse.Namespace) -> int:
+    repository: Path = args.repository
+    existing = [repository / name / "1" / MODEL_FILE for name in (TIED_NAME, UNTIED_NAME)]
+    current = all(path.is_file() and inspect_head(path).format == FORMAT for path in existing)
+    if current and not args.force:
+        print(f"demo models already in {repository} (use --force to rewrite)")
+        return 0
+    spec = DemoSpec(vocab_size=args.vocab_size, d_model=args.d_model, seed=args.seed)
+    for version_dir in write_demo_models(repository, spec):
+        print(f"wrote {version_dir}")
+    return 0
+
+
+def serve(args: argparse.Namespace) -> int:
+    from service import server
+    from service.settings import Settings
+
+    flags = {"repository": args.repository, "host": args.host, "port": args.port}
+    settings = Settings(**{key: value for key, value in flags.items() if value is not None})
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server.run(settings)
+    return 0
+
+
+def import_head(args: argparse.Namespace) -> int:
+    options = ImportOptions(
+        version=args.version,
+        embedding_tensor=args.embedding_tensor,
+        head_tensor=args.head_tensor,
+        tie=args.tie,
+        untie=args.untie,
+        external_data=True if args.external_data else None,
+    )
+    result = import_checkpoint(args.checkpoint, args.repository, args.name, options)
+    kind = "tied" if result.tied else "untied"
+    print(f"wrote {result.directory}: {kind} head, {result.vocab_size} x {result.d_model}")
+    for note in result.notes:
+        print(f"  note: {note}")
+    return 0
+
+
+def compare(args: argparse.Namespace) -> int:
+    from service.cli.compare import compare_served, format_comparison
+
+    report = compare_served(
+        args.url, args.model_a, args.model_b, args.hidden, args.targets, args.k, args.repository
+    )
+    print(json.dumps(report, indent=2) if args.json else format_comparison(report))
+    return 0
+
+
+def retie_head(args: argparse.Namespace) -> int:
+    if args.output is None and not args.in_place:
+        raise CommandError("say where: -o OUTPUT, or --in-place to rewrite the model itself")
+    result = retie(args.path, args.output)
+    print(
+        f"wrote {result.output}: tied, {result.bytes_saved:,} bytes saved, outputs unchanged "
+        f"(max |difference| {result.max_abs_difference:.2g} on random inputs)"
+    )
+    return 0
+
+
+def health(args: argparse.Namespace) -> int:
+    """For container health checks: GET /health/ready; exit 0 when ready."""
+    import httpx
+
+    url = args.url.rstrip("/")
+    try:
+        response = httpx.get(f"{url}/health/ready", timeout=3)
+    except httpx.TransportError as error:
+        raise CommandError(f"{url} is not reachable: {error}") from None
+    print(response.text)
+    return 0 if response.status_code == 200 else 1
+
+
+def inspect(args: argparse.Namespace) -> int:
+    report = inspect_head(args.path)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        print(format_report(report))
+    return 0
+
+
+def format_report(report: HeadReport) -> str:
+    """A readable summary: the tie first, then sizes."""
+    if report.tied:
+        wiring = "tied: one initializer feeds the Gather and the projection"
+    elif report.duplicate and report.untied_on_purpose:
+        wiring = (
+            "untied twin: the projection weight starts as a copy of the embedding, written on "
+            "purpose (lmhead import --untie), to diverge when fine-tuned"
+        )
+    elif report.duplicate:
+        wiring = (
+            f"untied, DUPLICATED ({report.duplicate}): a broken tie, the projection weight "
+            f"repeats the embedding; re-tying saves {report.duplicate_bytes:,} bytes"
+        )
+    else:
+        wiring = "untied: separate embedding and projection initializers"
+    layout = " (stored transposed)" if report.projection_transposed else ""
+    rows = [
+        ("head", wiring),
+        ("embedding", f"{report.embedding_initializer} -> {report.gather_node}"),
+        ("projection", f"{report.projection_initializer}{layout} -> {report.projection_node}"),
+        ("vocab x d_model", f"{report.vocab_size} x {report.d_model} {report.dtype}"),
+        ("parameters", f"{report.parameters:,}"),
+        ("weight bytes", f"{report.weight_bytes:,}"),
+        ("saved by tying", f"{report.bytes_saved_by_tying:,}"),
+        (
+            "file bytes",
+            f"{report.file_bytes:,}"
+            + (" (external data)" if report.external_data else " (inline)"),
+        ),
+    ]
+    width = max(len(name) for name, _ in rows)
+    return "\n".join([report.path] + [f"  {name:<{width}}  {value}" for name, value in rows])

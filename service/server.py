@@ -1,0 +1,191 @@
+"""The HTTP server: uvicorn, with the connection limits a public endpoint needs.
+
+uvicorn (httptools) has no limit on header bytes, no timeout for a request head or body that
+never completes, and accepts every connection until file descriptors run out. Measured against
+lmhead: ten connections sending headers that never end held +480 MB; 1,100 idle connections
+made normal requests fail. ``LimitedHttp`` adds, per connection:
+
+* header bytes (request line and headers) above ``max_header_bytes`` -> 431 and close;
+* a head not complete within ``header_timeout_s`` of its first byte (or of the connection,
+  for the first request) -> 408 and close; a body that stalls for ``body_timeout_s`` -> 408;
+* connections beyond ``max_connections`` -> 503 at once and close (uvicorn's own
+  ``limit_concurrency`` answers only once a request arrives, holding the descriptor).
+
+``run(settings)`` starts the app with these limits; ``uvicorn --factory`` runs without them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import resource
+from typing import Any
+
+import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from service.app import create_app
+from service.settings import Settings
+
+logger = logging.getLogger("lmhead")
+FD_MARGIN = 64  # descriptors for model files, the log, the event loop itself
+
+
+def run(settings: Settings) -> None:
+    """Serve ``create_app(settings)`` until SIGINT/SIGTERM (graceful: requests drain)."""
+    _raise_descriptor_limit(settings.max_connections + FD_MARGIN)
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        access_log=settings.access_log,
+        timeout_graceful_shutdown=10,
+        timeout_keep_alive=int(settings.keep_alive_s),
+        http=limited_protocol(settings),
+        # X-Forwarded-* would only rewrite the client address that access logs show; the
+        # middleware that reads them wraps every request (~3% of a one-row request's CPU).
+        proxy_headers=settings.access_log,
+    )
+
+
+def limited_protocol(settings: Settings) -> type[HttpToolsProtocol]:
+    """``LimitedHttp`` with this service's limits (uvicorn builds one per connection)."""
+    return type(
+        "LMHeadHttp",
+        (LimitedHttp,),
+        {
+            "max_header_bytes": settings.max_header_bytes,
+            "header_timeout_s": settings.header_timeout_s,
+            "body_timeout_s": settings.body_timeout_s,
+            "max_connections": settings.max_connections,
+        },
+    )
+
+
+class LimitedHttp(HttpToolsProtocol):
+    """uvicorn's httptools protocol with header-size, read-timeout and connection limits."""
+
+    max_header_bytes = 32 * 1024
+    header_timeout_s = 10.0
+    body_timeout_s = 30.0
+    max_connections = 1000
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._head_bytes = 0
+        self._in_body = False
+        self._refused: tuple[int, str] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.max_connections:
+            self._refuse(503, "too many connections; retry shortly")
+            return
+        self._arm(self.header_timeout_s, "the request head did not arrive in time")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self.transport.is_closing():
+            return
+        super().data_received(data)
+        if self._refused is not None and not self.transport.is_closing():
+            self._refuse(*self._refused)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._head_bytes, self._in_body = 0, False
+        self._arm(self.header_timeout_s, "the request head did not arrive in time")
+
+    def on_url(self, url: bytes) -> None:
+        self._count(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count(len(name) + len(value) + 4)
+        if self._refused is None:
+            super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        if self._refused is not None:
+            return
+        super().on_headers_complete()
+        self._in_body = True
+        self._arm(self.body_timeout_s, "the request body stalled")
+
+    def on_body(self, body: bytes) -> None:
+        if self._refused is not None:
+            return
+        super().on_body(body)
+        self._arm(self.body_timeout_s, "the request body stalled")
+
+    def on_message_complete(self) -> None:
+        if self._refused is not None:
+            return
+        self._disarm()
+        self._in_body = False
+        super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()  # arms uvicorn's keep-alive timeout for idle time
+
+    def _count(self, nbytes: int) -> None:
+        self._head_bytes += nbytes
+        if self._head_bytes > self.max_header_bytes and self._refused is None:
+            self._refused = (431, f"request headers over {self.max_header_bytes} bytes")
+
+    def _arm(self, seconds: float, reason: str) -> None:
+        self._disarm()
+        self._timer = self.loop.call_later(seconds, self._refuse, 408, reason)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _refuse(self, status: int, reason: str) -> None:
+        """Answer ``status`` with a JSON error and close; an app already running sees a
+        disconnect (its answer, if any, goes nowhere)."""
+        self._disarm()
+        if self.transport.is_closing():
+            return
+        if self.cycle is not None and self.cycle.response_started:
+            self.transport.close()  # a response is on its way: no second status line
+            return
+        body = b'{"error":{"code":"%s","message":"%s"}}' % (
+            _CODES[status].encode(),
+            reason.encode(),
+        )
+        head = (
+            b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+            b"connection: close\r\n\r\n" % (status, _REASONS[status].encode(), len(body))
+        )
+        self.transport.write(head + body)
+        self.transport.close()
+
+
+_CODES = {408: "request_timeout", 431: "headers_too_large", 503: "too_many_connections"}
+_REASONS = {
+    408: "Request Timeout",
+    431: "Request Header Fields Too Large",
+    503: "Service Unavailable",
+}
+
+
+def _raise_descriptor_limit(needed: int) -> None:
+    """Allow ``needed`` open files (up to the hard limit), or say the cap cannot be held."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft >= needed:
+        return
+    target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    if target < needed:
+        logger.warning(
+            "open-file limit %d is below LMHEAD_MAX_CONNECTIONS + %d; lower the setting",
+            target,
+            FD_MARGIN,
+        )
