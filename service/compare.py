@@ -17,7 +17,9 @@ import numpy.typing as npt
 
 from service.reference import log_softmax
 
-CHUNK_BYTES = 16 * 2**20
+CHUNK_BYTES = 4 * 2**20
+#: What the statistics hold at most: a chunk's float64 and index temporaries are ~10x it.
+STATISTICS_BYTES = 10 * CHUNK_BYTES
 
 
 def _chunks(rows: int, vocab_size: int) -> Iterator[slice]:

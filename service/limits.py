@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from service.compare import STATISTICS_BYTES
 from service.errors import InvalidInput, PayloadTooLarge, ServerBusy
 from service.settings import Settings
 
@@ -139,6 +140,23 @@ class Limits:
         return max(1, self.max_logits_bytes // (2 * vocab_size * LOGIT_BYTES))
 
 
+#: Python, uvicorn and onnxruntime churn under load, beside the terms below (measured ~40 MB).
+SERVICE_SLACK_BYTES = 64 * 2**20
+
+
+def worst_case_extra_bytes(settings: Settings) -> int:
+    """Memory beyond the loaded models the service may hold at its worst, by construction:
+
+    requests in flight (``max_inflight_bytes``: bodies as decoded, full logits, answers), one
+    run per inference thread and one pending replay per shadow slot (each within
+    ``max_logits_bytes``), the statistics thread, and a fixed slack. README "Limits and
+    safety" gives the same sum.
+    """
+    per_run = settings.max_logits_bytes
+    runs = settings.inference_threads + settings.shadow_max_pending
+    return settings.max_inflight_bytes + runs * per_run + STATISTICS_BYTES + SERVICE_SLACK_BYTES
+
+
 _held: ContextVar[Reservation | None] = ContextVar("lmhead_reservation", default=None)
 
 
@@ -188,7 +206,8 @@ class Reservation:
 
     def grow(self, nbytes: int) -> None:
         budget = self._budget
-        if budget.used > 0 and budget.used + nbytes > budget.capacity:
+        others = budget.used - self.bytes  # a request alone is always admitted
+        if others > 0 and budget.used + nbytes > budget.capacity:
             raise ServerBusy(
                 f"requests in flight hold {budget.used} of {budget.capacity} bytes "
                 "(LMHEAD_MAX_INFLIGHT_BYTES); retry shortly",

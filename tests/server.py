@@ -54,25 +54,37 @@ def free_port() -> int:
 @contextmanager
 def running_server(repository: Path, **settings: str) -> Iterator[str]:
     """Start the service on a free loopback port; yield its base URL once ready."""
-    with _serving(repository, None, settings) as url:
+    with _serving(repository, None, settings) as (url, _):
         yield url
+
+
+@contextmanager
+def live_server(repository: Path, **settings: str) -> Iterator[tuple[str, Callable[[], str]]]:
+    """The service once it is *live* (for start-ups that never get ready), and its log."""
+    with _serving(repository, None, settings, "/health/live") as served:
+        yield served
 
 
 @contextmanager
 def running_checkout(source: Path, repository: Path, **settings: str) -> Iterator[str]:
     """``running_server`` with the ``service`` package of another checkout (before/after)."""
-    with _serving(repository, source, settings) as url:
+    with _serving(repository, source, settings) as (url, _):
         yield url
 
 
 @contextmanager
-def _serving(repository: Path, source: Path | None, settings: dict[str, str]) -> Iterator[str]:
+def _serving(
+    repository: Path,
+    source: Path | None,
+    settings: dict[str, str],
+    probe: str = "/health/ready",
+) -> Iterator[tuple[str, Callable[[], str]]]:
     port = free_port()
     env = {**os.environ, **{f"LMHEAD_{key.upper()}": value for key, value in settings.items()}}
     if source is not None:
         env["PYTHONPATH"] = str(source)
     command = [sys.executable, "-m", "service", "serve", "--repository", str(repository)]
-    with tempfile.TemporaryFile() as log:
+    with tempfile.TemporaryFile(mode="a+b") as log:  # appends: reading never races writes
         process = subprocess.Popen(
             [*command, "--host", "127.0.0.1", "--port", str(port)],
             env=env,
@@ -82,8 +94,8 @@ def _serving(repository: Path, source: Path | None, settings: dict[str, str]) ->
         )
         base_url = f"http://127.0.0.1:{port}"
         try:
-            _wait_ready(process, base_url, log)
-            yield base_url
+            _wait_ready(process, base_url, log, probe)
+            yield base_url, lambda: _text(log)
         finally:
             process.terminate()
             try:
@@ -93,12 +105,14 @@ def _serving(repository: Path, source: Path | None, settings: dict[str, str]) ->
                 process.wait()
 
 
-def _wait_ready(process: subprocess.Popen[bytes], base_url: str, log: IO[bytes]) -> None:
+def _wait_ready(
+    process: subprocess.Popen[bytes], base_url: str, log: IO[bytes], probe: str
+) -> None:
     deadline = time.monotonic() + READY_DEADLINE_S
     with httpx.Client(base_url=base_url, timeout=5) as client:
         while time.monotonic() < deadline:
             try:
-                if client.get("/health/ready").status_code == 200:
+                if client.get(probe).status_code == 200:
                     return
             except httpx.TransportError:
                 pass

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
+from safetensors.numpy import save_file
 
+from service import __version__
 from service.demo import demo_tokens
 from service.heads import EMBEDDING_WEIGHT, OUTPUT_WEIGHT
 from tests.conftest import initializers
+from tests.server import free_port
 
 
 def _lmhead(*args: str) -> subprocess.CompletedProcess[str]:
@@ -68,3 +72,74 @@ def test_default_demo_is_the_documented_size(tmp_path: Path) -> None:
     assert "tied: one initializer feeds the Gather and the projection" in text
     assert "32000 x 512 float32" in text
     assert _inspect(tmp_path / "demo-untied" / "1")["weight_bytes"] == 2 * 32000 * 512 * 4
+
+
+def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "service", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_the_command_alone_prints_help_and_says_its_version() -> None:
+    alone = _run()
+    assert alone.returncode == 0
+    assert "serve" in alone.stdout
+    assert "import" in alone.stdout
+    version = _run("--version")
+    assert version.stdout.strip() == f"lmhead {__version__}"
+
+
+def test_serve_help_says_where_every_other_setting_comes_from() -> None:
+    text = _run("serve", "--help").stdout.replace("\n", " ")
+    assert "LMHEAD_MAX_ROWS" in text
+    assert "LMHEAD_ADMIN_TOKEN" in text
+
+
+def test_demo_writes_where_serve_serves(tmp_path: Path) -> None:
+    done = _run(
+        "demo", "--vocab-size", "300", "--d-model", "16", env={"LMHEAD_REPOSITORY": str(tmp_path)}
+    )
+    assert done.returncode == 0
+    assert (tmp_path / "demo-tied" / "1" / "model.onnx").is_file()
+
+
+def test_client_commands_report_an_absent_service_without_a_traceback(tmp_path: Path) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    hidden = tmp_path / "h.npy"
+    np.save(hidden, np.zeros((1, 16), np.float32))
+    for args in (
+        ("health", "--url", url),
+        ("compare", "a", "b", "--hidden", str(hidden), "--url", url),
+    ):
+        done = _run(*args)
+        assert done.returncode == 1, args
+        assert "not reachable" in done.stderr
+        assert "Traceback" not in done.stderr
+
+
+def test_output_piped_into_a_closed_reader_is_not_an_error(tmp_path: Path) -> None:
+    """`lmhead ... | head`: the reader may be gone before the answer is written (here `true`
+    exits at once, long before Python has started): no traceback, exit 0."""
+    _lmhead("demo", "--repository", str(tmp_path), "--vocab-size", "300", "--d-model", "16")
+    model = tmp_path / "demo-tied" / "1"
+    command = f"{sys.executable} -m service inspect --json {model} | true"
+    done = subprocess.run(["bash", "-o", "pipefail", "-c", command], capture_output=True, text=True)
+    assert done.returncode == 0
+    assert "Traceback" not in done.stderr
+    assert "BrokenPipe" not in done.stderr
+
+
+def test_an_untied_twin_made_on_purpose_is_not_called_a_broken_tie(tmp_path: Path) -> None:
+    table = np.random.default_rng(0).standard_normal((50, 8)).astype(np.float32)
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    save_file({"wte.weight": table}, str(checkpoint / "model.safetensors"))
+    (checkpoint / "config.json").write_text(json.dumps({"tie_word_embeddings": True}))
+    repository = tmp_path / "models"
+    _lmhead("import", str(checkpoint), "--name", "twin", "--untie", "--repository", str(repository))
+    text = _lmhead("inspect", str(repository / "twin" / "1")).stdout
+    assert "untied twin" in text
+    assert "broken tie" not in text

@@ -284,6 +284,87 @@ ERROR_CASES: list[tuple[str, str, bytes, dict[str, str], int]] = [
         {},
         400,
     ),
+    (
+        "a shape of 2**63 rows",
+        "/v2/models/tied/infer",
+        json.dumps({"inputs": [{**_hidden_input(1), "shape": [2**63, 0], "data": []}]}).encode(),
+        {},
+        400,
+    ),
+    (
+        "a shape of 2**32 x 2**32 x 0",
+        "/v2/models/tied/infer",
+        json.dumps(
+            {"inputs": [{**_hidden_input(1), "shape": [2**32, 2**32, 0], "data": []}]}
+        ).encode(),
+        {},
+        400,
+    ),
+    (
+        "INT64 data beyond int64",
+        "/v2/models/tied/infer",
+        json.dumps(
+            {"inputs": [{"name": "input_ids", "shape": [1], "datatype": "INT64", "data": [2**63]}]}
+        ).encode(),
+        {},
+        400,
+    ),
+    (
+        "INT32 data beyond int32",
+        "/v2/models/tied/infer",
+        json.dumps(
+            {"inputs": [{"name": "input_ids", "shape": [1], "datatype": "INT32", "data": [2**40]}]}
+        ).encode(),
+        {},
+        400,
+    ),
+    (
+        "floats as INT64 ids",
+        "/v2/models/tied/infer",
+        json.dumps(
+            {
+                "inputs": [
+                    {"name": "input_ids", "shape": [2], "datatype": "INT64", "data": [1.9, 2.9]}
+                ]
+            }
+        ).encode(),
+        {},
+        400,
+    ),
+    (
+        "number strings as INT64 ids",
+        "/v2/models/tied/infer",
+        json.dumps(
+            {
+                "inputs": [
+                    {"name": "input_ids", "shape": [2], "datatype": "INT64", "data": ["1", "2"]}
+                ]
+            }
+        ).encode(),
+        {},
+        400,
+    ),
+    (
+        "temperature 1e39",
+        "/v2/models/tied/infer",
+        json.dumps(
+            {
+                "inputs": [_hidden_input(1, data=[0.5] * D_MODEL)],
+                "parameters": {"temperature": 1e39},
+            }
+        ).encode(),
+        {},
+        400,
+    ),
+    (
+        "k as a boolean",
+        "/v2/models/tied/infer",
+        json.dumps(
+            {"inputs": [_hidden_input(1, data=[0.5] * D_MODEL)], "parameters": {"k": True}}
+        ).encode(),
+        {},
+        400,
+    ),
 ]
 
 

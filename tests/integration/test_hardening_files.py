@@ -1,0 +1,234 @@
+"""Hostile files and careless operators, against a real server on real files.
+
+Classes of issue 13: files changed under a served version (1), models that load but could not
+serve (5), the repository and control API (6), start-up failures (7).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import numpy.typing as npt
+import onnx
+import psutil
+import pytest
+
+from service.heads import HeadWeights, save_head
+from service.reference import top_k
+from service.repository import CONFIG_FILE, DATA_FILE, MODEL_FILE
+from tests.conftest import D_MODEL, reference_logits
+from tests.server import live_server, poll, running_server
+
+HIDDEN = np.random.default_rng(11).standard_normal((3, D_MODEL)).astype(np.float32)
+
+
+def _top(client: httpx.Client, model: str) -> list[list[int]]:
+    answer = client.post(f"/v1/models/{model}/topk", json={"hidden_states": HIDDEN.tolist()})
+    assert answer.status_code == 200, answer.text
+    ids: list[list[int]] = [row["token_ids"] for row in answer.json()["results"]]
+    return ids
+
+
+def _expected(version_dir: Path) -> list[list[int]]:
+    ids: list[list[int]] = top_k(reference_logits(version_dir, HIDDEN), 5)[1].tolist()
+    return ids
+
+
+@pytest.fixture
+def served(
+    tmp_path: Path, table: npt.NDArray[np.float32], output_weight: npt.NDArray[np.float32]
+) -> Iterator[tuple[Path, httpx.Client]]:
+    root = tmp_path / "models"
+    save_head(HeadWeights.from_arrays(table), root / "ext" / "1", external_data=True)
+    save_head(HeadWeights.from_arrays(table, output_weight), root / "untied" / "1")
+    with running_server(root) as url, httpx.Client(base_url=url, timeout=30) as client:
+        yield root, client
+
+
+def test_truncating_or_overwriting_a_served_version_changes_nothing_it_answers(
+    served: tuple[Path, httpx.Client], output_weight: npt.NDArray[np.float32]
+) -> None:
+    """`cp` over a served model.onnx.data used to kill the process (SIGBUS) or change answers
+    under the same version number; the service answers from its own copy, until a load."""
+    root, client = served
+    version = root / "ext" / "1"
+    original = _expected(version)
+    assert _top(client, "ext") == original
+    data = version / DATA_FILE
+    with data.open("r+b") as stream:
+        stream.truncate(data.stat().st_size // 3)  # what `cp` over the file does first
+    assert _top(client, "ext") == original
+    assert _top(client, "untied") == _expected(root / "untied" / "1")  # nobody went down
+    other = root / "staging"
+    save_head(HeadWeights.from_arrays(output_weight), other, external_data=True)
+    shutil.copyfile(other / DATA_FILE, data)  # same size, other weights, same version
+    assert _top(client, "ext") == original  # never mixed: still the copy it loaded
+    loaded = client.post("/v2/repository/models/ext/load")
+    assert loaded.status_code == 200
+    assert "version 1's files changed on disk: loaded again" in loaded.json()["notes"]
+    assert _top(client, "ext") == _expected(version) != original
+
+
+def test_a_tied_head_from_a_private_copy_keeps_the_memory_promise(
+    tmp_path: Path,
+) -> None:
+    """Loading from a private copy: tied shared <= 1.15x W resident, load peak <= 1.3x W."""
+    vocab, d_model = 50257, 768
+    weight_bytes = vocab * d_model * 4
+    table = np.random.default_rng(0).standard_normal((vocab, d_model), dtype=np.float32)
+    root = tmp_path / "models"
+    root.mkdir()
+    with running_server(root) as url, httpx.Client(base_url=url, timeout=120) as client:
+        server = _server_process(url)
+        before = server.memory_info().rss
+        peak_before = _high_water(server)
+        save_head(HeadWeights.from_arrays(table), root / "big" / "1", external_data=True)
+        assert client.post("/v2/repository/models/big/load").status_code == 200
+        body = {"hidden_states": table[:4].tolist(), "k": 3}
+        assert client.post("/v1/models/big/topk", json=body).status_code == 200
+        resident = (server.memory_info().rss - before) / weight_bytes
+        peak = (_high_water(server) - max(before, peak_before)) / weight_bytes
+    print(f"\nloaded from a private copy: resident {resident:.2f} W, load peak +{peak:.2f} W")
+    assert resident <= 1.15
+    assert peak <= 1.3
+
+
+def _server_process(url: str) -> psutil.Process:
+    port = url.rsplit(":", 1)[1]
+    (server,) = [
+        p for p in psutil.Process().children(recursive=True) if port in " ".join(p.cmdline())
+    ]
+    return server
+
+
+def _high_water(process: psutil.Process) -> int:
+    """VmHWM: the peak resident set of the process so far."""
+    status = Path(f"/proc/{process.pid}/status").read_text()
+    match = re.search(r"^VmHWM:\s+(\d+) kB", status, re.MULTILINE)
+    assert match is not None
+    return int(match.group(1)) * 1024
+
+
+def _bad_transforms(directory: Path, table: npt.NDArray[np.float32]) -> None:
+    path = save_head(HeadWeights.from_arrays(table), directory)
+    model = onnx.load(str(path))
+    for prop in model.metadata_props:
+        if prop.key == "lmhead.transforms":
+            prop.value = "1"
+    onnx.save(model, str(path))
+
+
+def test_models_that_could_not_serve_fail_at_load_with_the_reason(
+    tmp_path: Path, table: npt.NDArray[np.float32]
+) -> None:
+    root = tmp_path / "models"
+    _bad_transforms(root / "bad-metadata" / "1", table)
+    save_head(HeadWeights.from_arrays(table), root / "big-k" / "1")
+    (root / "big-k" / CONFIG_FILE).write_text(json.dumps({"default_k": 60}))
+    save_head(HeadWeights.from_arrays(table), root / "fine" / "1")
+    with running_server(root, max_k="50") as url:
+        models = {m["name"]: m for m in httpx.get(f"{url}/v1/models").json()["models"]}
+    assert models["bad-metadata"]["state"] == "FAILED"
+    assert "lmhead.transforms must be an object" in models["bad-metadata"]["reason"]
+    assert models["big-k"]["state"] == "FAILED"
+    assert "default_k 60 is above LMHEAD_MAX_K (50)" in models["big-k"]["reason"]
+    assert models["fine"]["state"] == "READY"
+
+
+def test_repository_tricks_are_refused_and_reasons_name_no_machine_path(
+    tmp_path: Path, table: npt.NDArray[np.float32]
+) -> None:
+    root = tmp_path / "models"
+    outside = tmp_path / "outside"
+    save_head(HeadWeights.from_arrays(table), outside / "1")
+    (outside / CONFIG_FILE).write_text(json.dumps({"default_k": 3}))
+    (root / "linked-model" / "1").mkdir(parents=True)
+    (root / "linked-model" / "1" / MODEL_FILE).symlink_to(outside / "1" / MODEL_FILE)
+    save_head(HeadWeights.from_arrays(table), root / "linked-config" / "1")
+    (root / "linked-config" / CONFIG_FILE).symlink_to(outside / CONFIG_FILE)
+    fifo_dir = root / "fifo" / "1"
+    save_head(HeadWeights.from_arrays(table), fifo_dir, external_data=True)
+    (fifo_dir / DATA_FILE).unlink()
+    os.mkfifo(fifo_dir / DATA_FILE)  # used to block the loader forever
+    save_head(HeadWeights.from_arrays(table), root / "fine" / "1")
+    with running_server(root) as url, httpx.Client(base_url=url) as client:
+        models = {m["name"]: m for m in client.get("/v1/models").json()["models"]}
+        newline = client.post("/v2/repository/models/fine%0a/load")
+        rows = client.post("/v2/repository/index").json()
+    for name, why in (
+        ("linked-model", "resolves outside the repository"),
+        ("linked-config", "resolves outside the repository"),
+        ("fifo", "is not a regular file"),
+    ):
+        assert models[name]["state"] == "FAILED", name
+        assert why in models[name]["reason"], models[name]["reason"]
+    assert models["fine"]["state"] == "READY"
+    assert newline.status_code == 400
+    reasons = " ".join(row["reason"] for row in rows)
+    assert str(tmp_path) not in reasons
+    assert "/tmp/" not in reasons
+
+
+def test_config_edits_are_picked_up_by_load(
+    served: tuple[Path, httpx.Client], table: npt.NDArray[np.float32]
+) -> None:
+    root, client = served
+    assert client.get("/v1/models/untied").json()["default_k"] == 5
+    (root / "untied" / CONFIG_FILE).write_text(json.dumps({"default_k": 2}))
+    assert client.post("/v2/repository/models/untied/load").status_code == 200
+    assert client.get("/v1/models/untied").json()["default_k"] == 2
+    answer = client.post("/v1/models/untied/topk", json={"hidden_states": HIDDEN.tolist()})
+    assert [len(row["token_ids"]) for row in answer.json()["results"]] == [2, 2, 2]
+
+
+def test_cross_site_browser_requests_cannot_use_the_control_api(
+    served: tuple[Path, httpx.Client],
+) -> None:
+    _, client = served
+    simple = {"content-type": "text/plain", "origin": "http://evil.example"}
+    assert client.post("/v2/repository/models/untied/unload", headers=simple).status_code == 403
+    fetch = {"sec-fetch-site": "cross-site"}
+    assert client.post("/v1/repository/models/untied/load", headers=fetch).status_code == 403
+    assert client.get("/v1/models/untied").json()["state"] == "READY"  # nothing happened
+    assert client.post("/v2/repository/index").status_code == 200  # curl, no Origin: fine
+
+
+def _settled_readiness(url: str) -> httpx.Response:
+    """Readiness once start-up has ended one way or the other (not "still loading")."""
+
+    def settled() -> httpx.Response | None:
+        answer = httpx.get(f"{url}/health/ready")
+        return None if "still loading" in answer.text else answer
+
+    return poll(settled, "start-up to end")
+
+
+def test_a_repository_that_is_not_there_fails_start_up_visibly(tmp_path: Path) -> None:
+    with live_server(tmp_path / "typo") as (url, log):
+        ready = _settled_readiness(url)
+        logged = log()
+    assert ready.status_code == 503
+    assert "start-up failed" in ready.json()["error"]["message"]
+    assert "is not a directory" in ready.json()["error"]["message"]
+    assert "start-up failed" in logged
+
+
+def test_failing_to_write_the_demo_heads_is_logged_and_reported(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("the repository cannot be made under a file")
+    with live_server(blocker / "models", create_demo_models="true") as (url, log):
+        ready = _settled_readiness(url)
+        logged = log()
+    assert ready.status_code == 503
+    message = ready.json()["error"]["message"]
+    assert message.startswith("start-up failed:")
+    assert "start-up failed" in logged
+    assert "Traceback" in logged  # the cause is in the log, not in the answer
+    assert "Traceback" not in message

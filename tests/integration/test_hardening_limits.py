@@ -1,0 +1,258 @@
+"""Memory bounds, connection limits and hostile input, against a real server (issue 13,
+classes 2, 3 and 4): every limit answers with a clear 4xx/503 and nothing else suffers."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import numpy.typing as npt
+import orjson
+import psutil
+import pytest
+
+from service.heads import HeadWeights, save_head
+from service.limits import worst_case_extra_bytes
+from service.reference import top_k
+from service.settings import Settings
+from tests.conftest import D_MODEL, VOCAB, reference_logits
+from tests.server import poll, running_server
+
+RUN_ROWS = 64
+LOGITS_BYTES = RUN_ROWS * 2 * VOCAB * 4  # one run of 64 rows: logits and log-softmax
+LIMITS = {
+    "max_logits_bytes": str(LOGITS_BYTES),
+    "max_inflight_bytes": str(8 * 2**20),
+    "max_body_bytes": str(4 * 2**20),
+    "shadow_max_pending": "2",
+    "max_connections": "12",
+    "max_header_bytes": "4096",
+    "header_timeout_s": "1",
+    "body_timeout_s": "1",
+}
+
+
+@pytest.fixture(scope="module")
+def repository(tmp_path_factory: pytest.TempPathFactory, table: npt.NDArray[np.float32]) -> Path:
+    root = tmp_path_factory.mktemp("limits")
+    save_head(HeadWeights.from_arrays(table), root / "tied" / "1")
+    save_head(HeadWeights.from_arrays(table), root / "twin" / "1")
+    shadow = {"shadow": {"model": "twin", "fraction": 1.0}}
+    (root / "tied" / "config.json").write_text(json.dumps(shadow))
+    return root
+
+
+@pytest.fixture(scope="module")
+def url(repository: Path) -> Iterator[str]:
+    with running_server(repository, **LIMITS) as base_url:
+        yield base_url
+
+
+def _rows(count: int, seed: int = 0) -> npt.NDArray[np.float32]:
+    return np.random.default_rng(seed).standard_normal((count, D_MODEL)).astype(np.float32)
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    wanted = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    match = re.search(rf"^{name}{{{wanted}}} (\S+)$", text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+def test_big_requests_run_in_chunks_within_the_byte_limit(url: str, repository: Path) -> None:
+    """300 rows with room for 64 per run: five runs, each within the limit; answers exact."""
+    hidden = _rows(300, seed=1)
+    answer = httpx.post(f"{url}/v1/models/twin/topk", json={"hidden_states": hidden.tolist()})
+    assert answer.status_code == 200
+    ids = [row["token_ids"] for row in answer.json()["results"]]
+    expected = top_k(reference_logits(repository / "twin" / "1", hidden), 5)[1]
+    np.testing.assert_array_equal(ids, expected)
+    text = httpx.get(f"{url}/metrics").text
+    labels = {"model": "twin", "version": "1"}
+    runs = _metric(text, "lmhead_batch_rows_count", **labels)
+    assert runs >= 5
+    assert _metric(text, "lmhead_batch_rows_bucket", le="64.0", **labels) == runs
+
+
+def test_shadow_traffic_never_materialises_logits_past_the_limit(url: str) -> None:
+    big = httpx.post(f"{url}/v1/models/tied/topk", json={"hidden_states": _rows(500).tolist()})
+    small = httpx.post(f"{url}/v1/models/tied/topk", json={"hidden_states": _rows(4).tolist()})
+    assert big.status_code == small.status_code == 200
+    pair = {"primary": "tied", "shadow": "twin"}
+
+    def counted() -> str | None:
+        text = httpx.get(f"{url}/metrics").text
+        ran = _metric(text, "lmhead_shadow_requests_total", outcome="ran", **pair)
+        return text if ran >= 1 else None
+
+    text = poll(counted, "the small request's shadow run")
+    assert _metric(text, "lmhead_shadow_requests_total", outcome="too_large", **pair) == 1
+
+
+def _server(url: str) -> psutil.Process:
+    port = url.rsplit(":", 1)[1]
+    (server,) = [
+        p for p in psutil.Process().children(recursive=True) if port in " ".join(p.cmdline())
+    ]
+    return server
+
+
+def _high_water(process: psutil.Process) -> int:
+    status = Path(f"/proc/{process.pid}/status").read_text()
+    match = re.search(r"^VmHWM:\s+(\d+) kB", status, re.MULTILINE)
+    assert match is not None
+    return int(match.group(1)) * 1024
+
+
+def test_memory_stays_within_the_documented_bound_under_hostile_load(
+    repository: Path,
+) -> None:
+    """12 clients sending 14 MB JSON bodies (each ~3x that decoded: +300 MB without a budget)
+    and full-logits requests: past the in-flight budget they get 503 with Retry-After, and the
+    server's peak resident memory stays within the documented worst case."""
+    settings = {
+        **LIMITS,
+        "max_connections": "100",
+        "max_logits_bytes": str(2**20),
+        "max_rows": "16000",
+        "max_body_bytes": str(16 * 2**20),
+        "max_inflight_bytes": str(32 * 2**20),
+    }
+    big_body = orjson.dumps({"hidden_states": _rows(16000, seed=3).tolist(), "k": 3})
+    logits_body = orjson.dumps({"hidden_states": _rows(250, seed=4).tolist()})
+    with running_server(repository, **settings) as url:
+        server = _server(url)
+        models_loaded = server.memory_info().rss
+
+        def send(index: int) -> int:
+            body, path = (big_body, "topk") if index % 3 else (logits_body, "logits")
+            answer = httpx.post(
+                f"{url}/v1/models/twin/{path}",
+                content=body,
+                headers={"content-type": "application/json"},
+                timeout=120,
+            )
+            if answer.status_code == 503:
+                assert answer.json()["error"]["code"] == "server_busy"
+                assert answer.headers["retry-after"] == "1"
+            return answer.status_code
+
+        with ThreadPoolExecutor(12) as clients:
+            statuses = list(clients.map(send, range(36)))
+        peak = _high_water(server)
+    assert set(statuses) <= {200, 503}
+    assert statuses.count(200) >= 2
+    assert 503 in statuses  # the budget did refuse some
+    bound = worst_case_extra_bytes(Settings(**settings))  # type: ignore[arg-type]
+    print(f"\npeak - loaded: {(peak - models_loaded) / 2**20:.0f} MB, bound {bound / 2**20:.0f} MB")
+    assert peak - models_loaded <= bound
+
+
+def _exchange(url: str, raw: bytes, timeout: float = 10.0) -> tuple[int, bytes, bool]:
+    """Send raw bytes on a fresh connection; the status, the body and whether it was closed."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+        if raw:  # (nothing: a connection refused at once answers without being asked)
+            sock.sendall(raw)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        length = int(re.search(rb"content-length: (\d+)", head, re.IGNORECASE).group(1))  # type: ignore[union-attr]
+        while len(body) < length:
+            body += sock.recv(65536)
+        try:
+            closed = sock.recv(1) == b""
+        except ConnectionResetError:
+            closed = True
+    return int(head.split(b" ", 2)[1]), body, closed
+
+
+def test_oversized_headers_are_431_and_the_connection_closed(url: str) -> None:
+    raw = b"GET /health/live HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 8000 + b"\r\n\r\n"
+    status, body, closed = _exchange(url, raw)
+    assert (status, closed) == (431, True)
+    assert json.loads(body)["error"]["code"] == "headers_too_large"
+
+
+def test_a_head_or_body_that_never_completes_is_408(url: str) -> None:
+    status, _, closed = _exchange(url, b"POST /v1/models/tied/topk HTTP/1.1\r\nHost: x\r\n")
+    assert (status, closed) == (408, True)
+    stalled = b"POST /v1/models/tied/topk HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{"
+    status, _, closed = _exchange(url, stalled)
+    assert (status, closed) == (408, True)
+
+
+def test_connections_beyond_the_cap_get_503_and_others_are_served(url: str) -> None:
+    host, port = url.removeprefix("http://").split(":")
+    idle = [socket.create_connection((host, int(port)), timeout=10) for _ in range(12)]
+    try:
+        status, body, closed = _exchange(url, b"")
+        assert (status, closed) == (503, True)
+        assert json.loads(body)["error"]["code"] == "too_many_connections"
+    finally:
+        for sock in idle:
+            sock.close()
+
+    def served() -> int | None:
+        answer = httpx.get(f"{url}/health/live")
+        return answer.status_code if answer.status_code == 200 else None
+
+    assert poll(served, "a connection once the idle ones closed") == 200
+
+
+def test_a_connection_stays_usable_after_error_answers(url: str) -> None:
+    """An error answer keeps the keep-alive connection: the next request on it succeeds."""
+    good = json.dumps({"hidden_states": _rows(1).tolist()}).encode()
+    bad = b'{"hidden_states": [[1.0]]}'
+    host, port = url.removeprefix("http://").split(":")
+    with (
+        socket.create_connection((host, int(port)), timeout=10) as sock,
+        sock.makefile("rb") as reader,
+    ):
+        for body, expected in ((bad, 422), (b"{", 400), (good, 200)):
+            head = (
+                b"POST /v1/models/twin/topk HTTP/1.1\r\nHost: x\r\n"
+                b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+            )
+            sock.sendall(head + body)
+            status = int(reader.readline().split(b" ", 2)[1])
+            length = 0
+            while (line := reader.readline()) not in (b"\r\n", b""):
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":")[1])
+            reader.read(length)
+            assert status == expected
+
+
+@pytest.mark.parametrize(
+    ("header", "value"),
+    [("content-type", "application/" + "x" * 20000), ("accept", "text/" + "y" * 20000)],
+)
+def test_long_media_types_are_refused_without_being_echoed(
+    url: str, header: str, value: str
+) -> None:
+    answer = httpx.post(
+        f"{url}/v1/models/twin/topk",
+        content=json.dumps({"hidden_states": _rows(1).tolist()}),
+        headers={header: value[:3000]},
+    )
+    assert answer.status_code in (406, 415)
+    assert len(answer.text) < 400
+
+
+def test_a_number_beyond_float_range_is_422(url: str) -> None:
+    body = b'{"hidden_states": [[1e999' + b", 0.5" * (D_MODEL - 1) + b"]]}"
+    answer = httpx.post(
+        f"{url}/v1/models/twin/topk", content=body, headers={"content-type": "application/json"}
+    )
+    assert answer.status_code == 422
+    assert "beyond float range" in answer.json()["error"]["message"]

@@ -1,0 +1,81 @@
+"""The codecs' own promises: big work leaves the event loop; JSON numbers stay numbers."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from service.codec import native
+from service.codec.wire import JSON, OFFLOAD_BYTES, float_array, int_array, off_loop
+from service.errors import InvalidInput
+from service.messages import HeadInfo, LogitsResult
+
+HEAD = HeadInfo("m", 1, True, 50000, 64, "float32")
+
+
+def _loop_turns_during(work: object) -> int:
+    """How often the event loop ran other tasks while ``work`` (a coroutine) was awaited."""
+
+    async def scenario() -> int:
+        turns = 0
+        done = False
+
+        async def ticker() -> None:
+            nonlocal turns
+            while not done:
+                turns += 1
+                await asyncio.sleep(0)  # a yield to the loop, not a wait
+
+        task = asyncio.create_task(ticker())
+        await asyncio.sleep(0)
+        start = turns
+        await work  # type: ignore[misc]
+        done = True
+        await task
+        return turns - start
+
+    return asyncio.run(scenario())
+
+
+def test_a_large_json_answer_is_encoded_off_the_event_loop() -> None:
+    logits = np.random.default_rng(0).standard_normal((64, 50000)).astype(np.float32)
+    assert logits.nbytes * 3 > OFFLOAD_BYTES
+    result = LogitsResult(HEAD, logits)
+    assert _loop_turns_during(native.encode_logits(result, JSON)) > 0
+
+
+def test_small_work_stays_inline() -> None:
+    async def small() -> int:
+        return await off_loop(10, int, "7")
+
+    assert _loop_turns_during(small()) == 0
+
+
+@pytest.mark.parametrize(
+    ("value", "found"),
+    [
+        ([[1.5, "2.5"]], "strings"),
+        ([[1.5, True]], "boolean"),
+        ([[1.5], [2.5, 3.5]], "ragged"),
+        ([[[[[[[[[[1.0]]]]]]]]]], "deeper than 8"),
+    ],
+)
+def test_json_floats_are_numbers_only(value: list[object], found: str) -> None:
+    with pytest.raises(InvalidInput, match=found):
+        float_array(value, "hidden_states")
+
+
+@pytest.mark.parametrize(
+    ("value", "found"),
+    [
+        ([1.9, 2.9], "integers only"),
+        (["1"], "integers only"),
+        ([1, False], "boolean"),
+        ([2**64], "beyond the int64 range|objects"),
+    ],
+)
+def test_json_ids_are_integers_only(value: list[object], found: str) -> None:
+    with pytest.raises(InvalidInput, match=found):
+        int_array(value, "input_ids")
