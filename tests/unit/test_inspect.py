@@ -197,3 +197,20 @@ def test_cli_reports_errors_without_a_traceback(
 ) -> None:
     assert main(["inspect", str(tmp_path / "nothing")]) == 2
     assert "lmhead: no ONNX file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("location", ["../elsewhere.data", "/etc/passwd", "sub/w.data"])
+def test_external_data_anywhere_but_beside_the_model_is_refused(
+    tmp_path: Path, tied_path: Path, location: str
+) -> None:
+    """Constant nodes may carry external data too: they are checked like initializers."""
+    model = onnx.load(str(tied_path))
+    constant = numpy_helper.from_array(np.ones(4, np.float32), "bias_constant")
+    constant.ClearField("raw_data")
+    constant.data_location = TensorProto.EXTERNAL
+    constant.external_data.add(key="location", value=location)
+    model.graph.node.append(helper.make_node("Constant", [], ["c"], value=constant))
+    path = tmp_path / "model.onnx"
+    onnx.save(model, str(path))
+    with pytest.raises(HeadInspectionError, match="must be a file beside the model"):
+        inspect_head(path)
