@@ -27,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 from safetensors import safe_open
 
-from service.heads import HeadTransforms
+from service.graph import HeadTransforms
 
 EMBEDDING_TENSORS = (
     "model.embed_tokens.weight",  # Llama, Mistral, Qwen, Gemma, SmolLM, Phi

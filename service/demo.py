@@ -26,6 +26,7 @@ class DemoSpec:
     vocab_size: int = 32000
     d_model: int = 512
     seed: int = 0
+    dtype: str = "float32"
 
 
 def write_demo_models(repository: str | Path, spec: DemoSpec = DemoSpec()) -> list[Path]:
@@ -38,8 +39,8 @@ def write_demo_models(repository: str | Path, spec: DemoSpec = DemoSpec()) -> li
     labels = "\n".join(demo_tokens(spec.vocab_size)) + "\n"
     written = []
     for name, weights in (
-        (TIED_NAME, HeadWeights.from_arrays(table)),
-        (UNTIED_NAME, HeadWeights.from_arrays(table, drifted)),
+        (TIED_NAME, HeadWeights.from_arrays(table, dtype=spec.dtype)),
+        (UNTIED_NAME, HeadWeights.from_arrays(table, drifted, dtype=spec.dtype)),
     ):
         version_dir = Path(repository) / name / "1"
         save_head(weights, version_dir)

@@ -28,6 +28,8 @@ class ImportOptions:
     tie: bool = False
     untie: bool = False
     external_data: bool | None = None
+    dtype: str = "float32"
+    """Stored dtype of the matrices: float32, float16 or bfloat16 (half the bytes)."""
 
 
 @dataclass
@@ -58,9 +60,14 @@ def import_checkpoint(
     weights = _weights(checkpoint, plan.head, table, options, notes)
     transforms = checkpoint.transforms(table.shape[1])
     bias = checkpoint.bias()
-    if transforms.describe() or bias is not None:
+    if transforms.describe() or bias is not None or options.dtype != "float32":
         weights = HeadWeights.from_arrays(
-            weights.embedding, weights.output, bias=bias, transforms=transforms, twin=weights.twin
+            weights.embedding,
+            weights.output,
+            bias=bias,
+            transforms=transforms,
+            twin=weights.twin,
+            dtype=options.dtype,
         )
         shown = transforms.describe() | ({"bias": True} if bias is not None else {})
         notes.append(f"head transforms in the graph: {shown}")

@@ -23,7 +23,7 @@ import numpy.typing as npt
 import onnx
 from onnx import numpy_helper
 
-from service.heads import UNTIED_ON_PURPOSE
+from service.graph import UNTIED_ON_PURPOSE
 from service.repository import MODEL_FILE
 
 PROJECTION_OPS = frozenset({"Gemm", "MatMul", "FusedMatMul"})

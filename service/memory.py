@@ -12,13 +12,17 @@ import ctypes
 import gc
 import json
 import resource
+import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 import psutil
 
-from service.runtime import MEMORY_MODES, HeadSession
+from service.inspect import inspect_head
+from service.loaded_version import servable_path
+from service.runtime import CPU, MEMORY_MODES, HeadSession
 from service.settings import MemoryMode
 
 
@@ -61,9 +65,11 @@ def trim_heap() -> None:
 
 def measure_load(path: str, *, tied: bool, memory_mode: MemoryMode, rows: int) -> LoadFootprint:
     """Load the head at ``path``, warm it with one row, then run ``rows`` rows once."""
-    gc.collect()
-    before = resident_bytes()
-    session = HeadSession(path, tied=tied, memory_mode=memory_mode)
+    with tempfile.TemporaryDirectory() as scratch:  # a half head is widened here, as served
+        served = servable_path(Path(path), inspect_head(path).dtype, (CPU,), Path(scratch))
+        gc.collect()
+        before = resident_bytes()
+        session = HeadSession(served, tied=tied, memory_mode=memory_mode)
     loaded = resident_bytes() - before
     rng = np.random.default_rng(0)
     session.project(rng.standard_normal((1, session.d_model), dtype=np.float32), 10)

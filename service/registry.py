@@ -119,6 +119,7 @@ class Registry:
             settings.repository,
             select_providers(settings.provider),
             settings.scratch_dir,
+            settings.cuda_tf32,
         )
         self._limits = BatchLimits(
             merge=settings.batching,

@@ -10,6 +10,8 @@ The session options decide what a tied head costs in memory:
   few MB so an imported ``Transpose(W)`` is never folded into a second copy either.
 * ``memory_mode="fast"``: onnxruntime defaults; a tied head holds W plus its packed copy
   (~2x W) and runs at full Gemm speed.
+* on CUDA both modes are one: initializers go to plain device allocations (one copy of W on
+  the device), and ``tf32`` chooses TensorFloat-32 matmuls (faster, ~1e-3 logit error).
 
 ``InferenceSession.run`` is safe to call from several threads on one session.
 """
@@ -25,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 import onnxruntime as ort
 
-from service.heads import (
+from service.graph import (
     EMBEDDINGS,
     HIDDEN_STATES,
     INPUT_IDS,
@@ -78,7 +80,11 @@ class Projection:
 
 
 def session_options(
-    *, shares_weight: bool, memory_mode: MemoryMode = "shared", intra_op_threads: int = 0
+    *,
+    shares_weight: bool,
+    memory_mode: MemoryMode = "shared",
+    intra_op_threads: int = 0,
+    on_cuda: bool = False,
 ) -> ort.SessionOptions:
     """Session options for a head; see the module docstring for the memory trade-off."""
     if memory_mode not in MEMORY_MODES:
@@ -89,13 +95,24 @@ def session_options(
     # steal the cores from the next session's run: with several heads loaded (A/B, hot-swap)
     # spinning measured up to 3x slower here. Without it a run wakes its threads (~tens of us).
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    if memory_mode == "shared":
+    if on_cuda:
+        # Initializers in plain device allocations, not the arena (which grew by ~1.2x W past
+        # them): one copy of W on the device. No packed copy exists there to trade for speed,
+        # so both memory modes are the same.
+        options.add_session_config_entry("session.use_device_allocator_for_initializers", "1")
+    if memory_mode == "shared" or on_cuda:
         options.add_session_config_entry(
             "optimization.constant_folding_max_output_size_in_bytes", str(FOLDING_CAP_BYTES)
         )
-        if shares_weight:
+        if shares_weight and not on_cuda:
             options.add_session_config_entry("session.disable_prepacking", "1")
     return options
+
+
+def provider_entries(providers: tuple[str, ...], tf32: bool) -> list[Any]:
+    """onnxruntime's provider list, with the CUDA options this service relies on."""
+    cuda = {"use_tf32": "1" if tf32 else "0", "arena_extend_strategy": "kSameAsRequested"}
+    return [(name, cuda) if name == CUDA else name for name in providers]
 
 
 class HeadSession:
@@ -109,19 +126,25 @@ class HeadSession:
         memory_mode: MemoryMode = "shared",
         intra_op_threads: int = 0,
         providers: tuple[str, ...] = ("CPUExecutionProvider",),
+        tf32: bool = False,
     ) -> None:
         self.path = Path(path)
-        self.memory_mode = memory_mode
+        on_cuda = CUDA in providers
+        self.memory_mode: MemoryMode = "shared" if on_cuda else memory_mode
         options = session_options(
-            shares_weight=tied, memory_mode=memory_mode, intra_op_threads=intra_op_threads
+            shares_weight=tied,
+            memory_mode=memory_mode,
+            intra_op_threads=intra_op_threads,
+            on_cuda=on_cuda,
         )
         self._session: ort.InferenceSession | None = ort.InferenceSession(
-            str(self.path), options, providers=list(providers)
+            str(self.path), options, providers=provider_entries(providers, tf32)
         )
         shapes = {value.name: value.shape for value in self._session.get_outputs()}
         self.vocab_size = int(shapes[LOGITS][1])
         self.d_model = int(shapes[EMBEDDINGS][1])
         _check_per_row_temperature(self._session, self.path)
+        self.compute_dtype = _weight_dtype(self._session)
         self._no_rows = np.zeros((0, self.d_model), np.float32)
         self._no_temperature = np.zeros((0, 1), np.float32)
         self._no_ids = np.zeros((0,), np.int64)
@@ -205,3 +228,9 @@ def _check_per_row_temperature(session: ort.InferenceSession, path: Path) -> Non
             f"{path.name} was written by an older lmhead (one temperature per run); "
             "write it again with `lmhead demo --force` or `lmhead import`"
         )
+
+
+def _weight_dtype(session: ort.InferenceSession) -> str:
+    """float32, or the half type the Gemm runs in (the hidden state is cast to it)."""
+    metadata: dict[str, str] = session.get_modelmeta().custom_metadata_map
+    return metadata.get("lmhead.dtype", "float32")

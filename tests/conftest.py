@@ -12,7 +12,8 @@ import pytest
 from onnx import numpy_helper
 
 from service.demo import demo_tokens
-from service.heads import OUTPUT_WEIGHT, HeadWeights, save_head
+from service.graph import OUTPUT_WEIGHT
+from service.heads import HeadWeights, save_head
 from service.reference import output_projection_tied, output_projection_untied
 from service.repository import MODEL_FILE
 

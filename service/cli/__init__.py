@@ -60,6 +60,14 @@ def _parser(place: PlaceSettings) -> argparse.ArgumentParser:
             help=f"model repository (default: LMHEAD_REPOSITORY, now {place.repository})",
         )
 
+    def dtype(command: argparse.ArgumentParser) -> None:
+        command.add_argument(
+            "--dtype",
+            choices=("float32", "float16", "bfloat16"),
+            default="float32",
+            help="stored dtype of the matrices (half: half the bytes; CUDA runs them natively)",
+        )
+
     def url(command: argparse.ArgumentParser) -> None:
         command.add_argument(
             "--url",
@@ -73,6 +81,7 @@ def _parser(place: PlaceSettings) -> argparse.ArgumentParser:
     demo.add_argument("--d-model", type=int, default=DemoSpec.d_model)
     demo.add_argument("--seed", type=int, default=DemoSpec.seed)
     demo.add_argument("--force", action="store_true", help="rewrite models that exist")
+    dtype(demo)
     demo.set_defaults(handler=commands.demo)
 
     serve = subcommands.add_parser(
@@ -98,6 +107,7 @@ def _parser(place: PlaceSettings) -> argparse.ArgumentParser:
     tying.add_argument("--tie", action="store_true", help="force one shared matrix")
     tying.add_argument("--untie", action="store_true", help="separate copy of W for the head")
     importer.add_argument("--external-data", action="store_true", help="weights in model.onnx.data")
+    dtype(importer)
     importer.set_defaults(handler=commands.import_head)
 
     versus = subcommands.add_parser(

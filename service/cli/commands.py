@@ -9,7 +9,7 @@ from pathlib import Path
 
 from service.cli.errors import CommandError
 from service.demo import TIED_NAME, UNTIED_NAME, DemoSpec, write_demo_models
-from service.heads import FORMAT
+from service.graph import FORMAT
 from service.importer import ImportOptions, import_checkpoint
 from service.inspect import HeadReport, inspect_head
 from service.repository import MODEL_FILE
@@ -19,11 +19,16 @@ from service.retie import retie
 def demo(args: argparse.Namespace) -> int:
     repository: Path = args.repository
     existing = [repository / name / "1" / MODEL_FILE for name in (TIED_NAME, UNTIED_NAME)]
-    current = all(path.is_file() and inspect_head(path).format == FORMAT for path in existing)
+    current = all(
+        path.is_file()
+        and (report := inspect_head(path)).format == FORMAT
+        and report.dtype == args.dtype
+        for path in existing
+    )
     if current and not args.force:
         print(f"demo models already in {repository} (use --force to rewrite)")
         return 0
-    spec = DemoSpec(vocab_size=args.vocab_size, d_model=args.d_model, seed=args.seed)
+    spec = DemoSpec(args.vocab_size, args.d_model, args.seed, args.dtype)
     for version_dir in write_demo_models(repository, spec):
         print(f"wrote {version_dir}")
     return 0
@@ -48,6 +53,7 @@ def import_head(args: argparse.Namespace) -> int:
         tie=args.tie,
         untie=args.untie,
         external_data=True if args.external_data else None,
+        dtype=args.dtype,
     )
     result = import_checkpoint(args.checkpoint, args.repository, args.name, options)
     kind = "tied" if result.tied else "untied"

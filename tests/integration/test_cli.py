@@ -13,7 +13,7 @@ from safetensors.numpy import save_file
 
 from service import __version__
 from service.demo import demo_tokens
-from service.heads import EMBEDDING_WEIGHT, OUTPUT_WEIGHT
+from service.graph import EMBEDDING_WEIGHT, OUTPUT_WEIGHT
 from tests.conftest import initializers
 from tests.server import free_port
 

@@ -12,11 +12,19 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from service.cli import main
+from service.graph import IR_VERSION, OPSET
 from service.heads import HeadWeights, save_head
 from service.inspect import HeadInspectionError, inspect_head
 from tests.conftest import D_MODEL, VOCAB
 
 MATRIX_BYTES = VOCAB * D_MODEL * 4
+
+
+def _model(graph: onnx.GraphProto) -> onnx.ModelProto:
+    """A model every supported onnxruntime loads (onnx's own default IR is too new for some)."""
+    return helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", OPSET)], ir_version=IR_VERSION
+    )
 
 
 def _exported_style_head(
@@ -49,7 +57,7 @@ def _exported_style_head(
         ],
         [numpy_helper.from_array(table, "W"), numpy_helper.from_array(second, "W2")],
     )
-    onnx.save_model(helper.make_model(graph), path)
+    onnx.save_model(_model(graph), path)
     return path
 
 
@@ -156,7 +164,7 @@ def test_files_that_are_not_heads_get_a_clear_error(tmp_path: Path) -> None:
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
         [numpy_helper.from_array(np.ones((2, 2), np.float32), "unused")],
     )
-    onnx.save_model(helper.make_model(graph), tmp_path / "relu.onnx")
+    onnx.save_model(_model(graph), tmp_path / "relu.onnx")
     with pytest.raises(HeadInspectionError, match=r"no embedding Gather.*\['unused'\]"):
         inspect_head(tmp_path / "relu.onnx")
 
