@@ -2,6 +2,10 @@
 # Both build .venv from pyproject.toml when it is missing or older than pyproject.toml.
 PYTHON ?= python3
 VENV ?= .venv
+# The oldest onnxruntime lmhead supports (pyproject's lower bound): the models lmhead writes
+# are loaded there too, by tests/integration/test_runtimes.py.
+ORT_OLDEST ?= 1.18.0
+OLDEST ?= .venv-oldest
 REPOSITORY ?= models
 EXTRAS ?= cpu,dev
 BIN := $(VENV)/bin
@@ -18,6 +22,12 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+$(OLDEST)/.installed: Makefile
+	rm -rf $(OLDEST)
+	$(PYTHON) -m venv $(OLDEST)
+	$(OLDEST)/bin/python -m pip install --quiet "onnxruntime==$(ORT_OLDEST)" "numpy<2"
+	touch $@
+
 demo: install
 	$(BIN)/lmhead demo --repository $(REPOSITORY)
 
@@ -32,8 +42,8 @@ lint: install
 typecheck: install
 	$(BIN)/mypy
 
-pytest: install
-	$(BIN)/pytest
+pytest: install $(OLDEST)/.installed
+	LMHEAD_OLDEST_PYTHON=$(OLDEST)/bin/python $(BIN)/pytest
 
 ## Everything CI checks: install, lint, type-check, the whole test suite.
 test: lint typecheck pytest
@@ -51,4 +61,4 @@ bench: install
 	$(BIN)/python -m bench.import_head
 
 clean:
-	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(OLDEST) .mypy_cache .pytest_cache .ruff_cache

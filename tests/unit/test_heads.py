@@ -9,7 +9,16 @@ import numpy.typing as npt
 import onnx
 import pytest
 
-from service.heads import EXTERNAL_ALIGNMENT, HeadWeights, build_head, save_head
+from service.graph import ELEMENT_TYPES, EMBEDDING_WEIGHT, IR_VERSION, OPSET, OUTPUT_WEIGHT
+from service.heads import (
+    EXTERNAL_ALIGNMENT,
+    NUMPY_DTYPES,
+    HeadWeights,
+    build_head,
+    read_head,
+    save_head,
+)
+from service.inspect import inspect_head
 from service.repository import DATA_FILE, MODEL_FILE
 from tests.conftest import D_MODEL, VOCAB, initializers
 
@@ -116,3 +125,46 @@ def test_bad_weights_are_refused_with_the_shapes() -> None:
         HeadWeights.from_arrays(np.ones(8))
     with pytest.raises(ValueError, match="floating dtype, got int64"):
         HeadWeights.from_arrays(np.ones((8, 4), np.int64))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("external", [False, True])
+def test_a_half_precision_tied_head_keeps_one_initializer(
+    tmp_path: Path, table: npt.NDArray[np.float32], dtype: str, external: bool
+) -> None:
+    """W stored in half precision, still ONE tensor for both sides (through Casts), half the
+    bytes, and the file says so; inputs and outputs stay float32."""
+    path = save_head(HeadWeights.from_arrays(table, dtype=dtype), tmp_path, external_data=external)
+    onnx.checker.check_model(str(path), full_check=True)
+    model = onnx.load(str(path), load_external_data=False)
+    matrices = [t for t in model.graph.initializer if len(t.dims) == 2]
+    assert [t.data_type for t in matrices] == [ELEMENT_TYPES[dtype]]
+    (name,) = (t.name for t in matrices)
+    assert _consumers(model, name) == ["Gather", "Gemm"]
+    report = inspect_head(path)
+    assert (report.tied, report.dtype) == (True, dtype)
+    assert report.weight_bytes == table.size * 2
+    assert {p.key: p.value for p in model.metadata_props}["lmhead.dtype"] == dtype
+    assert (model.ir_version, model.opset_import[0].version) == (IR_VERSION, OPSET)
+    assert {v.type.tensor_type.elem_type for v in model.graph.output} <= {
+        onnx.TensorProto.FLOAT,
+        onnx.TensorProto.INT64,
+    }
+    read = read_head(path)
+    np.testing.assert_array_equal(
+        read.embedding.astype(np.float32), table.astype(NUMPY_DTYPES[dtype]).astype(np.float32)
+    )
+
+
+def test_widening_writes_float32_from_half_weights(
+    tmp_path: Path, table: npt.NDArray[np.float32]
+) -> None:
+    half = HeadWeights.from_arrays(table, table[::-1], dtype="bfloat16")
+    path = save_head(half, tmp_path / "half")
+    widened = save_head(read_head(path), tmp_path / "wide", widen=True)
+    report = inspect_head(widened)
+    assert (report.dtype, report.tied) == ("float32", False)
+    stored = initializers(widened)
+    np.testing.assert_array_equal(stored[EMBEDDING_WEIGHT], half.embedding.astype(np.float32))
+    assert half.output is not None
+    np.testing.assert_array_equal(stored[OUTPUT_WEIGHT], half.output.astype(np.float32))
