@@ -6,7 +6,9 @@
 # writes the demo heads at first start when /models is empty (LMHEAD_CREATE_DEMO_MODELS=false
 # turns that off).
 ARG PYTHON_IMAGE=python:3.11-slim
-ARG CUDA_IMAGE=nvidia/cuda:12.6.3-cudnn-runtime-ubuntu24.04
+# onnxruntime-gpu 1.31 is built for CUDA 13 (and cuDNN 9): the base image's CUDA major must match.
+ARG CUDA_IMAGE=nvidia/cuda:13.0.1-cudnn-runtime-ubuntu24.04
+ARG ORT_GPU=1.31.1
 
 # ---- build: dependencies in their own layer, then the package ------------------------------
 FROM ${PYTHON_IMAGE} AS build
@@ -25,6 +27,7 @@ RUN /opt/lmhead/bin/pip install --no-deps . && rm -rf /src
 
 # ---- gpu: onnxruntime-gpu on a CUDA runtime base (the CUDA provider, CPU fallback) --------
 FROM ${CUDA_IMAGE} AS gpu
+ARG ORT_GPU
 ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN apt-get update \
     && apt-get install --yes --no-install-recommends python3 python3-venv \
@@ -33,7 +36,7 @@ RUN apt-get update \
 WORKDIR /src
 COPY pyproject.toml ./
 COPY service ./service
-RUN /opt/lmhead/bin/pip install ".[gpu]" && rm -rf /src
+RUN /opt/lmhead/bin/pip install ".[gpu]" "onnxruntime-gpu==${ORT_GPU}" && rm -rf /src
 RUN groupadd --system --gid 10001 lmhead \
     && useradd --system --uid 10001 --gid 10001 --create-home lmhead \
     && mkdir -p /models && chown lmhead /models

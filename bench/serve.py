@@ -247,8 +247,8 @@ async def _batching_run(url: str, url_path: str, client: str) -> Result:
     return _result(run.latencies, 1, run.elapsed)
 
 
-def _hidden(rows: int) -> npt.NDArray[np.float32]:
-    return np.random.default_rng(rows).standard_normal((rows, 512)).astype(np.float32)
+def _hidden(rows: int, d_model: int = 512) -> npt.NDArray[np.float32]:
+    return np.random.default_rng(rows).standard_normal((rows, d_model)).astype(np.float32)
 
 
 def _bare(session: HeadSession, rows: int) -> Result:
@@ -272,8 +272,8 @@ def _mean(first: Result, second: Result) -> Result:
     )
 
 
-def _body(kind: str, rows: int) -> tuple[bytes, dict[str, str], str]:
-    hidden = _hidden(rows)
+def _body(kind: str, rows: int, d_model: int = 512) -> tuple[bytes, dict[str, str], str]:
+    hidden = _hidden(rows, d_model)
     if kind.startswith("v2"):
         tensor: dict[str, object] = {"name": "hidden_states", "shape": list(hidden.shape)}
         tensor["datatype"] = "FP32"
@@ -297,9 +297,14 @@ def _body(kind: str, rows: int) -> tuple[bytes, dict[str, str], str]:
 
 
 async def _drive(
-    url: str, kind: str, rows: int, clients: int, max_requests: int | None = None
+    url: str,
+    kind: str,
+    rows: int,
+    clients: int,
+    max_requests: int | None = None,
+    d_model: int = 512,
 ) -> Result:
-    body, headers, query = _body(kind, rows)
+    body, headers, query = _body(kind, rows, d_model)
     budget = max_requests or max(8 * clients, 200 // rows + 16)
     latencies: list[float] = []
     connector = aiohttp.TCPConnector(limit=clients)

@@ -41,7 +41,11 @@ from tests.server import running_server
 VOCAB, D_MODEL, K = 8000, 256, 5
 SWAP_EVERY_S = 3.0
 MAX_REQUESTS_PER_CLIENT = 20000
-SETTINGS = {"max_inflight_bytes": str(256 * 2**20), "max_logits_bytes": str(64 * 2**20)}
+SETTINGS = {
+    "max_inflight_bytes": str(256 * 2**20),
+    "max_logits_bytes": str(64 * 2**20),
+    "provider": "cpu",  # the bound is on host memory
+}
 HOSTILE: list[tuple[str, bytes, dict[str, str]]] = [
     ("/v1/models/head/topk", b'{"hidden_states": [[1, 2', {"content-type": "application/json"}),
     ("/v1/models/head/topk", b'{"hidden_states": [["1.5"]]}', {"content-type": "application/json"}),

@@ -127,8 +127,10 @@ class HeadSession:
         intra_op_threads: int = 0,
         providers: tuple[str, ...] = ("CPUExecutionProvider",),
         tf32: bool = False,
+        io_binding: bool = False,
     ) -> None:
         self.path = Path(path)
+        self.io_binding = io_binding
         on_cuda = CUDA in providers
         self.memory_mode: MemoryMode = "shared" if on_cuda else memory_mode
         options = session_options(
@@ -217,7 +219,15 @@ class HeadSession:
         }
         if self._session is None:
             raise RuntimeError(f"session for {self.path} was closed")
-        return list(self._session.run(names, feeds))
+        if not self.io_binding:
+            return list(self._session.run(names, feeds))
+        binding = self._session.io_binding()
+        for name, array in feeds.items():
+            binding.bind_cpu_input(name, array)
+        for name in names:
+            binding.bind_output(name, "cpu")  # only what was asked crosses back to the host
+        self._session.run_with_iobinding(binding)
+        return list(binding.copy_outputs_to_cpu())
 
 
 def _check_per_row_temperature(session: ort.InferenceSession, path: Path) -> None:

@@ -85,7 +85,10 @@ def test_a_tied_head_from_a_private_copy_keeps_the_memory_promise(
     table = np.random.default_rng(0).standard_normal((vocab, d_model), dtype=np.float32)
     root = tmp_path / "models"
     root.mkdir()
-    with running_server(root) as url, httpx.Client(base_url=url, timeout=120) as client:
+    with (
+        running_server(root, provider="cpu") as url,
+        httpx.Client(base_url=url, timeout=120) as client,
+    ):
         server = _server_process(url)
         before = server.memory_info().rss
         peak_before = _high_water(server)

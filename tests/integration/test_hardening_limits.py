@@ -122,6 +122,7 @@ def test_memory_stays_within_the_documented_bound_under_hostile_load(
         "max_rows": "16000",
         "max_body_bytes": str(16 * 2**20),
         "max_inflight_bytes": str(32 * 2**20),
+        "provider": "cpu",  # host memory is what is measured
     }
     big_body = orjson.dumps({"hidden_states": _rows(16000, seed=3).tolist(), "k": 3})
     logits_body = orjson.dumps({"hidden_states": _rows(250, seed=4).tolist()})

@@ -31,7 +31,10 @@ def test_unload_returns_the_memory_of_a_large_head(tmp_path: Path) -> None:
     repository.mkdir()
     table = np.random.default_rng(0).standard_normal((VOCAB, D_MODEL), dtype=np.float32)
     hidden = {"hidden_states": table[:8].tolist(), "k": 3}
-    with running_server(repository) as url, httpx.Client(base_url=url, timeout=120) as client:
+    with (
+        running_server(repository, provider="cpu") as url,  # host memory is what is measured
+        httpx.Client(base_url=url, timeout=120) as client,
+    ):
         client.post("/v2/repository/index")  # touch the code paths used below once
         baseline = _resident(client)
         save_head(HeadWeights.from_arrays(table), repository / "big" / "1")

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
+import onnxruntime as ort
 import pytest
 
 from service.heads import HeadWeights, save_head
@@ -15,6 +16,7 @@ from service.runtime import (
     CUDA,
     MEMORY_MODES,
     HeadSession,
+    provider_entries,
     select_providers,
     session_options,
 )
@@ -172,11 +174,36 @@ def test_provider_selection_falls_back_to_cpu(
     assert select_providers(choice, available) == expected
 
 
-def test_cuda_request_on_a_cpu_build_runs_on_cpu(
+def test_a_cuda_request_runs_on_cuda_where_it_can_and_on_cpu_where_not(
     tied_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    providers = select_providers("cuda")  # this test environment has the CPU build
-    assert "CUDA requested" in caplog.text
+    """Whichever onnxruntime build is installed (the CPU one, or onnxruntime-gpu)."""
+    providers = select_providers("cuda")
     session = HeadSession(tied_path, tied=True, providers=providers)
-    assert session.providers == [CPU]
+    if CUDA in ort.get_available_providers():
+        assert session.providers[0] == CUDA
+    else:
+        assert "CUDA requested" in caplog.text
+        assert session.providers == [CPU]
     assert session.project(np.ones((1, D_MODEL), np.float32), 2).topk_token_ids.shape == (1, 2)
+
+
+@pytest.mark.parametrize("memory_mode", MEMORY_MODES)
+def test_on_cuda_initializers_get_plain_device_allocations_in_every_mode(
+    memory_mode: MemoryMode,
+) -> None:
+    """One copy of W on the device: no arena growth past the weights, no packed copy."""
+    options = session_options(shares_weight=True, memory_mode=memory_mode, on_cuda=True)
+    assert options.get_session_config_entry("session.use_device_allocator_for_initializers") == "1"
+    with pytest.raises(RuntimeError, match="does not have configuration"):
+        options.get_session_config_entry("session.disable_prepacking")
+
+
+@pytest.mark.parametrize("tf32", [False, True])
+def test_cuda_provider_options_follow_the_tf32_setting(tf32: bool) -> None:
+    entries = provider_entries((CUDA, CPU), tf32)
+    assert entries[1] == CPU
+    name, cuda = entries[0]
+    assert name == CUDA
+    assert cuda["use_tf32"] == ("1" if tf32 else "0")
+    assert cuda["arena_extend_strategy"] == "kSameAsRequested"
