@@ -100,13 +100,27 @@ def _write_heads(root: Path, vocab: int, d_model: int) -> dict[tuple[str, str], 
 def _probe(path: Path, tied: bool) -> dict[str, float]:
     """In a fresh process: load and warm one head, report the memory it holds."""
     providers = (CUDA, CPU) if CUDA in ort.get_available_providers() else (CPU,)
+    device_before = _device_used() if CUDA in providers else 0.0
     before = psutil.Process().memory_info().rss
     with tempfile.TemporaryDirectory() as scratch:
         served = servable_path(path, inspect_head(path).dtype, providers, Path(scratch))
         session = HeadSession(served, tied=tied, providers=providers)
         session.project(np.zeros((64, session.d_model), np.float32), K)
-    device = _device_mb(os.getpid()) if CUDA in providers else 0.0
+    device = _device_used() - device_before if CUDA in providers else 0.0
     return {"device_mb": device, "rss_mb": (psutil.Process().memory_info().rss - before) / 1e6}
+
+
+def _device_used() -> float:
+    """MB in use on the device (probes run one at a time: all of it is this process's);
+    through torch when present (its context is made before the session, so not counted),
+    else nvidia-smi's count for this process."""
+    try:
+        import torch
+    except ImportError:
+        return _device_mb(os.getpid())
+    torch.cuda.init()
+    free, total = torch.cuda.mem_get_info()
+    return float(total - free) / 1e6
 
 
 def _device_mb(pid: int) -> float:
