@@ -52,6 +52,7 @@ def headlines() -> str:
     (swap,) = tables("results-swap.md")
     (shadow,) = tables("results-shadow.md")
     before_after = tables("results-before-after.md")[0]
+    gpu_memory, gpu_time, _, _ = tables("results-gpu.md")
     gpt2 = {"head": "tied", "vocab x d": "50257 x 768"}
     rows = [
         (
@@ -98,6 +99,18 @@ def headlines() -> str:
             "primary rows/s with 10% shadow traffic, vs none",
             pick(shadow, "vs no shadow", **{"shadow sampling": "10%"}),
             "results-shadow.md",
+        ),
+        (
+            "H200, 128256 x 2048 tied head: device memory added, float32 / bfloat16 (x W)",
+            f"{pick(gpu_memory, 'device / W', head='tied', dtype='float32')} / "
+            f"{pick(gpu_memory, 'device / W', head='tied', dtype='bfloat16')}",
+            "results-gpu.md",
+        ),
+        (
+            "H200, same head, 64 rows: lmhead bfloat16 / torch bfloat16 (ms, host copies)",
+            f"{pick(gpu_time, '64 rows', engine='lmhead bfloat16')} / "
+            f"{pick(gpu_time, '64 rows', engine='torch bfloat16')}",
+            "results-gpu.md",
         ),
         (
             "one data plane (issue 12): batching on/off before / after",
