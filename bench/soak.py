@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import re
 import shutil
 import statistics
 import tempfile
@@ -28,7 +27,6 @@ from pathlib import Path
 import httpx
 import numpy as np
 import numpy.typing as npt
-import psutil
 
 from bench.machine import describe_machine
 from service.heads import HeadWeights, save_head
@@ -36,7 +34,7 @@ from service.limits import worst_case_extra_bytes
 from service.reference import top_k
 from service.settings import Settings
 from tests.conftest import reference_logits
-from tests.server import running_server
+from tests.server import peak_resident, running_server, server_process
 
 VOCAB, D_MODEL, K = 8000, 256, 5
 SWAP_EVERY_S = 3.0
@@ -127,7 +125,7 @@ def run_soak(seconds: float) -> SoakReport:
         root = Path(scratch)
         expected = {1: _publish(root, 1)}
         with running_server(root, **SETTINGS) as url:
-            server = _server(url)
+            server = server_process(url)
             models_loaded = server.memory_info().rss
             stop = threading.Event()
             lock = threading.Lock()
@@ -145,7 +143,7 @@ def run_soak(seconds: float) -> SoakReport:
             stop.set()
             for worker in workers:
                 worker.join(timeout=60)
-            report.peak_over_models = _high_water(server) - models_loaded
+            report.peak_over_models = peak_resident(server) - models_loaded
     report.bound = worst_case_extra_bytes(Settings(**SETTINGS))  # type: ignore[arg-type]
     return report
 
@@ -243,20 +241,6 @@ def _prober(url: str, report: SoakReport, stop: threading.Event) -> None:
             status = client.get("/health/live").status_code
             report.live_ms.append((time.perf_counter() - begin) * 1e3)
             report.server_errors += status >= 500
-
-
-def _server(url: str) -> psutil.Process:
-    port = url.rsplit(":", 1)[1]
-    (server,) = [
-        p for p in psutil.Process().children(recursive=True) if port in " ".join(p.cmdline())
-    ]
-    return server
-
-
-def _high_water(process: psutil.Process) -> int:
-    status = Path(f"/proc/{process.pid}/status").read_text()
-    match = re.search(r"^VmHWM:\s+(\d+) kB", status, re.MULTILINE)
-    return int(match.group(1)) * 1024 if match else 0
 
 
 def format_report(report: SoakReport) -> str:

@@ -211,21 +211,6 @@ class LMHeadApp(FastAPI):
             if match is Match.FULL:
                 return route, dict(child)
         return None, {}
-        if self._raw_routes is None:
-            routes = chain(self.router.routes, *(router.routes for router in self._routers))
-            self._raw_routes = [
-                route
-                for route in routes
-                if isinstance(route, APIRoute)
-                and "POST" in (route.methods or ())
-                and _takes_only_request(route)
-            ]
-        for route in self._raw_routes:
-            match, child = route.matches(scope)
-            if match is Match.FULL:
-                scope.update(child)
-                return route
-        return None
 
 
 def _takes_only_request(route: APIRoute) -> bool:

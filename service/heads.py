@@ -161,8 +161,8 @@ def read_head(path: str | Path) -> HeadWeights:
     transforms = json.loads(props.get("lmhead.transforms", "{}"))
     bias = tensors.get(OUTPUT_BIAS)
     return HeadWeights(
-        _stored(tensors[EMBEDDING_WEIGHT], path.parent),
-        _stored(tensors[OUTPUT_WEIGHT], path.parent) if OUTPUT_WEIGHT in tensors else None,
+        stored_array(tensors[EMBEDDING_WEIGHT], path.parent),
+        stored_array(tensors[OUTPUT_WEIGHT], path.parent) if OUTPUT_WEIGHT in tensors else None,
         None if bias is None else numpy_helper.to_array(bias).astype(np.float32),
         HeadTransforms(
             transforms.get("input_scale", 1.0),
@@ -173,7 +173,8 @@ def read_head(path: str | Path) -> HeadWeights:
     )
 
 
-def _stored(tensor: TensorProto, base_dir: Path) -> npt.NDArray[Any]:
+def stored_array(tensor: TensorProto, base_dir: Path) -> npt.NDArray[Any]:
+    """A tensor's values; external data is memory-mapped rather than read."""
     if tensor.data_location != TensorProto.EXTERNAL:
         return numpy_helper.to_array(tensor)
     info = {entry.key: entry.value for entry in tensor.external_data}

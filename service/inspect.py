@@ -19,11 +19,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-import numpy.typing as npt
 import onnx
-from onnx import numpy_helper
 
 from service.graph import UNTIED_ON_PURPOSE
+from service.heads import stored_array
 from service.repository import MODEL_FILE
 
 PROJECTION_OPS = frozenset({"Gemm", "MatMul", "FusedMatMul"})
@@ -220,8 +219,8 @@ def _duplicate_kind(
     base_dir: Path, table: onnx.TensorProto, weight: onnx.TensorProto, transposed: bool
 ) -> Duplicate | None:
     """Is the projection weight the embedding table again, as is or stored transposed?"""
-    table_values = _array(table, base_dir)
-    weight_values = _array(weight, base_dir)
+    table_values = stored_array(table, base_dir)
+    weight_values = stored_array(weight, base_dir)
     candidate = weight_values.T if transposed else weight_values
     if candidate.shape != table_values.shape or candidate.dtype != table_values.dtype:
         return None
@@ -231,21 +230,6 @@ def _duplicate_kind(
     if not np.array_equal(candidate, table_values):
         return None
     return "transposed" if transposed else "identical"
-
-
-def _array(tensor: onnx.TensorProto, base_dir: Path) -> npt.NDArray[Any]:
-    """The tensor's values; external data is memory-mapped rather than read."""
-    if tensor.data_location != onnx.TensorProto.EXTERNAL:
-        return numpy_helper.to_array(tensor)
-    info = {entry.key: entry.value for entry in tensor.external_data}
-    dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
-    return np.memmap(
-        base_dir / info["location"],
-        dtype=dtype,
-        mode="r",
-        offset=int(info.get("offset", 0)),
-        shape=tuple(int(dim) for dim in tensor.dims),
-    )
 
 
 TRANSFORM_KEYS = frozenset({"input_scale", "logit_scale", "softcap", "bias"})

@@ -9,6 +9,7 @@ never block on a full pipe.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import IO, TypeVar
 
 import httpx
+import psutil
 
 READY_DEADLINE_S = 60.0
 POLL_INTERVAL_S = 0.05
@@ -42,6 +44,23 @@ def poll(check: Callable[[], T | None], what: str, timeout_s: float = 30.0) -> T
             return found
         time.sleep(POLL_INTERVAL_S)
     raise AssertionError(f"{what} did not happen within {timeout_s} s")
+
+
+def server_process(url: str) -> psutil.Process:
+    """The server process behind ``url`` (a child of this one, found by its port)."""
+    port = url.rsplit(":", 1)[1]
+    (server,) = [
+        p for p in psutil.Process().children(recursive=True) if port in " ".join(p.cmdline())
+    ]
+    return server
+
+
+def peak_resident(process: psutil.Process) -> int:
+    """VmHWM: the peak resident set of a process so far, in bytes."""
+    status = Path(f"/proc/{process.pid}/status").read_text()
+    match = re.search(r"^VmHWM:\s+(\d+) kB", status, re.MULTILINE)
+    assert match is not None, "no VmHWM in /proc (Linux only)"
+    return int(match.group(1)) * 1024
 
 
 def free_port() -> int:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,14 +16,13 @@ import httpx
 import numpy as np
 import numpy.typing as npt
 import onnx
-import psutil
 import pytest
 
 from service.heads import HeadWeights, save_head
 from service.reference import top_k
 from service.repository import CONFIG_FILE, DATA_FILE, MODEL_FILE
 from tests.conftest import D_MODEL, reference_logits
-from tests.server import live_server, poll, running_server
+from tests.server import live_server, peak_resident, poll, running_server, server_process
 
 HIDDEN = np.random.default_rng(11).standard_normal((3, D_MODEL)).astype(np.float32)
 
@@ -89,34 +87,18 @@ def test_a_tied_head_from_a_private_copy_keeps_the_memory_promise(
         running_server(root, provider="cpu") as url,
         httpx.Client(base_url=url, timeout=120) as client,
     ):
-        server = _server_process(url)
+        server = server_process(url)
         before = server.memory_info().rss
-        peak_before = _high_water(server)
+        peak_before = peak_resident(server)
         save_head(HeadWeights.from_arrays(table), root / "big" / "1", external_data=True)
         assert client.post("/v2/repository/models/big/load").status_code == 200
         body = {"hidden_states": table[:4].tolist(), "k": 3}
         assert client.post("/v1/models/big/topk", json=body).status_code == 200
         resident = (server.memory_info().rss - before) / weight_bytes
-        peak = (_high_water(server) - max(before, peak_before)) / weight_bytes
+        peak = (peak_resident(server) - max(before, peak_before)) / weight_bytes
     print(f"\nloaded from a private copy: resident {resident:.2f} W, load peak +{peak:.2f} W")
     assert resident <= 1.15
     assert peak <= 1.3
-
-
-def _server_process(url: str) -> psutil.Process:
-    port = url.rsplit(":", 1)[1]
-    (server,) = [
-        p for p in psutil.Process().children(recursive=True) if port in " ".join(p.cmdline())
-    ]
-    return server
-
-
-def _high_water(process: psutil.Process) -> int:
-    """VmHWM: the peak resident set of the process so far."""
-    status = Path(f"/proc/{process.pid}/status").read_text()
-    match = re.search(r"^VmHWM:\s+(\d+) kB", status, re.MULTILINE)
-    assert match is not None
-    return int(match.group(1)) * 1024
 
 
 def _bad_transforms(directory: Path, table: npt.NDArray[np.float32]) -> None:

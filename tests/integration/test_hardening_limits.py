@@ -14,7 +14,6 @@ import httpx
 import numpy as np
 import numpy.typing as npt
 import orjson
-import psutil
 import pytest
 
 from service.heads import HeadWeights, save_head
@@ -22,7 +21,7 @@ from service.limits import worst_case_extra_bytes
 from service.reference import top_k
 from service.settings import Settings
 from tests.conftest import D_MODEL, VOCAB, reference_logits
-from tests.server import poll, running_server
+from tests.server import peak_resident, poll, running_server, server_process
 
 RUN_ROWS = 64
 LOGITS_BYTES = RUN_ROWS * 2 * VOCAB * 4  # one run of 64 rows: logits and log-softmax
@@ -94,21 +93,6 @@ def test_shadow_traffic_never_materialises_logits_past_the_limit(url: str) -> No
     assert _metric(text, "lmhead_shadow_requests_total", outcome="too_large", **pair) == 1
 
 
-def _server(url: str) -> psutil.Process:
-    port = url.rsplit(":", 1)[1]
-    (server,) = [
-        p for p in psutil.Process().children(recursive=True) if port in " ".join(p.cmdline())
-    ]
-    return server
-
-
-def _high_water(process: psutil.Process) -> int:
-    status = Path(f"/proc/{process.pid}/status").read_text()
-    match = re.search(r"^VmHWM:\s+(\d+) kB", status, re.MULTILINE)
-    assert match is not None
-    return int(match.group(1)) * 1024
-
-
 def test_memory_stays_within_the_documented_bound_under_hostile_load(
     repository: Path,
 ) -> None:
@@ -127,7 +111,7 @@ def test_memory_stays_within_the_documented_bound_under_hostile_load(
     big_body = orjson.dumps({"hidden_states": _rows(16000, seed=3).tolist(), "k": 3})
     logits_body = orjson.dumps({"hidden_states": _rows(250, seed=4).tolist()})
     with running_server(repository, **settings) as url:
-        server = _server(url)
+        server = server_process(url)
         models_loaded = server.memory_info().rss
 
         def send(index: int) -> int:
@@ -145,7 +129,7 @@ def test_memory_stays_within_the_documented_bound_under_hostile_load(
 
         with ThreadPoolExecutor(12) as clients:
             statuses = list(clients.map(send, range(36)))
-        peak = _high_water(server)
+        peak = peak_resident(server)
     assert set(statuses) <= {200, 503}
     assert statuses.count(200) >= 2
     assert 503 in statuses  # the budget did refuse some
