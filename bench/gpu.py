@@ -38,7 +38,7 @@ import psutil
 from bench.machine import describe_machine
 from service.heads import HeadWeights, save_head
 from service.inspect import inspect_head
-from service.loaded_version import servable_path
+from service.layout import servable_path
 from service.runtime import CPU, CUDA, HeadSession
 
 ROWS = (1, 8, 64, 512)

@@ -20,11 +20,12 @@ import numpy as np
 
 from bench.machine import describe_machine
 from service.heads import HeadWeights, save_head
+from service.layout import Placement, open_head
 from service.runtime import MEMORY_MODES, HeadSession
 from service.settings import MemoryMode
 
-ROWS = (1, 8, 64)
-REPEATS = {1: 60, 8: 40, 64: 20}
+ROWS = (1, 8, 64, 512)
+REPEATS = {1: 60, 8: 40, 64: 20, 512: 6}
 
 
 def main() -> int:
@@ -62,13 +63,12 @@ def _bench_size(scratch: Path, vocab: int, d_model: int) -> list[str]:
     del table
     configs = [(kind, mode) for kind in paths for mode in MEMORY_MODES]
     sessions = {
-        (kind, mode): HeadSession(paths[kind], tied=kind == "tied", memory_mode=mode)
-        for kind, mode in configs
+        (kind, mode): open_head(paths[kind], Placement(mode)) for kind, mode in configs
     }
     timings = {rows: _interleaved(sessions, rows, d_model) for rows in ROWS}
     rows_out = []
     for kind, mode in configs:
-        ratio = _resident_ratio(paths[kind], kind == "tied", mode)
+        ratio = _resident_ratio(paths[kind], mode)
         fast = timings[64][(kind, "fast")]
         cells = [
             kind,
@@ -98,11 +98,9 @@ def _interleaved(
     return {key: float(np.median(values)) * 1e3 for key, values in samples.items()}
 
 
-def _resident_ratio(path: Path, tied: bool, mode: str) -> float:
+def _resident_ratio(path: Path, mode: str) -> float:
     command = [sys.executable, "-m", "service.memory", str(path), "--memory-mode", mode]
-    out = subprocess.run(
-        command + (["--tied"] if tied else []), capture_output=True, text=True, check=True
-    ).stdout
+    out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
     return float(json.loads(out)["ratio"])
 
 

@@ -261,3 +261,23 @@ def _outputs(vocab_size: int, d_model: int) -> list[onnx.ValueInfoProto]:
         value(LOGITS, TensorProto.FLOAT, ["rows", vocab_size]),
         value(EMBEDDINGS, TensorProto.FLOAT, ["ids", d_model]),
     ]
+
+
+def without_embedding(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The same head with its embedding side removed: a session of it holds W only for the
+    projection (so onnxruntime may pack W and free the original), and the embedding rows are
+    read elsewhere from the same weights (``HeadSession(table=...)``)."""
+    stripped = onnx.ModelProto()
+    stripped.CopyFrom(model)
+    graph = stripped.graph
+    embedding_side = {EMBEDDINGS, "embedding_rows"}
+    nodes = [node for node in graph.node if not set(node.output) & embedding_side]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    inputs = [value for value in graph.input if value.name != INPUT_IDS]
+    del graph.input[:]
+    graph.input.extend(inputs)
+    outputs = [value for value in graph.output if value.name != EMBEDDINGS]
+    del graph.output[:]
+    graph.output.extend(outputs)
+    return stripped

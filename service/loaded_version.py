@@ -21,9 +21,10 @@ import numpy as np
 import numpy.typing as npt
 
 from service.batching import Batcher, BatchLimits, BatchStats
-from service.heads import read_head, save_head
 from service.inspect import HeadReport, inspect_head
+from service.layout import Placement, open_head
 from service.limits import Limits
+from service.memory import trim_heap
 from service.messages import HeadInfo
 from service.repository import (
     MODEL_FILE,
@@ -33,7 +34,7 @@ from service.repository import (
     private_copy,
     read_labels,
 )
-from service.runtime import CUDA, HeadSession, Projection
+from service.runtime import HeadSession, Projection
 from service.settings import MemoryMode
 
 
@@ -48,6 +49,10 @@ class LoadOptions:
     scratch: Path | None = None
     tf32: bool = False
     """Where private copies of versions are made while loading (the system's temp dir)."""
+
+    @property
+    def placement(self) -> Placement:
+        return Placement(self.memory_mode, self.intra_op_threads, self.providers, self.tf32)
 
 
 @dataclass
@@ -220,6 +225,7 @@ class LoadedVersion:
             "duplicate": report.duplicate,
             "transforms": report.transforms,
             "memory_mode": self.session.memory_mode,
+            "layout": "split" if self.session.rows is not None else "one session",
             "compute_dtype": self.session.compute_dtype,
             "providers": self.session.providers,
             "labels": self.labels is not None,
@@ -247,16 +253,8 @@ def load_version(source: ModelSource, version: int, options: LoadOptions) -> Loa
     with private_copy(directory, source.files[version], root, options.scratch) as private:
         try:
             report = inspect_head(private / MODEL_FILE)
-            served = servable_path(
-                private / MODEL_FILE, report.dtype, options.providers, private / "float32"
-            )
-            session = HeadSession(
-                served,
-                tied=report.tied,
-                memory_mode=options.memory_mode,
-                intra_op_threads=options.intra_op_threads,
-                providers=options.providers,
-                tf32=options.tf32,
+            session = open_head(
+                private / MODEL_FILE, options.placement, report=report, scratch=private
             )
             labels = read_labels(private, config.labels, report.vocab_size)
         except Exception as error:  # say where, not the private copy's temporary path
@@ -274,6 +272,7 @@ def load_version(source: ModelSource, version: int, options: LoadOptions) -> Loa
     default_k = config.default_k or options.default_k
     options.limits.check_default_k(default_k)
     _warm(session)
+    trim_heap()  # the file's bytes passed through the heap on the way in
     return LoadedVersion(
         name=source.name,
         version=version,
@@ -294,16 +293,6 @@ def _concatenate(parts: list[Projection]) -> Projection:
         np.concatenate([part.logsumexp for part in parts]),
         np.concatenate(logits) if logits else None,
     )
-
-
-def servable_path(path: Path, dtype: str, providers: tuple[str, ...], into: Path) -> Path:
-    """The file to open: a half-precision head runs natively on CUDA; on a CPU (no float16 or
-    bfloat16 Gemm there: onnxruntime keeps a float32 copy beside the half one (1.58x float32
-    W resident, measured), or has no kernel at all) it is widened to float32 into ``into``,
-    row chunk by row chunk: resident as a float32 head, the file stays half."""
-    if dtype == "float32" or CUDA in providers:
-        return path
-    return save_head(read_head(path), into, widen=True)
 
 
 class VersionLoadError(ValueError):

@@ -1,7 +1,7 @@
 """Measure what loading a head costs in resident memory, in a process of its own.
 
 Resident memory is only meaningful in a fresh process (allocator caches, other sessions), so
-tests and benchmarks run ``python -m service.memory PATH --tied --memory-mode shared`` in a
+tests and benchmarks run ``python -m service.memory PATH --memory-mode shared`` in a
 subprocess and read the one JSON line it prints.
 """
 
@@ -12,17 +12,15 @@ import ctypes
 import gc
 import json
 import resource
-import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import numpy as np
 import psutil
 
 from service.inspect import inspect_head
-from service.loaded_version import servable_path
-from service.runtime import CPU, MEMORY_MODES, HeadSession
+from service.layout import Placement, open_head
+from service.runtime import MEMORY_MODES
 from service.settings import MemoryMode
 
 
@@ -30,9 +28,10 @@ from service.settings import MemoryMode
 class LoadFootprint:
     """Resident bytes added by a head, against the bytes of one (vocab, d_model) matrix.
 
-    ``warm_bytes`` is what loading costs: the session plus one 1-row warm-up run, as the
-    registry loads a model. ``batch_bytes`` adds the working set of one run of ``rows`` rows
-    (logits and log-softmax buffers, 2 x rows x vocab floats, kept by onnxruntime's arena).
+    ``warm_bytes`` is what loading costs: the session, one 1-row warm-up run (as the
+    registry loads a model) and 4096 embedding lookups spread over the table. ``batch_bytes``
+    adds the working set of one run of ``rows`` rows (logits and log-softmax buffers,
+    2 x rows x vocab floats, kept by onnxruntime's arena).
     """
 
     weight_bytes: int
@@ -63,17 +62,18 @@ def trim_heap() -> None:
     libc.malloc_trim(0)
 
 
-def measure_load(path: str, *, tied: bool, memory_mode: MemoryMode, rows: int) -> LoadFootprint:
-    """Load the head at ``path``, warm it with one row, then run ``rows`` rows once."""
-    with tempfile.TemporaryDirectory() as scratch:  # a half head is widened here, as served
-        served = servable_path(Path(path), inspect_head(path).dtype, (CPU,), Path(scratch))
-        gc.collect()
-        before = resident_bytes()
-        session = HeadSession(served, tied=tied, memory_mode=memory_mode)
+def measure_load(path: str, *, memory_mode: MemoryMode, rows: int) -> LoadFootprint:
+    """Load the head at ``path`` as the service does on a CPU (``layout.open_head``), warm it
+    with one row, then run ``rows`` rows once."""
+    report = inspect_head(path)
+    gc.collect()
+    before = resident_bytes()
+    session = open_head(path, Placement(memory_mode), report=report)
+    trim_heap()  # as ``load_version`` does
     loaded = resident_bytes() - before
     rng = np.random.default_rng(0)
     session.project(rng.standard_normal((1, session.d_model), dtype=np.float32), 10)
-    session.embed(np.arange(min(64, session.vocab_size)))
+    session.embed(rng.integers(0, session.vocab_size, 4096))  # lookups spread over the table
     warm = resident_bytes() - before
     session.project(rng.standard_normal((rows, session.d_model), dtype=np.float32), 10)
     batch = resident_bytes() - before
@@ -85,13 +85,10 @@ def measure_load(path: str, *, tied: bool, memory_mode: MemoryMode, rows: int) -
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m service.memory", description=__doc__)
     parser.add_argument("path")
-    parser.add_argument("--tied", action="store_true")
     parser.add_argument("--memory-mode", choices=MEMORY_MODES, default="shared")
     parser.add_argument("--rows", type=int, default=64)
     args = parser.parse_args(argv)
-    footprint = measure_load(
-        args.path, tied=args.tied, memory_mode=args.memory_mode, rows=args.rows
-    )
+    footprint = measure_load(args.path, memory_mode=args.memory_mode, rows=args.rows)
     print(json.dumps({**asdict(footprint), "ratio": footprint.ratio}))
     return 0
 

@@ -1,15 +1,17 @@
 """One onnxruntime session per head file; synchronous, so it is trivially testable.
 
-The session options decide what a tied head costs in memory:
+The session options decide what a head costs in memory:
 
-* ``memory_mode="shared"`` (default): a tied head runs with ``session.disable_prepacking=1``,
-  because MLAS would otherwise add a packed copy of W for the Gemm while the original stays
-  alive for the Gather: 1x W instead of 2x, for ~15-25% more time at 64 rows. Untied heads
-  keep prepacking in this mode: their output matrix feeds only the Gemm, so onnxruntime frees
-  the original once it is packed and nothing is duplicated. Constant folding is capped at a
-  few MB so an imported ``Transpose(W)`` is never folded into a second copy either.
-* ``memory_mode="fast"``: onnxruntime defaults; a tied head holds W plus its packed copy
-  (~2x W) and runs at full Gemm speed.
+* a session holding W for its Gemm alone (untied heads, and tied heads split by
+  ``service.layout``) keeps MLAS prepacking: onnxruntime packs W and frees the original, so
+  the packed copy is the only one. Constant folding is capped at a few MB in ``shared`` mode
+  so an imported ``Transpose(W)`` is never folded into a second copy.
+* a session whose one W feeds both the Gather and the Gemm (a tied head run unsplit) in
+  ``memory_mode="shared"`` runs with ``session.disable_prepacking=1``: MLAS would otherwise
+  add a packed copy while the original stays alive for the Gather (2x W), and without it
+  MLAS re-packs W on every call (1.2-1.8x slower). ``service.layout`` avoids that case on a
+  CPU; ``HeadSession(..., tied=True)`` used directly still gets it.
+* ``memory_mode="fast"``: onnxruntime defaults (a tied head unsplit holds ~2x W).
 * on CUDA both modes are one: initializers go to plain device allocations (one copy of W on
   the device), and ``tf32`` chooses TensorFloat-32 matmuls (faster, ~1e-3 logit error).
 
@@ -38,6 +40,7 @@ from service.graph import (
     TOPK_TOKEN_IDS,
     K,
 )
+from service.rows import RowSource
 from service.settings import MemoryMode, ProviderChoice
 
 logger = logging.getLogger("lmhead")
@@ -128,9 +131,13 @@ class HeadSession:
         providers: tuple[str, ...] = ("CPUExecutionProvider",),
         tf32: bool = False,
         io_binding: bool = False,
+        rows: RowSource | None = None,
     ) -> None:
+        """``rows``: where embedding rows come from when the file is projection-only
+        (``graph.without_embedding``, so its session packs W for the Gemm as it likes)."""
         self.path = Path(path)
         self.io_binding = io_binding
+        self.rows = rows
         on_cuda = CUDA in providers
         self.memory_mode: MemoryMode = "shared" if on_cuda else memory_mode
         options = session_options(
@@ -144,7 +151,9 @@ class HeadSession:
         )
         shapes = {value.name: value.shape for value in self._session.get_outputs()}
         self.vocab_size = int(shapes[LOGITS][1])
-        self.d_model = int(shapes[EMBEDDINGS][1])
+        inputs = {value.name: value.shape for value in self._session.get_inputs()}
+        self.d_model = int(inputs[HIDDEN_STATES][1])
+        self._inputs = set(inputs)
         _check_per_row_temperature(self._session, self.path)
         self.compute_dtype = _weight_dtype(self._session)
         self._no_rows = np.zeros((0, self.d_model), np.float32)
@@ -200,7 +209,10 @@ class HeadSession:
                 f"[{ids.min()}, {ids.max()}]"
             )
         flat = np.ascontiguousarray(ids.reshape(-1), dtype=np.int64)
-        (embeddings,) = self._run([EMBEDDINGS], self._no_rows, flat, 1, self._no_temperature)
+        if self.rows is not None:
+            embeddings = self.rows.rows(flat)
+        else:
+            (embeddings,) = self._run([EMBEDDINGS], self._no_rows, flat, 1, self._no_temperature)
         return embeddings.reshape(*ids.shape, self.d_model)
 
     def _run(
@@ -217,6 +229,8 @@ class HeadSession:
             K: np.array([k], np.int64),
             TEMPERATURE: temperature,
         }
+        if INPUT_IDS not in self._inputs:  # a projection-only session (``rows`` given)
+            del feeds[INPUT_IDS]
         if self._session is None:
             raise RuntimeError(f"session for {self.path} was closed")
         if not self.io_binding:

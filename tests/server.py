@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, TypeVar
@@ -60,6 +61,32 @@ def peak_resident(process: psutil.Process) -> int:
     status = Path(f"/proc/{process.pid}/status").read_text()
     match = re.search(r"^VmHWM:\s+(\d+) kB", status, re.MULTILINE)
     assert match is not None, "no VmHWM in /proc (Linux only)"
+    return int(match.group(1)) * 1024
+
+
+def anonymous_peak(process: psutil.Process, action: Callable[[], T]) -> tuple[T, int]:
+    """Run ``action`` in a thread and read ``process``'s anonymous resident bytes (RssAnon)
+    as often as /proc allows until it returns: the result and the highest value seen.
+
+    VmHWM counts clean file pages too (a weight file mapped while onnxruntime packs it, which
+    the kernel drops under pressure); this is the memory a process really holds. Sampling can
+    miss a spike shorter than one read (~50 us), never invent one.
+    """
+    highest = 0
+    with ThreadPoolExecutor(1) as worker:
+        done = worker.submit(action)
+        while True:
+            finished = done.done()
+            highest = max(highest, anonymous_resident(process))
+            if finished:
+                return done.result(), highest
+
+
+def anonymous_resident(process: psutil.Process) -> int:
+    """RssAnon: resident bytes not backed by a file."""
+    status = Path(f"/proc/{process.pid}/status").read_text()
+    match = re.search(r"^RssAnon:\s+(\d+) kB", status, re.MULTILINE)
+    assert match is not None, "no RssAnon in /proc (Linux only)"
     return int(match.group(1)) * 1024
 
 

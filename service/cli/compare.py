@@ -51,7 +51,7 @@ def _resident(repository: Path, block: dict[str, Any]) -> int | None:
     if not path.is_file():
         return None
     command = [sys.executable, "-m", "service.memory", str(path), "--memory-mode"]
-    command += [block["memory_mode"]] + (["--tied"] if block["tied"] else [])
+    command += [block["memory_mode"]]
     measured = json.loads(subprocess.run(command, capture_output=True, check=True).stdout)
     return int(measured["warm_bytes"])
 

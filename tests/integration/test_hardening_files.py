@@ -22,7 +22,14 @@ from service.heads import HeadWeights, save_head
 from service.reference import top_k
 from service.repository import CONFIG_FILE, DATA_FILE, MODEL_FILE
 from tests.conftest import D_MODEL, reference_logits
-from tests.server import live_server, peak_resident, poll, running_server, server_process
+from tests.server import (
+    anonymous_peak,
+    anonymous_resident,
+    live_server,
+    poll,
+    running_server,
+    server_process,
+)
 
 HIDDEN = np.random.default_rng(11).standard_normal((3, D_MODEL)).astype(np.float32)
 
@@ -77,7 +84,9 @@ def test_truncating_or_overwriting_a_served_version_changes_nothing_it_answers(
 def test_a_tied_head_from_a_private_copy_keeps_the_memory_promise(
     tmp_path: Path,
 ) -> None:
-    """Loading from a private copy: tied shared <= 1.15x W resident, load peak <= 1.3x W."""
+    """Loading from a private copy: tied shared <= 1.15x W resident, and the anonymous memory
+    held at any moment of the load <= 1.3x W (the weight file's clean pages, mapped while
+    onnxruntime packs them, come and go with the page cache: see ``anonymous_peak``)."""
     vocab, d_model = 50257, 768
     weight_bytes = vocab * d_model * 4
     table = np.random.default_rng(0).standard_normal((vocab, d_model), dtype=np.float32)
@@ -88,14 +97,16 @@ def test_a_tied_head_from_a_private_copy_keeps_the_memory_promise(
         httpx.Client(base_url=url, timeout=120) as client,
     ):
         server = server_process(url)
-        before = server.memory_info().rss
-        peak_before = peak_resident(server)
+        before, anonymous_before = server.memory_info().rss, anonymous_resident(server)
         save_head(HeadWeights.from_arrays(table), root / "big" / "1", external_data=True)
-        assert client.post("/v2/repository/models/big/load").status_code == 200
+        loaded, anonymous = anonymous_peak(
+            server, lambda: client.post("/v2/repository/models/big/load")
+        )
+        assert loaded.status_code == 200
         body = {"hidden_states": table[:4].tolist(), "k": 3}
         assert client.post("/v1/models/big/topk", json=body).status_code == 200
         resident = (server.memory_info().rss - before) / weight_bytes
-        peak = (peak_resident(server) - max(before, peak_before)) / weight_bytes
+    peak = (anonymous - anonymous_before) / weight_bytes
     print(f"\nloaded from a private copy: resident {resident:.2f} W, load peak +{peak:.2f} W")
     assert resident <= 1.15
     assert peak <= 1.3

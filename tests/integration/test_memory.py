@@ -43,18 +43,16 @@ def heads(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return paths
 
 
-def _footprint(path: Path, *, tied: bool, memory_mode: str) -> dict[str, float]:
+def _footprint(path: Path, *, memory_mode: str) -> dict[str, float]:
     command = [sys.executable, "-m", "service.memory", str(path), "--memory-mode", memory_mode]
-    completed = subprocess.run(
-        command + (["--tied"] if tied else []), capture_output=True, text=True, check=True
-    )
+    completed = subprocess.run(command, capture_output=True, text=True, check=True)
     result: dict[str, float] = json.loads(completed.stdout)
     return result
 
 
 @pytest.mark.parametrize("variant", ["tied", "tied-external"])
 def test_shared_tied_head_costs_about_one_matrix(heads: dict[str, Path], variant: str) -> None:
-    footprint = _footprint(heads[variant], tied=True, memory_mode="shared")
+    footprint = _footprint(heads[variant], memory_mode="shared")
     assert footprint["weight_bytes"] == VOCAB * D_MODEL * 4
     assert footprint["ratio"] <= SHARED_TIED_BOUND, footprint
     # The head really is resident: an unloaded file would show almost nothing.
@@ -67,7 +65,7 @@ def test_other_settings_are_measured_and_reported(
     rows = []
     for name, tied in (("tied", True), ("untied", False)):
         for mode in ("shared", "fast"):
-            footprint = _footprint(heads[name], tied=tied, memory_mode=mode)
+            footprint = _footprint(heads[name], memory_mode=mode)
             rows.append(f"{name:7s} {mode:6s} resident/W = {footprint['ratio']:.2f}")
             assert footprint["ratio"] > 0.9 * (1 if tied else 2), footprint
     with capsys.disabled():
