@@ -31,6 +31,8 @@ import numpy.typing as npt
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from service.quantize import ACCURACY_LEVEL, QuantSpec
+
 IR_VERSION = 10
 OPSET = 17
 #: ``lmhead.format`` of the files written here; 1 had one temperature per run.
@@ -47,6 +49,13 @@ LOGSUMEXP = "logsumexp"
 LOGITS = "logits"
 EMBEDDINGS = "embeddings"
 EMBEDDING_WEIGHT = "embedding.weight"
+EMBEDDING_CODES = "embedding_codes"
+CODES_SHAPE = "codes_shape"
+D_MODEL = "d_model"
+#: Where MatMulNBits and GatherBlockQuantized live (onnxruntime's contrib operators).
+MS_DOMAIN = "com.microsoft"
+#: Metadata of a quantized head: bits, block size, accuracy level, whether the table is too.
+QUANTIZATION = "lmhead.quantization"
 OUTPUT_WEIGHT = "lm_head.weight"
 OUTPUT_BIAS = "lm_head.bias"
 #: The dtypes a head's matrices may be stored in, and their ONNX element types.
@@ -92,12 +101,18 @@ class Head:
     transforms: HeadTransforms = HeadTransforms()
     bias: npt.NDArray[np.float32] | None = None
     twin: bool = False
+    quantization: QuantSpec | None = None
+    """Block quantization of the output matrix (of the one matrix, when tied)."""
+    table_quantized: bool = False
+    """The embedding table is quantized too (always when tied and quantized)."""
 
 
 def head_model(weights: list[TensorProto], head: Head) -> onnx.ModelProto:
-    """The model for one (tied) or two (untied) weight tensors, metadata included."""
-    tied = len(weights) == 1
-    embedding, output = weights[0].name, weights[-1].name
+    """The model for one (tied) or two (untied) weights, metadata included. A quantized
+    weight is three tensors (``quantized_names``); any other is one."""
+    names = {tensor.name for tensor in weights}
+    tied = not any(name.startswith(OUTPUT_WEIGHT) for name in names)
+    output = EMBEDDING_WEIGHT if tied else OUTPUT_WEIGHT
     constants = [
         numpy_helper.from_array(np.array([head.vocab_size], np.int64), "vocab_size"),
         numpy_helper.from_array(np.array([0], np.int64), "zero"),
@@ -106,16 +121,22 @@ def head_model(weights: list[TensorProto], head: Head) -> onnx.ModelProto:
     if head.bias is not None:
         constants.append(numpy_helper.from_array(head.bias, OUTPUT_BIAS))
     (before, after), transform_constants = _transform_nodes(head)
+    if head.table_quantized:
+        constants.append(_codes_shape(head))
+        constants.append(numpy_helper.from_array(np.array([head.d_model], np.int64), D_MODEL))
     graph = helper.make_graph(
-        _embedding_nodes(embedding, head.dtype) + before + _projection(output, head, after),
+        _embedding_nodes(EMBEDDING_WEIGHT, head) + before + _projection(output, head, after),
         "lmhead_tied" if tied else "lmhead_untied",
         _inputs(head.d_model),
         _outputs(head.vocab_size, head.d_model),
         weights + constants + transform_constants,
     )
+    opsets = [helper.make_opsetid("", OPSET)]
+    if head.quantization is not None:
+        opsets.append(helper.make_opsetid(MS_DOMAIN, 1))
     model = helper.make_model(
         graph,
-        opset_imports=[helper.make_opsetid("", OPSET)],
+        opset_imports=opsets,
         producer_name="lmhead",
         ir_version=IR_VERSION,
     )
@@ -130,12 +151,65 @@ def head_model(weights: list[TensorProto], head: Head) -> onnx.ModelProto:
             "lmhead.dtype": head.dtype,
             "lmhead.transforms": json.dumps(shown),
         }
-        | ({UNTIED_ON_PURPOSE: "true"} if head.twin else {}),
+        | ({UNTIED_ON_PURPOSE: "true"} if head.twin else {})
+        | _quantization_metadata(head),
     )
     return model
 
 
-def _embedding_nodes(weight: str, dtype: str) -> list[onnx.NodeProto]:
+def _quantization_metadata(head: Head) -> dict[str, str]:
+    spec = head.quantization
+    if spec is None:
+        return {}
+    described = {
+        "bits": spec.bits,
+        "block_size": spec.block_size,
+        "accuracy_level": ACCURACY_LEVEL,
+        "table": head.table_quantized,
+    }
+    return {QUANTIZATION: json.dumps(described)}
+
+
+def quantized_names(weight: str) -> tuple[str, str, str]:
+    """The codes, scales and zero points of a quantized weight (``service.quantize``)."""
+    return f"{weight}.quant", f"{weight}.scales", f"{weight}.zero_points"
+
+
+def _codes_shape(head: Head) -> TensorProto:
+    """(vocab, bytes per row): ``GatherBlockQuantized`` wants the codes 2-D, ``MatMulNBits``
+    3-D; one ``Reshape`` lets both read the same tensor (it is never folded: the loader
+    splits the embedding side off, ``service.layout``)."""
+    spec = head.quantization
+    assert spec is not None
+    row_bytes = spec.blocks(head.d_model) * spec.block_size * spec.bits // 8
+    return numpy_helper.from_array(np.array([head.vocab_size, row_bytes], np.int64), CODES_SHAPE)
+
+
+def _embedding_nodes(weight: str, head: Head) -> list[onnx.NodeProto]:
+    dtype = head.dtype
+    if head.table_quantized:
+        spec = head.quantization
+        assert spec is not None
+        codes, scales, zero_points = quantized_names(weight)
+        padded = spec.blocks(head.d_model) * spec.block_size != head.d_model
+        gathered = "embeddings_padded" if padded else EMBEDDINGS
+        trim = [  # whole blocks come out: drop the padding columns
+            helper.make_node("Slice", [gathered, "zero", D_MODEL, "one"], [EMBEDDINGS], "trim")
+        ]
+        return [
+            helper.make_node("Reshape", [codes, CODES_SHAPE], [EMBEDDING_CODES], "codes_2d"),
+            helper.make_node(
+                "GatherBlockQuantized",
+                [EMBEDDING_CODES, INPUT_IDS, scales, zero_points],
+                [gathered],
+                "embedding_gather",
+                domain=MS_DOMAIN,
+                bits=spec.bits,
+                block_size=spec.block_size,
+                gather_axis=0,
+                quantize_axis=1,
+            ),
+        ] + (trim if padded else [])
     if dtype == "float32":
         return [helper.make_node("Gather", [weight, INPUT_IDS], [EMBEDDINGS], "embedding_gather")]
     return [
@@ -202,7 +276,23 @@ def _projection(weight: str, head: Head, after: list[onnx.NodeProto]) -> list[on
     """
     node = helper.make_node
     projected = "raw_logits" if after else LOGITS
-    if head.dtype == "float32":
+    if head.quantization is not None:
+        spec = head.quantization
+        matmul = [
+            node(
+                "MatMulNBits",
+                ["scaled_hidden", *quantized_names(weight)],
+                [projected],
+                "output_projection",
+                domain=MS_DOMAIN,
+                K=head.d_model,
+                N=head.vocab_size,
+                bits=spec.bits,
+                block_size=spec.block_size,
+                accuracy_level=ACCURACY_LEVEL,
+            )
+        ]
+    elif head.dtype == "float32":
         matmul = [
             node("Gemm", ["scaled_hidden", weight], [projected], "output_projection", transB=1)
         ]
@@ -270,7 +360,7 @@ def without_embedding(model: onnx.ModelProto) -> onnx.ModelProto:
     stripped = onnx.ModelProto()
     stripped.CopyFrom(model)
     graph = stripped.graph
-    embedding_side = {EMBEDDINGS, "embedding_rows"}
+    embedding_side = {EMBEDDINGS, "embedding_rows", EMBEDDING_CODES, "embeddings_padded"}
     nodes = [node for node in graph.node if not set(node.output) & embedding_side]
     del graph.node[:]
     graph.node.extend(nodes)
@@ -280,4 +370,8 @@ def without_embedding(model: onnx.ModelProto) -> onnx.ModelProto:
     outputs = [value for value in graph.output if value.name != EMBEDDINGS]
     del graph.output[:]
     graph.output.extend(outputs)
+    used = {name for node in graph.node for name in node.input}
+    kept = [tensor for tensor in graph.initializer if tensor.name in used]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
     return stripped

@@ -21,15 +21,17 @@ import onnx
 from onnx import TensorProto, numpy_helper
 
 from service.graph import (
-    ELEMENT_TYPES,
     EMBEDDING_WEIGHT,
     OUTPUT_BIAS,
     OUTPUT_WEIGHT,
+    QUANTIZATION,
     UNTIED_ON_PURPOSE,
     Head,
     HeadTransforms,
     head_model,
+    quantized_names,
 )
+from service.quantize import QuantSpec, quantize
 from service.repository import DATA_FILE, MODEL_FILE
 
 #: Serialized protobuf messages cannot exceed 2 GiB; keep headroom for the graph itself.
@@ -95,9 +97,36 @@ class HeadWeights:
     def nbytes(self) -> int:
         return self.embedding.nbytes + (0 if self.output is None else self.output.nbytes)
 
-    def head(self, dtype: str | None = None) -> Head:
+    def stored_nbytes(
+        self, quantization: QuantSpec | None = None, quantize_table: bool = False
+    ) -> int:
+        """Bytes of the weights as ``save_head`` would store them."""
+        if quantization is None:
+            return self.nbytes
         vocab_size, d_model = self.embedding.shape
-        return Head(vocab_size, d_model, dtype or self.dtype, self.transforms, self.bias, self.twin)
+        quantized = quantization.stored_bytes(vocab_size, d_model)
+        if self.output is None:
+            return quantized
+        return quantized + (quantized if quantize_table else self.embedding.nbytes)
+
+    def head(
+        self,
+        dtype: str | None = None,
+        quantization: QuantSpec | None = None,
+        quantize_table: bool = False,
+    ) -> Head:
+        vocab_size, d_model = self.embedding.shape
+        table_quantized = quantization is not None and (self.tied or quantize_table)
+        return Head(
+            vocab_size,
+            d_model,
+            dtype or self.dtype,
+            self.transforms,
+            self.bias,
+            self.twin,
+            quantization,
+            table_quantized,
+        )
 
     def matrices(self) -> list[tuple[str, npt.NDArray[Any]]]:
         named = [(EMBEDDING_WEIGHT, self.embedding)]
@@ -121,6 +150,22 @@ def build_head(weights: HeadWeights) -> onnx.ModelProto:
     return head_model(tensors, weights.head())
 
 
+def _stored(
+    weights: HeadWeights, dtype: str, quantization: QuantSpec | None, quantize_table: bool
+) -> list[tuple[str, npt.NDArray[Any], np.dtype[Any]]]:
+    """(name, array, stored dtype) of every weight tensor: a quantized matrix is three."""
+    stored: list[tuple[str, npt.NDArray[Any], np.dtype[Any]]] = []
+    for name, matrix in weights.matrices():
+        is_output = name == OUTPUT_WEIGHT or weights.tied
+        if quantization is None or not (is_output or quantize_table):
+            stored.append((name, matrix, NUMPY_DTYPES[dtype]))
+            continue
+        packed = quantize(matrix, quantization)
+        arrays: tuple[npt.NDArray[Any], ...] = (packed.data, packed.scales, packed.zero_points)
+        stored += [(n, a, a.dtype) for n, a in zip(quantized_names(name), arrays, strict=True)]
+    return stored
+
+
 def save_head(
     weights: HeadWeights,
     directory: str | Path,
@@ -128,6 +173,8 @@ def save_head(
     external_data: bool | None = None,
     inline_limit_bytes: int = PROTOBUF_LIMIT_BYTES,
     widen: bool = False,
+    quantization: QuantSpec | None = None,
+    quantize_table: bool = False,
 ) -> Path:
     """Write ``model.onnx`` (and ``model.onnx.data`` when external) into ``directory``.
 
@@ -135,20 +182,26 @@ def save_head(
     ``inline_limit_bytes`` (by default: would not fit in one protobuf message). External data
     is written straight from the numpy buffers (no second in-memory copy) at aligned offsets,
     so onnxruntime can memory-map it. ``widen`` writes a half-precision head as float32
-    (external, converted in row chunks): how a CPU serves it.
+    (external, converted in row chunks): how a CPU serves it. ``quantization`` stores the
+    output matrix block-quantized (``service.quantize``): the one matrix of a tied head, so
+    its embedding lookup reads the same tensors; ``quantize_table`` quantizes an untied
+    head's table too.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / MODEL_FILE
+    dtype = "float32" if widen else weights.dtype
+    stored = _stored(weights, dtype, quantization, quantize_table)
+    nbytes = sum(array.size * stored_dtype.itemsize for _, array, stored_dtype in stored)
     if external_data is None:
-        external_data = widen or weights.nbytes > inline_limit_bytes
+        external_data = widen or nbytes > inline_limit_bytes
+    head = weights.head(dtype, quantization, quantize_table)
     if not external_data:
-        onnx.save_model(build_head(weights), path)
+        tensors = [_tensor(name, array.astype(target)) for name, array, target in stored]
+        onnx.save_model(head_model(tensors, head), path)
         (directory / DATA_FILE).unlink(missing_ok=True)
         return path
-    dtype = "float32" if widen else weights.dtype
-    tensors = _write_external(weights.matrices(), directory / DATA_FILE, NUMPY_DTYPES[dtype])
-    onnx.save_model(head_model(tensors, weights.head(dtype)), path)
+    onnx.save_model(head_model(_write_external(stored, directory / DATA_FILE), head), path)
     return path
 
 
@@ -158,6 +211,11 @@ def read_head(path: str | Path) -> HeadWeights:
     model = onnx.load(str(path), load_external_data=False)
     tensors = {tensor.name: tensor for tensor in model.graph.initializer}
     props = {prop.key: prop.value for prop in model.metadata_props}
+    if QUANTIZATION in props:
+        raise ValueError(
+            f"{path.parent.name}/{path.name} is quantized ({props[QUANTIZATION]}): its float "
+            "weights are gone; quantize from the float head it came from"
+        )
     transforms = json.loads(props.get("lmhead.transforms", "{}"))
     bias = tensors.get(OUTPUT_BIAS)
     return HeadWeights(
@@ -197,17 +255,17 @@ def _tensor(name: str, array: npt.NDArray[Any]) -> TensorProto:
 
 
 def _write_external(
-    named: list[tuple[str, npt.NDArray[Any]]], data_path: Path, dtype: np.dtype[Any]
+    stored: list[tuple[str, npt.NDArray[Any], np.dtype[Any]]], data_path: Path
 ) -> list[TensorProto]:
-    element = next(t for n, t in ELEMENT_TYPES.items() if NUMPY_DTYPES[n] == dtype)
+    """Each array at an aligned offset of one data file, converted row chunk by row chunk."""
     tensors = []
     with data_path.open("wb") as stream:
-        for name, array in named:
+        for name, array, dtype in stored:
             offset = -stream.tell() % EXTERNAL_ALIGNMENT + stream.tell()
             stream.seek(offset)
             for chunk in _row_chunks(array, dtype):
                 chunk.tofile(stream)
-            proto = TensorProto(name=name, data_type=element, dims=array.shape)
+            proto = TensorProto(name=name, data_type=_element_type(dtype), dims=array.shape)
             proto.data_location = TensorProto.EXTERNAL
             length = array.size * dtype.itemsize
             for key, value in (
@@ -218,6 +276,12 @@ def _write_external(
                 proto.external_data.add(key=key, value=value)
             tensors.append(proto)
     return tensors
+
+
+def _element_type(dtype: np.dtype[Any]) -> int:
+    if dtype == ml_dtypes.bfloat16:
+        return TensorProto.BFLOAT16
+    return onnx.helper.np_dtype_to_tensor_dtype(dtype)
 
 
 def _row_chunks(array: npt.NDArray[Any], dtype: np.dtype[Any]) -> Iterator[npt.NDArray[Any]]:

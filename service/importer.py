@@ -3,7 +3,10 @@ model is tied (or when asked: ``--tie`` / ``--untie``)."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -11,8 +14,9 @@ import numpy as np
 import numpy.typing as npt
 
 from service.checkpoints import Checkpoint, CheckpointError, tokenizer_tokens
-from service.heads import HeadWeights, save_head
-from service.repository import LABELS_FILE
+from service.heads import HeadWeights, read_head, save_head
+from service.quantize import QuantSpec
+from service.repository import LABELS_FILE, MODEL_FILE
 
 #: Above this the weights go to model.onnx.data: written straight from the numpy buffers (no
 #: protobuf copy, so the import peak stays near the checkpoint tensor plus its float32 copy)
@@ -30,6 +34,10 @@ class ImportOptions:
     external_data: bool | None = None
     dtype: str = "float32"
     """Stored dtype of the matrices: float32, float16 or bfloat16 (half the bytes)."""
+    quantization: QuantSpec | None = None
+    """Block-quantize the output matrix (the one matrix when tied)."""
+    quantize_table: bool = False
+    """Untied heads: quantize the embedding table too."""
 
 
 @dataclass
@@ -75,9 +83,18 @@ def import_checkpoint(
     writing = Progress(f"[3/3] writing {directory}")
     writing(0, 1)
     external = options.external_data
+    stored = weights.stored_nbytes(options.quantization, options.quantize_table)
     if external is None:
-        external = weights.nbytes > EXTERNAL_DATA_ABOVE_BYTES
-    save_head(weights, directory, external_data=external)
+        external = stored > EXTERNAL_DATA_ABOVE_BYTES
+    save_head(
+        weights,
+        directory,
+        external_data=external,
+        quantization=options.quantization,
+        quantize_table=options.quantize_table,
+    )
+    if options.quantization is not None:
+        notes.append(f"{options.quantization.describe()}: {stored:,} bytes of weights")
     writing(1, 1)
     labels = tokenizer_tokens(checkpoint.directory, table.shape[0])
     if labels is not None:
@@ -131,6 +148,46 @@ def _version_dir(model_dir: Path, version: int | None) -> Path:
     if directory.exists():
         raise CheckpointError(f"{directory} exists already; choose another --version")
     return directory
+
+
+def quantize_version(
+    repository: str | Path,
+    name: str,
+    version: int | None,
+    to_version: int | None,
+    spec: QuantSpec,
+    quantize_table: bool = False,
+) -> Path:
+    """Write a block-quantized copy of ``name``'s version (the newest by default) as a new
+    version, labels included; it appears complete (renamed into place) or not at all."""
+    model_dir = Path(repository) / name
+    versions = sorted(int(p.name) for p in model_dir.glob("*") if p.name.isdigit())
+    if not versions:
+        raise CheckpointError(f"no versions of {name!r} in {repository}")
+    source = model_dir / str(version if version is not None else versions[-1])
+    if not (source / MODEL_FILE).is_file():
+        raise CheckpointError(f"{source} holds no {MODEL_FILE}")
+    try:
+        weights = read_head(source / MODEL_FILE)
+    except ValueError as error:  # already quantized
+        raise CheckpointError(f"{error} (--version picks another)") from None
+    target = _version_dir(model_dir, to_version)
+    with tempfile.TemporaryDirectory(prefix=".quantizing-", dir=model_dir) as staging:
+        stored = weights.stored_nbytes(spec, quantize_table)
+        external = stored > EXTERNAL_DATA_ABOVE_BYTES
+        save_head(
+            weights,
+            staging,
+            external_data=external,
+            quantization=spec,
+            quantize_table=quantize_table,
+        )
+        if (source / LABELS_FILE).is_file():
+            shutil.copyfile(source / LABELS_FILE, Path(staging) / LABELS_FILE)
+        os.chmod(staging, 0o755)  # mkdtemp made it private
+        os.rename(staging, target)
+        Path(staging).mkdir()  # for the context manager to remove
+    return target
 
 
 class Progress:

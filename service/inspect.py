@@ -21,12 +21,15 @@ from typing import Any, Literal
 import numpy as np
 import onnx
 
-from service.graph import UNTIED_ON_PURPOSE
+from service.graph import HIDDEN_STATES, UNTIED_ON_PURPOSE
 from service.heads import stored_array
 from service.repository import MODEL_FILE
 
 PROJECTION_OPS = frozenset({"Gemm", "MatMul", "FusedMatMul"})
 PASS_THROUGH_OPS = frozenset({"Identity", "Cast"})
+TRACED_OPS = frozenset({"Transpose", "Reshape"})
+QUANTIZED_GATHER = "GatherBlockQuantized"
+QUANTIZED_PROJECTION = "MatMulNBits"
 Duplicate = Literal["identical", "transposed"]
 
 
@@ -61,6 +64,9 @@ class HeadReport:
     untied_on_purpose: bool
     """An identical untied twin written on purpose (``lmhead import --untie``), not a broken
     tie."""
+    quantization: dict[str, Any] | None = None
+    """A block-quantized projection (``MatMulNBits``): bits, block size, whether the table is
+    quantized and the one tensor set shared by both sides, the quantized bytes."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -71,6 +77,8 @@ class _Use:
     node: onnx.NodeProto
     initializer: str
     transposed: bool
+    quantized: tuple[str, ...] = ()
+    """Codes, scales and zero points of a block-quantized weight (none when float)."""
 
 
 def resolve_model_path(path: str | Path) -> Path:
@@ -93,22 +101,21 @@ def inspect_head(path: str | Path) -> HeadReport:
     graph = model.graph
     initializers = {tensor.name: tensor for tensor in graph.initializer}
     inputs = {value.name for value in graph.input}
-    weights = {
-        name: t for name, t in initializers.items() if len(t.dims) == 2 and name not in inputs
-    }
+    weights = {name: t for name, t in initializers.items() if t.dims and name not in inputs}
     _check_external_locations(_all_tensors(graph))
     producers = {out: node for node in graph.node for out in node.output}
     gather = _find_gather(graph, producers, weights)
-    vocab_size, d_model = (int(dim) for dim in weights[gather.initializer].dims)
+    vocab_size, d_model = _table_shape(graph, gather, weights)
     projection = _find_projection(graph, producers, weights, vocab_size, d_model)
     props = {prop.key: prop.value for prop in model.metadata_props}
     return _report(model_path, weights, gather, projection, vocab_size, d_model, props)
 
 
 def _trace(name: str, producers: dict[str, onnx.NodeProto]) -> tuple[str, bool]:
-    """Follow ``name`` back through Identity/Cast/Transpose to its source; note transposes."""
+    """Follow ``name`` back through Identity/Cast/Transpose (and the Reshape that gives
+    quantized codes to ``GatherBlockQuantized``) to its source; note transposes."""
     transposed = False
-    while name in producers and producers[name].op_type in PASS_THROUGH_OPS | {"Transpose"}:
+    while name in producers and producers[name].op_type in PASS_THROUGH_OPS | TRACED_OPS:
         node = producers[name]
         transposed ^= node.op_type == "Transpose"
         name = node.input[0]
@@ -121,9 +128,14 @@ def _find_gather(
     weights: dict[str, onnx.TensorProto],
 ) -> _Use:
     for node in graph.node:
+        if node.op_type == QUANTIZED_GATHER and len(node.input) >= 3:
+            source, _ = _trace(node.input[0], producers)
+            if source in weights:
+                quantized = (source, *_present(node.input[2:4]))
+                return _Use(node, source, transposed=False, quantized=quantized)
         if node.op_type == "Gather" and node.input:
             source, transposed = _trace(node.input[0], producers)
-            if source in weights and not transposed:
+            if source in weights and not transposed and len(weights[source].dims) == 2:
                 return _Use(node, source, transposed=False)
     raise HeadInspectionError(
         "no embedding Gather reads a 2-D initializer; initializers found: "
@@ -140,10 +152,15 @@ def _find_projection(
 ) -> _Use:
     """The matmul whose weight, as used, is (vocab, d_model)^T: it produces one logit per token."""
     for node in graph.node:
+        if node.op_type == QUANTIZED_PROJECTION and len(node.input) >= 3:
+            shape = (_attribute(node, "N"), _attribute(node, "K"))
+            if node.input[1] in weights and shape == (vocab_size, d_model):
+                quantized = _present(node.input[1:4])
+                return _Use(node, node.input[1], transposed=False, quantized=quantized)
         if node.op_type not in PROJECTION_OPS:
             continue
         source, transposed = _trace(node.input[1], producers)
-        if source not in weights:
+        if source not in weights or len(weights[source].dims) != 2:
             continue
         transposed ^= _attribute(node, "transB") == 1
         rows, cols = (int(dim) for dim in weights[source].dims)
@@ -154,6 +171,28 @@ def _find_projection(
     raise HeadInspectionError(
         f"no Gemm/MatMul projects onto the {vocab_size}-token vocabulary from a "
         f"{d_model}-wide hidden state"
+    )
+
+
+def _present(names: Iterable[str]) -> tuple[str, ...]:
+    """Inputs given (an optional input left out is an empty name)."""
+    return tuple(name for name in names if name)
+
+
+def _table_shape(
+    graph: onnx.GraphProto, gather: _Use, weights: dict[str, onnx.TensorProto]
+) -> tuple[int, int]:
+    """(vocab, d_model): the table's shape, or for quantized codes their rows and the width
+    of the hidden state (the codes are padded to whole blocks)."""
+    if not gather.quantized:
+        rows, cols = (int(dim) for dim in weights[gather.initializer].dims)
+        return rows, cols
+    for value in graph.input:
+        dims = value.type.tensor_type.shape.dim
+        if value.name == HIDDEN_STATES and len(dims) == 2 and dims[1].HasField("dim_value"):
+            return int(weights[gather.initializer].dims[0]), int(dims[1].dim_value)
+    raise HeadInspectionError(
+        f"a quantized table needs a fixed-width 2-D {HIDDEN_STATES!r} input to give d_model"
     )
 
 
@@ -173,22 +212,15 @@ def _report(
     d_model: int,
     props: dict[str, str],
 ) -> HeadReport:
-    tied = gather.initializer == projection.initializer
+    tied = gather.initializer == projection.initializer and gather.quantized == projection.quantized
     table = weights[gather.initializer]
-    dtype = onnx.helper.tensor_dtype_to_np_dtype(table.data_type)
-    parameters = sum(math.prod(tensor.dims) for tensor in weights.values())
-    weight_bytes = sum(
-        math.prod(t.dims) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
-        for t in weights.values()
-    )
-    table_bytes = vocab_size * d_model * dtype.itemsize
-    duplicate = (
-        None
-        if tied
-        else _duplicate_kind(
-            model_path.parent, table, weights[projection.initializer], projection.transposed
-        )
-    )
+    quantization = _quantization(weights, gather, projection, tied)
+    dtype = quantization["dtype"] if quantization else tensor_dtype(table)
+    matrices = 1 if tied else 2
+    parameters = matrices * vocab_size * d_model
+    table_bytes = _bytes_of(weights, gather)
+    weight_bytes = table_bytes + (0 if tied else _bytes_of(weights, projection))
+    duplicate = None if tied else _duplicate(model_path.parent, weights, gather, projection)
     external = any(t.data_location == onnx.TensorProto.EXTERNAL for t in weights.values())
     data_bytes = sum(f.stat().st_size for f in _external_files(model_path.parent, weights))
     return HeadReport(
@@ -201,7 +233,7 @@ def _report(
         projection_transposed=projection.transposed,
         vocab_size=vocab_size,
         d_model=d_model,
-        dtype=str(dtype),
+        dtype=dtype,
         parameters=parameters,
         weight_bytes=weight_bytes,
         bytes_saved_by_tying=table_bytes if tied else 0,
@@ -212,24 +244,77 @@ def _report(
         transforms=_transforms(props.get("lmhead.transforms", "{}")),
         format=int(props["lmhead.format"]) if props.get("lmhead.format", "").isdigit() else 0,
         untied_on_purpose=props.get(UNTIED_ON_PURPOSE) == "true",
+        quantization=quantization,
     )
 
 
-def _duplicate_kind(
-    base_dir: Path, table: onnx.TensorProto, weight: onnx.TensorProto, transposed: bool
+def tensor_dtype(tensor: onnx.TensorProto) -> str:
+    return str(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type))
+
+
+def _bytes(tensor: onnx.TensorProto) -> int:
+    itemsize = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+    return int(math.prod(tensor.dims) * itemsize)
+
+
+def _bytes_of(weights: dict[str, onnx.TensorProto], use: _Use) -> int:
+    """Bytes of the weight a node reads: one tensor, or a quantized weight's tensors."""
+    return sum(_bytes(weights[name]) for name in use.quantized or (use.initializer,))
+
+
+def _quantization(
+    weights: dict[str, onnx.TensorProto],
+    gather: _Use,
+    projection: _Use,
+    tied: bool,
+) -> dict[str, Any] | None:
+    """bits, block size, whether the table is quantized and shared, and the bytes."""
+    if not projection.quantized:
+        return None
+    bits = _attribute(projection.node, "bits")
+    return {
+        "dtype": f"int{bits}",
+        "bits": bits,
+        "block_size": _attribute(projection.node, "block_size"),
+        "accuracy_level": _attribute(projection.node, "accuracy_level"),
+        "table": bool(gather.quantized),
+        "shared": tied,
+        "bytes": _bytes_of(weights, projection),
+        "table_tensors": list(gather.quantized),
+        "projection_tensors": list(projection.quantized),
+    }
+
+
+def _duplicate(
+    base_dir: Path, weights: dict[str, onnx.TensorProto], gather: _Use, projection: _Use
 ) -> Duplicate | None:
-    """Is the projection weight the embedding table again, as is or stored transposed?"""
-    table_values = stored_array(table, base_dir)
-    weight_values = stored_array(weight, base_dir)
-    candidate = weight_values.T if transposed else weight_values
-    if candidate.shape != table_values.shape or candidate.dtype != table_values.dtype:
+    """Is the projection weight the embedding table again (as is, stored transposed, or the
+    same quantized tensors)?"""
+    if bool(gather.quantized) != bool(projection.quantized):
         return None
-    # A first-row check rejects almost every honest untied head before the full pass.
-    if not np.array_equal(candidate[0], table_values[0]):
+    if gather.quantized:
+        pairs = zip(gather.quantized, projection.quantized, strict=False)
+        same = all(
+            a in weights and b in weights and _same(base_dir, weights[a], weights[b], False)
+            for a, b in pairs
+        )
+        return "identical" if same and len(gather.quantized) == len(projection.quantized) else None
+    table, weight = weights[gather.initializer], weights[projection.initializer]
+    if not _same(base_dir, table, weight, projection.transposed):
         return None
-    if not np.array_equal(candidate, table_values):
-        return None
-    return "transposed" if transposed else "identical"
+    return "transposed" if projection.transposed else "identical"
+
+
+def _same(base_dir: Path, a: onnx.TensorProto, b: onnx.TensorProto, transposed: bool) -> bool:
+    """Equal values, ``b`` read transposed if asked; a first-row check rejects almost every
+    honest pair before the full pass."""
+    first, second = stored_array(a, base_dir), stored_array(b, base_dir)
+    candidate = second.T if transposed else second
+    if candidate.shape != first.shape or candidate.dtype != first.dtype:
+        return False
+    if not np.array_equal(candidate[0], first[0]):
+        return False
+    return bool(np.array_equal(candidate, first))
 
 
 TRANSFORM_KEYS = frozenset({"input_scale", "logit_scale", "softcap", "bias"})

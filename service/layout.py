@@ -24,11 +24,11 @@ from pathlib import Path
 import onnx
 from onnx import numpy_helper
 
-from service.graph import EMBEDDING_WEIGHT, without_embedding
+from service.graph import without_embedding
 from service.heads import read_head, save_head
 from service.inspect import HeadReport, inspect_head
-from service.repository import DATA_FILE
-from service.rows import FileRows
+from service.quantize import QuantSpec
+from service.rows import FileRows, QuantizedRows, RowSource
 from service.runtime import CUDA, HeadSession
 from service.settings import MemoryMode
 
@@ -65,9 +65,8 @@ def open_head(
         with tempfile.TemporaryDirectory(prefix="lmhead-open-") as directory:
             return open_head(path, placement, report=report, scratch=Path(directory))
     served = servable_path(path, report.dtype, placement.providers, scratch / "float32")
-    on_cpu = CUDA not in placement.providers
-    if on_cpu and report.tied and placement.memory_mode == "shared":
-        return _split(served, placement, scratch / "split")
+    if _splits(report, placement):
+        return _split(served, report, placement, scratch / "split")
     return HeadSession(
         served,
         tied=report.tied,
@@ -78,32 +77,52 @@ def open_head(
     )
 
 
+def _splits(report: HeadReport, placement: Placement) -> bool:
+    """Tied heads split in ``shared`` mode on a CPU; quantized tied heads everywhere (CUDA's
+    ``GatherBlockQuantized`` takes no float32 scales)."""
+    if not report.tied:
+        return False
+    if report.quantization is not None:
+        return placement.memory_mode == "shared" or CUDA in placement.providers
+    return placement.memory_mode == "shared" and CUDA not in placement.providers
+
+
 def servable_path(path: Path, dtype: str, providers: tuple[str, ...], into: Path) -> Path:
-    """The file to run: as it is on CUDA or in float32, widened to float32 on a CPU."""
-    if dtype == "float32" or CUDA in providers:
+    """The file to run: as it is on CUDA, in float32 or quantized; widened on a CPU."""
+    if dtype not in ("float16", "bfloat16") or CUDA in providers:
         return path
     return save_head(read_head(path), into, widen=True)
 
 
-def _split(path: Path, placement: Placement, into: Path) -> HeadSession:
-    """A projection-only session plus a memory map of W, both made in ``into``: the head's
-    own directory is never written to."""
+def _split(path: Path, report: HeadReport, placement: Placement, into: Path) -> HeadSession:
+    """A projection-only session plus the table's rows read from the weight file(s), both
+    made in ``into``: the head's own directory is never written to."""
     into.mkdir(parents=True, exist_ok=True)
     model = onnx.load(str(path), load_external_data=False)
-    (tensor,) = [t for t in model.graph.initializer if t.name == EMBEDDING_WEIGHT]
-    location = _external_location(tensor)
-    if location is None:  # W inline: move its bytes to a data file (the proto held them once)
-        _move_to_file(tensor, into / DATA_FILE)
-    else:  # W already in a data file: the projection refers to that very file
-        _link_or_copy(path.parent / location, into / location)
+    initializers = {tensor.name: tensor for tensor in model.graph.initializer}
+    quantization = report.quantization
+    names = quantization["table_tensors"] if quantization else [report.embedding_initializer]
+    tensors = [initializers[name] for name in names]
+    for tensor in tensors:
+        location = _external_location(tensor)
+        if location is None:  # inline: move its bytes to a file (the proto held them once)
+            _move_to_file(tensor, into / f"{tensor.name}.data")
+        elif not (into / location).exists():  # the projection refers to that very file
+            _link_or_copy(path.parent / location, into / location)
     onnx.save(without_embedding(model), str(into / PROJECTION_FILE))
+    parts = tuple(FileRows.of(tensor, into) for tensor in tensors)
+    rows: RowSource = parts[0]
+    if quantization:
+        spec = QuantSpec(quantization["bits"], quantization["block_size"])
+        rows = QuantizedRows(parts, spec, report.d_model)
     return HeadSession(
         into / PROJECTION_FILE,
-        tied=False,  # the session's W feeds the Gemm alone: packed, the original freed
+        tied=False,  # the session's weight feeds the projection alone: packed, original freed
         memory_mode=placement.memory_mode,
         intra_op_threads=placement.intra_op_threads,
         providers=placement.providers,
-        rows=FileRows.of(tensor, into),
+        tf32=placement.tf32,
+        rows=rows,
     )
 
 

@@ -109,8 +109,15 @@ class LoadedVersion:
     def info(self) -> HeadInfo:
         """Who answered, as results carry it (computed once: a version never changes)."""
         report = self.report
+        block_size = report.quantization["block_size"] if report.quantization else None
         return HeadInfo(
-            self.name, self.version, report.tied, report.vocab_size, report.d_model, report.dtype
+            self.name,
+            self.version,
+            report.tied,
+            report.vocab_size,
+            report.d_model,
+            report.dtype,
+            block_size,
         )
 
     @property
@@ -224,6 +231,7 @@ class LoadedVersion:
             "projection_initializer": report.projection_initializer,
             "duplicate": report.duplicate,
             "transforms": report.transforms,
+            "quantization": _shown(report.quantization),
             "memory_mode": self.session.memory_mode,
             "layout": "split" if self.session.rows is not None else "one session",
             "compute_dtype": self.session.compute_dtype,
@@ -283,6 +291,14 @@ def load_version(source: ModelSource, version: int, options: LoadOptions) -> Loa
         default_k=default_k,
         signature=source.signature(version),
     )
+
+
+def _shown(quantization: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The inspector's quantization facts without tensor names (not a client's business)."""
+    if quantization is None:
+        return None
+    names = ("table_tensors", "projection_tensors")
+    return {key: value for key, value in quantization.items() if key not in names}
 
 
 def _concatenate(parts: list[Projection]) -> Projection:

@@ -36,6 +36,8 @@ class HeadInfo:
     vocab_size: int
     d_model: int
     dtype: str
+    block_size: int | None = None
+    """Values per scale of a block-quantized head (``dtype`` int8 or int4)."""
 
 
 @dataclass(frozen=True)

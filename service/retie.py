@@ -5,7 +5,8 @@ as a folded W^T for the MatMul (pytorch#108342); some checkpoints carry a redund
 copy. The inspector finds these (``duplicate``); this rewires the projection to read the
 embedding initializer and drops the copy:
 
-* identical copy: every use of the copy reads the embedding instead;
+* identical copy: every use of the copy reads the embedding instead (for a block-quantized
+  head, the projection's codes, scales and zero points read the table's);
 * transposed copy: ``MatMul(h, W^T)`` becomes ``FusedMatMul(h, W, transB=1)`` (onnxruntime's
   contrib op, any rank, no transpose at run time), ``Gemm`` flips ``transB``, and a
   ``Transpose`` of the copy is bypassed.
@@ -50,11 +51,17 @@ def retie(path: str | Path, output: str | Path | None = None) -> RetieResult:
     original = onnx.load(str(source))
     repaired = onnx.load(str(source))
     keep, drop = report.embedding_initializer, report.projection_initializer
+    pairs = [(drop, keep)]
+    if report.quantization:  # codes, scales and zero points, each read from the table's
+        quantized = report.quantization
+        pairs = list(zip(quantized["projection_tensors"], quantized["table_tensors"], strict=True))
     if report.duplicate == "identical":
-        _rename_input(repaired.graph, drop, keep)
+        for old, new in pairs:
+            _rename_input(repaired.graph, old, new)
     else:
         _rewire_transposed(repaired, drop, keep)
-    remaining = [t for t in repaired.graph.initializer if t.name != drop]
+    dropped = {old for old, _ in pairs}
+    remaining = [t for t in repaired.graph.initializer if t.name not in dropped]
     del repaired.graph.initializer[:]
     repaired.graph.initializer.extend(remaining)
     onnx.checker.check_model(repaired)

@@ -1,5 +1,5 @@
 """Embedding rows read from a weight file with ``pread``, for heads whose session holds the
-projection alone (``service.layout``).
+projection alone (``service.layout``): float rows as stored, or quantized rows dequantized.
 
 Why not a memory map: the kernel maps a file's page cache in large folios (2-4 MB per fault
 measured here, whatever ``madvise`` says), so a thousand random ids mapped ~140 MB of a 154 MB
@@ -19,6 +19,8 @@ import numpy as np
 import numpy.typing as npt
 import onnx
 from onnx import TensorProto
+
+from service.quantize import QuantSpec, dequantize
 
 
 class RowSource(Protocol):
@@ -63,3 +65,27 @@ class FileRows:
 
     def rows(self, ids: npt.NDArray[np.int64]) -> npt.NDArray[np.float32]:
         return self.read(ids).astype(np.float32, copy=False)
+
+
+class QuantizedRows:
+    """Embedding rows of a block-quantized table: codes, scales and zero points read per row
+    (``FileRows``), dequantized with numpy exactly as ``GatherBlockQuantized`` would."""
+
+    def __init__(self, parts: tuple[FileRows, ...], spec: QuantSpec, d_model: int) -> None:
+        self._parts = parts
+        self._spec = spec
+        self._d_model = d_model
+
+    def rows(self, ids: npt.NDArray[np.int64]) -> npt.NDArray[np.float32]:
+        codes, scales, *zero_points = (part.read(ids) for part in self._parts)
+        if not zero_points:  # MatMulNBits' default: the middle code
+            zero_points = [_middle_codes(len(ids), scales.shape[1], self._spec)]
+        codes = codes.reshape(len(ids), scales.shape[1], -1)
+        return dequantize(codes, scales, zero_points[0], self._spec, self._d_model)
+
+
+def _middle_codes(count: int, blocks: int, spec: QuantSpec) -> npt.NDArray[np.uint8]:
+    middle = 1 << (spec.bits - 1)
+    if spec.bits == 8:
+        return np.full((count, blocks), middle, np.uint8)
+    return np.full((count, -(-blocks // 2)), middle | middle << 4, np.uint8)

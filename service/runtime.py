@@ -35,6 +35,7 @@ from service.graph import (
     INPUT_IDS,
     LOGITS,
     LOGSUMEXP,
+    QUANTIZATION,
     TEMPERATURE,
     TOPK_LOGITS,
     TOPK_TOKEN_IDS,
@@ -255,6 +256,9 @@ def _check_per_row_temperature(session: ort.InferenceSession, path: Path) -> Non
 
 
 def _weight_dtype(session: ort.InferenceSession) -> str:
-    """float32, or the half type the Gemm runs in (the hidden state is cast to it)."""
+    """float32, or the half type the Gemm runs in (the hidden state is cast to it); int8 for
+    a block-quantized projection (``MatMulNBits`` accuracy level 4: int8 activations)."""
     metadata: dict[str, str] = session.get_modelmeta().custom_metadata_map
+    if QUANTIZATION in metadata:
+        return "int8"
     return metadata.get("lmhead.dtype", "float32")

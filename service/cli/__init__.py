@@ -1,4 +1,4 @@
-"""``lmhead`` command line: serve, demo, import, inspect, retie, compare, health.
+"""``lmhead`` command line: serve, demo, import, quantize, inspect, retie, compare, health.
 
 Every command takes the repository and port from ``LMHEAD_REPOSITORY`` and ``LMHEAD_PORT``
 when not given (so ``demo`` and ``import`` write where ``serve`` serves); ``serve`` reads every
@@ -22,6 +22,7 @@ from service.cli.errors import CommandError
 from service.demo import DemoSpec
 from service.errors import describe_validation_errors
 from service.inspect import HeadInspectionError
+from service.quantize import DEFAULT_BLOCK_SIZE
 from service.settings import PlaceSettings, Settings
 
 
@@ -68,6 +69,23 @@ def _parser(place: PlaceSettings) -> argparse.ArgumentParser:
             help="stored dtype of the matrices (half: half the bytes; CUDA runs them natively)",
         )
 
+    def quantization(command: argparse.ArgumentParser, required: bool) -> None:
+        command.add_argument(
+            "--quantize",
+            choices=("int8", "int4"),
+            required=required,
+            help="block-quantize the output matrix (the one matrix when tied)",
+        )
+        command.add_argument(
+            "--block-size",
+            type=int,
+            help=f"values per scale (default: {DEFAULT_BLOCK_SIZE[8]} for int8, "
+            f"{DEFAULT_BLOCK_SIZE[4]} for int4)",
+        )
+        command.add_argument(
+            "--quantize-table", action="store_true", help="untied heads: the table too"
+        )
+
     def url(command: argparse.ArgumentParser) -> None:
         command.add_argument(
             "--url",
@@ -108,7 +126,18 @@ def _parser(place: PlaceSettings) -> argparse.ArgumentParser:
     tying.add_argument("--untie", action="store_true", help="separate copy of W for the head")
     importer.add_argument("--external-data", action="store_true", help="weights in model.onnx.data")
     dtype(importer)
+    quantization(importer, required=False)
     importer.set_defaults(handler=commands.import_head)
+
+    quantize = subcommands.add_parser(
+        "quantize", help="write a block-quantized copy of a head as a new version"
+    )
+    quantize.add_argument("model", help="model name in the repository")
+    repository(quantize)
+    quantize.add_argument("--version", type=int, help="version to read (default: the newest)")
+    quantize.add_argument("--to-version", type=int, help="default: the next free version")
+    quantization(quantize, required=True)
+    quantize.set_defaults(handler=commands.quantize)
 
     versus = subcommands.add_parser(
         "compare", help="contrast two served heads on your hidden states"

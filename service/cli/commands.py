@@ -10,8 +10,9 @@ from pathlib import Path
 from service.cli.errors import CommandError
 from service.demo import TIED_NAME, UNTIED_NAME, DemoSpec, write_demo_models
 from service.graph import FORMAT
-from service.importer import ImportOptions, import_checkpoint
+from service.importer import ImportOptions, import_checkpoint, quantize_version
 from service.inspect import HeadReport, inspect_head
+from service.quantize import QuantSpec
 from service.repository import MODEL_FILE
 from service.retie import retie
 
@@ -54,12 +55,40 @@ def import_head(args: argparse.Namespace) -> int:
         untie=args.untie,
         external_data=True if args.external_data else None,
         dtype=args.dtype,
+        quantization=_spec(args),
+        quantize_table=args.quantize_table,
     )
     result = import_checkpoint(args.checkpoint, args.repository, args.name, options)
     kind = "tied" if result.tied else "untied"
     print(f"wrote {result.directory}: {kind} head, {result.vocab_size} x {result.d_model}")
     for note in result.notes:
         print(f"  note: {note}")
+    return 0
+
+
+def _spec(args: argparse.Namespace) -> QuantSpec | None:
+    if args.quantize is None:
+        if args.block_size is not None or args.quantize_table:
+            raise CommandError("--block-size and --quantize-table need --quantize int8|int4")
+        return None
+    try:
+        return QuantSpec.parse(args.quantize, args.block_size)
+    except ValueError as error:
+        raise CommandError(str(error)) from None
+
+
+def quantize(args: argparse.Namespace) -> int:
+    spec = _spec(args)
+    assert spec is not None  # --quantize is required here
+    written = quantize_version(
+        args.repository, args.model, args.version, args.to_version, spec, args.quantize_table
+    )
+    report = inspect_head(written / MODEL_FILE)
+    quantized = report.quantization or {}
+    print(
+        f"wrote {written}: {spec.describe()}, {report.weight_bytes:,} bytes of weights "
+        f"({'one tensor set shared by both sides' if quantized.get('shared') else 'untied'})"
+    )
     return 0
 
 
@@ -123,6 +152,17 @@ def format_report(report: HeadReport) -> str:
     else:
         wiring = "untied: separate embedding and projection initializers"
     layout = " (stored transposed)" if report.projection_transposed else ""
+    quantized = report.quantization
+    if quantized:
+        sharing = (
+            "one set of codes, scales and zero points feeds both sides"
+            if quantized["shared"]
+            else ("table quantized separately" if quantized["table"] else "table in float")
+        )
+        layout += (
+            f" ({quantized['dtype']}, blocks of {quantized['block_size']}, "
+            f"{quantized['bytes']:,} bytes; {sharing})"
+        )
     rows = [
         ("head", wiring),
         ("embedding", f"{report.embedding_initializer} -> {report.gather_node}"),

@@ -86,7 +86,8 @@ async def model_metadata(request: Request) -> dict[str, Any]:
             {"name": "logits", "datatype": "FP32", "shape": [-1, head.vocab_size]},
             {"name": "embeddings", "datatype": "FP32", "shape": [-1, head.d_model]},
         ],
-        "parameters": {"tied": head.tied, "version": head.version, "dtype": head.dtype},
+        "parameters": {"tied": head.tied, "version": head.version, "dtype": head.dtype}
+        | ({"block_size": head.block_size} if head.block_size else {}),
     }
 
 
