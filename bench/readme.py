@@ -53,7 +53,9 @@ def headlines() -> str:
     (shadow,) = tables("results-shadow.md")
     before_after = tables("results-before-after.md")[0]
     gpu_memory, gpu_time, _, _ = tables("results-gpu.md")
-    gpt2 = {"head": "tied", "vocab x d": "50257 x 768"}
+    gpt2 = {"head": "tied fp32", "vocab x d": "50257 x 768"}
+    int8 = {"head": "tied int8 b128", "vocab x d": "128256 x 2048"}
+    int4 = {"head": "tied int4 b64", "vocab x d": "128256 x 2048"}
     rows = [
         (
             "64-row `.npy` requests, 16 clients, vs a bare onnxruntime session",
@@ -84,6 +86,13 @@ def headlines() -> str:
         (
             "tied head time at 64 rows, `shared` vs `fast`",
             pick(heads, "vs fast @64", **gpt2, **{"memory mode": "shared"}),
+            "results-heads.md",
+        ),
+        (
+            "int8 / int4 tied 128256 x 2048 head: 1 row vs fp32; resident (x fp32 W)",
+            f"{pick(heads, 'vs fp32 shared @1', **int8)} / "
+            f"{pick(heads, 'vs fp32 shared @1', **int4)}; "
+            f"{pick(heads, 'resident / W', **int8)} / {pick(heads, 'resident / W', **int4)}",
             "results-heads.md",
         ),
         (

@@ -13,7 +13,10 @@ share one batched run. ``Gemm(transB=1)`` reads W in its stored (vocab, d_model)
 form exporters emit, ``MatMul(h, Transpose(W))``, gets the transpose constant-folded into a
 second copy of W. A half-precision head (float16, bfloat16) keeps W in that dtype: the hidden
 state is cast to it for the Gemm, the logits and embeddings back to float32, so the tie stays
-one initializer and every input and output stays float32.
+one initializer and every input and output stays float32. A block-quantized head
+(``service.quantize``) projects with ``MatMulNBits`` and, when its table is quantized too, looks
+rows up with ``GatherBlockQuantized`` on the same codes, scales and zero points (the codes
+through one ``Reshape``: the two operators want them 3-D and 2-D).
 
 Files carry ``IR_VERSION`` and ``OPSET``: onnxruntime 1.18 (the oldest lmhead supports) and
 the newest onnxruntime-gpu both load them (onnx's own default IR version is newer than some

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import onnx
+import onnxruntime as ort
 from onnx import numpy_helper
 
 from service.graph import without_embedding
@@ -65,7 +66,9 @@ def open_head(
         with tempfile.TemporaryDirectory(prefix="lmhead-open-") as directory:
             return open_head(path, placement, report=report, scratch=Path(directory))
     served = servable_path(path, report.dtype, placement.providers, scratch / "float32")
-    if _splits(report, placement):
+    split = _splits(report, placement)
+    check_runtime(report, split)
+    if split:
         return _split(served, report, placement, scratch / "split")
     return HeadSession(
         served,
@@ -75,6 +78,28 @@ def open_head(
         providers=placement.providers,
         tf32=placement.tf32,
     )
+
+
+def required_runtime(report: HeadReport, split: bool) -> tuple[int, int]:
+    """The oldest onnxruntime that runs this head as laid out: 8-bit ``MatMulNBits`` came in
+    1.22, ``GatherBlockQuantized`` on uint8 codes with ``bits`` in 1.23 (both measured);
+    4-bit projections and float heads run on 1.18, lmhead's oldest."""
+    quantization = report.quantization
+    if quantization is None:
+        return (1, 18)
+    if quantization["table"] and not split:
+        return (1, 23)
+    return (1, 22) if quantization["bits"] == 8 else (1, 18)
+
+
+def check_runtime(report: HeadReport, split: bool) -> None:
+    needed = required_runtime(report, split)
+    have = tuple(int(part) for part in ort.__version__.split(".")[:2])
+    if have < needed:
+        raise ValueError(
+            f"this {report.dtype} head needs onnxruntime >= {needed[0]}.{needed[1]} laid out "
+            f"{'split' if split else 'in one session'}; this is onnxruntime {ort.__version__}"
+        )
 
 
 def _splits(report: HeadReport, placement: Placement) -> bool:

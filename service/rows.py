@@ -22,6 +22,9 @@ from onnx import TensorProto
 
 from service.quantize import QuantSpec, dequantize
 
+#: Quantized rows dequantized at a time (float temporaries ~4 x this x d_model x 4 bytes).
+DEQUANTIZE_ROWS = 64
+
 
 class RowSource(Protocol):
     """Float32 rows of an embedding table for a flat array of ids (already range-checked)."""
@@ -77,6 +80,14 @@ class QuantizedRows:
         self._d_model = d_model
 
     def rows(self, ids: npt.NDArray[np.int64]) -> npt.NDArray[np.float32]:
+        """Dequantized ``DEQUANTIZE_ROWS`` at a time: the float temporaries stay small."""
+        out = np.empty((len(ids), self._d_model), np.float32)
+        for start in range(0, len(ids), DEQUANTIZE_ROWS):
+            part = ids[start : start + DEQUANTIZE_ROWS]
+            out[start : start + len(part)] = self._dequantized(part)
+        return out
+
+    def _dequantized(self, ids: npt.NDArray[np.int64]) -> npt.NDArray[np.float32]:
         codes, scales, *zero_points = (part.read(ids) for part in self._parts)
         if not zero_points:  # MatMulNBits' default: the middle code
             zero_points = [_middle_codes(len(ids), scales.shape[1], self._spec)]

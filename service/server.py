@@ -25,6 +25,7 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from service.app import create_app
+from service.memory import settle_allocator
 from service.settings import Settings
 
 logger = logging.getLogger("lmhead")
@@ -34,6 +35,7 @@ FD_MARGIN = 64  # descriptors for model files, the log, the event loop itself
 def run(settings: Settings) -> None:
     """Serve ``create_app(settings)`` until SIGINT/SIGTERM (graceful: requests drain)."""
     _raise_descriptor_limit(settings.max_connections + FD_MARGIN)
+    settle_allocator()
     uvicorn.run(
         create_app(settings),
         host=settings.host,

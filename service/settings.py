@@ -78,7 +78,7 @@ class Settings(PlaceSettings):
     intra_op_threads: int = Field(default=0, ge=0)
     """onnxruntime threads per run; 0 means one per physical core."""
     memory_mode: MemoryMode = "shared"
-    """shared: a tied head holds its matrix once (~1.1x W, ~20% slower at 64 rows); fast: ~2x W."""
+    """shared: a tied head holds its matrix once (~1.0x W, full speed); fast: ~2x W."""
     provider: ProviderChoice = "auto"
     """Execution provider: auto (CUDA when present, else CPU), cuda (falls back to CPU), cpu."""
     cuda_tf32: bool = False
