@@ -6,12 +6,16 @@ VENV ?= .venv
 # are loaded there too, by tests/integration/test_runtimes.py.
 ORT_OLDEST ?= 1.18.0
 OLDEST ?= .venv-oldest
+# Manifest validation (deploy/validate.py) in its own environment: the KServe SDK's models
+# (installed without its model-server dependencies) and kubernetes-validate's schemas.
+DEPLOY ?= .venv-deploy
+KSERVE_SDK ?= 0.21.0
 REPOSITORY ?= models
 EXTRAS ?= cpu,dev
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run demo test lint typecheck pytest docker-test bench clean
+.PHONY: install run demo test lint typecheck pytest deploy-check docker-test bench clean
 
 $(STAMP): pyproject.toml
 	rm -rf $(VENV)
@@ -48,6 +52,17 @@ pytest: install $(OLDEST)/.installed
 ## Everything CI checks: install, lint, type-check, the whole test suite.
 test: lint typecheck pytest
 
+$(DEPLOY)/.installed: Makefile
+	rm -rf $(DEPLOY)
+	$(PYTHON) -m venv $(DEPLOY)
+	$(DEPLOY)/bin/python -m pip install --quiet --no-deps "kserve==$(KSERVE_SDK)"
+	$(DEPLOY)/bin/python -m pip install --quiet six kubernetes kubernetes-validate pyyaml
+	touch $@
+
+## Validate every Kubernetes and KServe manifest offline (CI runs it after `make test`).
+deploy-check: $(DEPLOY)/.installed
+	$(DEPLOY)/bin/python deploy/validate.py deploy/kubernetes/*.yaml deploy/kserve/*.yaml
+
 ## CI's second stage: build and run the image and the compose service (needs a Docker engine;
 ## on machines without Docker Hub or a bridge network, ../shared/docker/up.sh provides one).
 docker-test: install
@@ -61,4 +76,4 @@ bench: install
 	$(BIN)/python -m bench.import_head
 
 clean:
-	rm -rf $(VENV) $(OLDEST) .mypy_cache .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(OLDEST) $(DEPLOY) .mypy_cache .pytest_cache .ruff_cache

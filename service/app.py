@@ -65,7 +65,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         background = [loading]
         if settings.control_mode == "poll":
             poller = RepositoryPoller(
-                registry, settings.repository, settings.poll_interval_s, metrics
+                registry,
+                settings.repository,
+                settings.poll_interval_s,
+                metrics,
+                settings.model_name,
             )
             background.append(asyncio.create_task(_follow(loading, poller), name="lmhead-poll"))
         try:
@@ -96,7 +100,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 async def _start(settings: Settings, registry: Registry) -> None:
     """Write the demo heads into an empty repository when asked, then load everything."""
     try:
-        if settings.create_demo_models and not model_names(settings.repository):
+        demo = settings.create_demo_models and settings.model_name is None
+        if demo and not model_names(settings.repository):
             written = await asyncio.to_thread(write_demo_models, settings.repository)
             logger.info("repository was empty: wrote the demo heads %s", written)
         await registry.load_all()

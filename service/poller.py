@@ -41,10 +41,16 @@ class RepositoryPoller:
     """Scans every ``interval_s`` and applies changes that were stable for two scans."""
 
     def __init__(
-        self, registry: Registry, repository: Path, interval_s: float, metrics: Metrics
+        self,
+        registry: Registry,
+        repository: Path,
+        interval_s: float,
+        metrics: Metrics,
+        only: str | None = None,
     ) -> None:
         self._registry = registry
         self._repository = repository
+        self._only = only
         self._interval_s = interval_s
         self._metrics = metrics
         self._seen: dict[str, ModelSignature] = {}
@@ -52,7 +58,7 @@ class RepositoryPoller:
 
     async def prime(self) -> None:
         """Take what start-up loaded as applied, so the first scans change nothing."""
-        for name in await asyncio.to_thread(model_names, self._repository):
+        for name in await asyncio.to_thread(model_names, self._repository, self._only):
             current = await asyncio.to_thread(model_signature, self._repository, name)
             self._seen[name] = self._applied[name] = current
 
@@ -65,7 +71,7 @@ class RepositoryPoller:
                 logger.exception("repository scan failed")
 
     async def scan(self) -> None:
-        names = await asyncio.to_thread(model_names, self._repository)
+        names = await asyncio.to_thread(model_names, self._repository, self._only)
         for name in names:
             current = await asyncio.to_thread(model_signature, self._repository, name)
             stable = self._seen.get(name) == current

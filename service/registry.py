@@ -149,7 +149,15 @@ class Registry:
                 f"the repository {str(repository)[:200]!r} is not a directory "
                 "(LMHEAD_REPOSITORY or --repository)"
             )
-        for name in model_names(repository):
+        names = model_names(repository, self._settings.model_name)
+        only = self._settings.model_name
+        if only is not None and not names:
+            raise RepositoryError(
+                f"LMHEAD_MODEL_NAME is {only!r} but the repository has no such model "
+                f"directory (it holds {model_names(repository)[:20]}): expected "
+                f"{only}/<version>/model.onnx"
+            )
+        for name in names:
             try:
                 await self.load(name)
             except Exception as error:  # one bad model must not keep the service unready
@@ -168,6 +176,9 @@ class Registry:
         and warmed first. If nothing new could be loaded, the serving versions stay.
         """
         _check_name(name)
+        only = self._settings.model_name
+        if only is not None and name != only:
+            raise ModelNotFound(f"this server serves only {only!r} (LMHEAD_MODEL_NAME)")
         if name not in self._records and not (self._settings.repository / name).is_dir():
             raise ModelNotFound(f"no model directory {name!r} in the repository")
         async with self._locks.setdefault(name, asyncio.Lock()):
@@ -198,7 +209,8 @@ class Registry:
 
     def index(self) -> list[dict[str, Any]]:
         """Every model in memory or on disk, one row per version, with state and reason."""
-        names = set(self._records) | set(model_names(self._settings.repository))
+        on_disk = model_names(self._settings.repository, self._settings.model_name)
+        names = set(self._records) | set(on_disk)
         rows = []
         for name in sorted(names):
             record = self._records.get(name, ModelRecord(name, ModelState.UNAVAILABLE))

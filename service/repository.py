@@ -127,12 +127,16 @@ def is_valid_name(name: str) -> bool:
     return bool(NAME_PATTERN.fullmatch(name)) and name not in {".", ".."}
 
 
-def model_names(repository: Path) -> list[str]:
-    """Model directories in the repository, sorted; hidden and odd names are skipped."""
+def model_names(repository: Path, only: str | None = None) -> list[str]:
+    """Model directories in the repository, sorted; hidden and odd names are skipped.
+    ``only`` keeps that one name (``LMHEAD_MODEL_NAME``: one model per server, as KServe
+    runs them)."""
     if not repository.is_dir():
         return []
     return sorted(
-        entry.name for entry in repository.iterdir() if entry.is_dir() and is_valid_name(entry.name)
+        entry.name
+        for entry in repository.iterdir()
+        if entry.is_dir() and is_valid_name(entry.name) and only in (None, entry.name)
     )
 
 

@@ -31,6 +31,8 @@ class PlaceSettings(BaseSettings):
     """Model repository: `<name>/<version>/model.onnx` (+ optional `<name>/config.json`)."""
     port: int = Field(default=8000, ge=0, le=65535)
     """TCP port (0 picks a free one)."""
+    model_name: str | None = None
+    """Serve only this model; start-up fails without it (KServe passes its service's name)."""
 
 
 class Settings(PlaceSettings):

@@ -112,6 +112,9 @@ def _parser(place: PlaceSettings) -> argparse.ArgumentParser:
     serve.add_argument("--repository", type=Path, help="overrides LMHEAD_REPOSITORY")
     serve.add_argument("--host", help="overrides LMHEAD_HOST")
     serve.add_argument("--port", type=int, help="overrides LMHEAD_PORT")
+    serve.add_argument(
+        "--model-name", help="serve only this model (overrides LMHEAD_MODEL_NAME; KServe's name)"
+    )
     serve.set_defaults(handler=commands.serve)
 
     importer = subcommands.add_parser("import", help="make a head from a HF safetensors checkpoint")

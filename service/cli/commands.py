@@ -39,7 +39,12 @@ def serve(args: argparse.Namespace) -> int:
     from service import server
     from service.settings import Settings
 
-    flags = {"repository": args.repository, "host": args.host, "port": args.port}
+    flags = {
+        "repository": args.repository,
+        "host": args.host,
+        "port": args.port,
+        "model_name": args.model_name,
+    }
     settings = Settings(**{key: value for key, value in flags.items() if value is not None})
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server.run(settings)

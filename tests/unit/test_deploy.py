@@ -1,0 +1,136 @@
+"""The deploy/ manifests agree with the image and the service they run.
+
+Schemas are checked by ``make deploy-check`` (deploy/validate.py, its own environment); this
+checks what no schema knows: every ``LMHEAD_*`` variable is a setting with a valid value,
+ports, paths and user match the Dockerfile and the settings, probes hit real endpoints,
+KServe's arguments parse as ``lmhead serve`` arguments, and memory limits cover the models
+plus what requests may hold (``worst_case_extra_bytes``).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from service.app import create_app
+from service.cli import _parser
+from service.limits import worst_case_extra_bytes
+from service.settings import PlaceSettings, Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKERFILE = (ROOT / "Dockerfile").read_text(encoding="utf-8")
+#: The demo repository in one server, measured (README, deploy/kubernetes/lmhead.yaml).
+DEMO_RESIDENT_BYTES = 342 * 10**6
+UNITS = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30}
+
+
+def _documents(pattern: str) -> list[dict[str, Any]]:
+    paths = sorted(ROOT.glob(pattern))
+    assert paths, pattern
+    return [doc for path in paths for doc in yaml.safe_load_all(path.read_text(encoding="utf-8"))]
+
+
+def _containers() -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """(kind, pod-level spec, container) for every lmhead container in deploy/."""
+    found = []
+    for doc in _documents("deploy/kubernetes/*.yaml"):
+        if doc["kind"] == "Deployment":
+            pod = doc["spec"]["template"]["spec"]
+            found += [(doc["kind"], pod, container) for container in pod["containers"]]
+    for doc in _documents("deploy/kserve/*.yaml"):
+        if doc["kind"] == "ServingRuntime":
+            found += [(doc["kind"], doc["spec"], c) for c in doc["spec"]["containers"]]
+    return found
+
+
+def _settings(container: dict[str, Any]) -> Settings:
+    """The settings the container runs with: its env, then its `lmhead serve` arguments."""
+    values = {
+        item["name"].removeprefix("LMHEAD_").lower(): item["value"]
+        for item in container.get("env", [])
+    }
+    args = container.get("args")
+    if args:
+        assert args[:2] == ["lmhead", "serve"], args
+        parsed = _parser(PlaceSettings()).parse_args(args[1:])
+        flags = {"repository": parsed.repository, "port": parsed.port}
+        values |= {key: value for key, value in flags.items() if value is not None}
+        values["model_name"] = parsed.model_name
+    return Settings.model_validate(values)
+
+
+def _bytes(quantity: str) -> int:
+    number, unit = re.fullmatch(r"(\d+)(Ki|Mi|Gi)", quantity).groups()  # type: ignore[union-attr]
+    return int(number) * UNITS[unit]
+
+
+@pytest.mark.parametrize("entry", _containers(), ids=lambda e: f"{e[0]}-{e[2]['name']}")
+def test_each_container_runs_valid_settings_on_its_declared_port(
+    entry: tuple[str, dict[str, Any], dict[str, Any]],
+) -> None:
+    kind, pod, container = entry
+    for item in container.get("env", []):
+        assert item["name"].startswith("LMHEAD_")
+        assert item["name"].removeprefix("LMHEAD_").lower() in Settings.model_fields, item
+    settings = _settings(container)
+    assert [p["containerPort"] for p in container["ports"]] == [settings.port]
+    assert settings.host == "0.0.0.0"
+    mounted = {m["mountPath"] for m in container.get("volumeMounts", [])}
+    expected = "/mnt/models" if kind == "ServingRuntime" else "/models"
+    assert str(settings.repository) == expected
+    assert kind == "ServingRuntime" or expected in mounted
+    if kind == "ServingRuntime":
+        assert settings.model_name == "{{.Name}}"  # KServe's template for the service name
+        assert not settings.create_demo_models
+    user = pod.get("securityContext", {}).get("runAsUser")
+    assert user in (None, 10001)
+    assert "USER 10001:10001" in DOCKERFILE
+
+
+@pytest.mark.parametrize("entry", _containers(), ids=lambda e: f"{e[0]}-{e[2]['name']}")
+def test_images_probes_and_memory_match_the_service(
+    entry: tuple[str, dict[str, Any], dict[str, Any]],
+) -> None:
+    _, _, container = entry
+    image = container["image"]
+    assert image in ("lmhead:latest", "lmhead:gpu")
+    assert (" AS gpu" if image.endswith("gpu") else " AS cpu") in DOCKERFILE
+    assert "EXPOSE 8000" in DOCKERFILE
+    settings = _settings(container)
+    paths = set(create_app(settings).openapi()["paths"])
+    port_names = {p.get("name") for p in container["ports"]} | {settings.port}
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        if probe in container:
+            target = container[probe]["httpGet"]
+            assert target["path"] in paths, (probe, target)
+            assert target["port"] in port_names, (probe, target)
+    limit = _bytes(container["resources"]["limits"]["memory"])
+    assert limit >= DEMO_RESIDENT_BYTES + worst_case_extra_bytes(settings), container["name"]
+    assert _bytes(container["resources"]["requests"]["memory"]) >= DEMO_RESIDENT_BYTES
+
+
+def test_services_and_autoscalers_point_at_the_deployment() -> None:
+    documents = {(d["kind"], d["metadata"]["name"]): d for d in _documents("deploy/**/*.yaml")}
+    deployment = documents[("Deployment", "lmhead")]
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    service = documents[("Service", "lmhead")]["spec"]
+    assert service["selector"].items() <= labels.items()
+    assert service["ports"][0]["targetPort"] == "http"
+    target = documents[("HorizontalPodAutoscaler", "lmhead")]["spec"]["scaleTargetRef"]
+    assert (target["kind"], target["name"]) == ("Deployment", "lmhead")
+    claims = {
+        volume["persistentVolumeClaim"]["claimName"]
+        for doc in documents.values()
+        if doc["kind"] == "Deployment"
+        for volume in doc["spec"]["template"]["spec"]["volumes"]
+    }
+    assert claims == {documents[("PersistentVolumeClaim", "lmhead-models")]["metadata"]["name"]}
+    isvc = documents[("InferenceService", "demo-tied")]["spec"]["predictor"]["model"]
+    runtime = documents[("ServingRuntime", isvc["runtime"])]["spec"]
+    assert isvc["modelFormat"]["name"] in {f["name"] for f in runtime["supportedModelFormats"]}
+    assert isvc["protocolVersion"] in runtime["protocolVersions"]
+    assert isvc["storageUri"] == "pvc://lmhead-models/"
