@@ -100,7 +100,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 async def _start(settings: Settings, registry: Registry) -> None:
     """Write the demo heads into an empty repository when asked, then load everything."""
     try:
-        demo = settings.create_demo_models and settings.model_name is None
+        demo = (
+            settings.create_demo_models and settings.model_name is None and settings.load_at_start
+        )
         if demo and not model_names(settings.repository):
             written = await asyncio.to_thread(write_demo_models, settings.repository)
             logger.info("repository was empty: wrote the demo heads %s", written)

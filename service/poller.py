@@ -47,10 +47,12 @@ class RepositoryPoller:
         interval_s: float,
         metrics: Metrics,
         only: str | None = None,
+        lazy: bool = False,
     ) -> None:
         self._registry = registry
         self._repository = repository
         self._only = only
+        self._lazy = lazy
         self._interval_s = interval_s
         self._metrics = metrics
         self._seen: dict[str, ModelSignature] = {}
@@ -72,6 +74,8 @@ class RepositoryPoller:
 
     async def scan(self) -> None:
         names = await asyncio.to_thread(model_names, self._repository, self._only)
+        if self._lazy:  # models load when asked: follow only those loaded
+            names = [name for name in names if self._registry.knows(name)]
         for name in names:
             current = await asyncio.to_thread(model_signature, self._repository, name)
             stable = self._seen.get(name) == current

@@ -157,7 +157,7 @@ class Registry:
                 f"directory (it holds {model_names(repository)[:20]}): expected "
                 f"{only}/<version>/model.onnx"
             )
-        for name in names:
+        for name in names if self._settings.load_at_start else []:
             try:
                 await self.load(name)
             except Exception as error:  # one bad model must not keep the service unready

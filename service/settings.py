@@ -90,6 +90,8 @@ class Settings(PlaceSettings):
     """Where a version is copied while it loads (default: the system's temp directory)."""
     create_demo_models: bool = False
     """Write the demo heads at start when the repository has no models (the image sets it)."""
+    load_at_start: bool = True
+    """false: start with no model loaded; each loads when asked (control API, Ray Serve)."""
     shadow_max_pending: int = Field(default=8, ge=1)
     """Shadow runs in flight before further samples are dropped (and counted)."""
     log_level: LogLevel = "info"
