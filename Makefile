@@ -10,12 +10,14 @@ OLDEST ?= .venv-oldest
 # (installed without its model-server dependencies) and kubernetes-validate's schemas.
 DEPLOY ?= .venv-deploy
 KSERVE_SDK ?= 0.21.0
+# Ray Serve (service/rayserve.py) and its multi-node cluster tests, in their own environment.
+RAY_VENV ?= .venv-ray
 REPOSITORY ?= models
 EXTRAS ?= cpu,dev
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run demo test lint typecheck pytest deploy-check docker-test bench clean
+.PHONY: install run demo test lint typecheck pytest deploy-check ray-test docker-test bench clean
 
 $(STAMP): pyproject.toml
 	rm -rf $(VENV)
@@ -63,6 +65,18 @@ $(DEPLOY)/.installed: Makefile
 deploy-check: $(DEPLOY)/.installed
 	$(DEPLOY)/bin/python deploy/validate.py deploy/kubernetes/*.yaml deploy/kserve/*.yaml
 
+$(RAY_VENV)/.installed: pyproject.toml
+	rm -rf $(RAY_VENV)
+	$(PYTHON) -m venv $(RAY_VENV)
+	$(RAY_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(RAY_VENV)/bin/python -m pip install --quiet -e '.[cpu,dev,ray]'
+	touch $@
+
+## lmhead on a real three-node Ray cluster (head + two workers on this machine): spread,
+## publishing, a killed node, autoscaling, multiplexing (CI runs it after deploy-check).
+ray-test: $(RAY_VENV)/.installed
+	LMHEAD_RAY_TESTS=1 $(RAY_VENV)/bin/pytest tests/ray
+
 ## CI's second stage: build and run the image and the compose service (needs a Docker engine;
 ## on machines without Docker Hub or a bridge network, ../shared/docker/up.sh provides one).
 docker-test: install
@@ -76,4 +90,4 @@ bench: install
 	$(BIN)/python -m bench.import_head
 
 clean:
-	rm -rf $(VENV) $(OLDEST) $(DEPLOY) .mypy_cache .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(OLDEST) $(DEPLOY) $(RAY_VENV) .mypy_cache .pytest_cache .ruff_cache

@@ -74,8 +74,8 @@ class RepositoryPoller:
 
     async def scan(self) -> None:
         names = await asyncio.to_thread(model_names, self._repository, self._only)
-        if self._lazy:  # models load when asked: follow only those loaded
-            names = [name for name in names if self._registry.knows(name)]
+        if self._lazy:  # models load when asked: follow only those held, not the unloaded
+            names = [name for name in names if self._registry.holds(name)]
         for name in names:
             current = await asyncio.to_thread(model_signature, self._repository, name)
             stable = self._seen.get(name) == current

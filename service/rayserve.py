@@ -10,8 +10,8 @@ loads the models it is asked for (Serve's model multiplexing routes a request ca
 most ``max_models_per_replica``, least recently used first out), so a repository larger than
 one machine's memory can be served.
 
-    serve run service.rayserve:app                     # defaults; or deploy/ray/serve.yaml
-    lmhead serve --ray [--replicas N]                  # the same, from the command line
+    serve run deploy/ray/serve.yaml          # autoscaling, settings in runtime_env
+    lmhead serve --ray [--replicas N]        # on the Ray cluster of RAY_ADDRESS, or a local one
 
 Needs the ``ray`` extra (``pip install .[ray]``); nothing else imports this module.
 """
@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from typing import Any
 
+import ray
 from ray import serve
 from ray.serve import Application
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -31,7 +31,7 @@ from service.app import create_app
 from service.settings import Settings
 
 logger = logging.getLogger("lmhead")
-#: Every answer names the node and replica that computed it (spread and failover are visible).
+#: Every answer names the Ray node and replica that computed it (spread and failover show).
 NODE_HEADER = b"x-lmhead-node"
 REPLICA_HEADER = b"x-lmhead-replica"
 
@@ -40,11 +40,10 @@ class Replica:
     """One lmhead service per replica (``LMHead`` is this class as a Serve deployment)."""
 
     def __init__(self, settings: dict[str, Any] | None = None, max_models: int = 0) -> None:
-        self._settings = Settings(**(settings or {}))
+        self._settings = _threads_for_replica(Settings(**(settings or {})))
         self._max_models = max_models
-        context = serve.get_replica_context()
-        self._replica = context.replica_id.unique_id
-        self._node = f"{socket.gethostname()}:{os.getpid()}"
+        self._replica = serve.get_replica_context().replica_id.unique_id
+        self._node = ray.get_runtime_context().get_node_id()
 
     def __serve_build_asgi_app__(self) -> ASGIApp:
         app = create_app(self._settings)
@@ -85,24 +84,39 @@ class Replica:
     def _multiplexing(self, app: ASGIApp) -> ASGIApp:
         """Load the model a request names (Serve's multiplexed id) before it runs."""
 
+        model = self._loader()
+
         async def multiplexed(scope: Scope, receive: Receive, send: Send) -> None:
             name = serve.get_multiplexed_model_id() if scope["type"] == "http" else ""
             if name:
-                await self.model(name)
+                await model(name)
             await app(scope, receive, send)
 
         return multiplexed
 
-    @serve.multiplexed(max_num_models_per_replica=8)
-    async def model(self, name: str) -> _Resident:
-        """Load ``name`` into this replica's registry; Serve evicts the least recently used
-        past the limit (``_Resident.__del__`` unloads it)."""
-        registry = self._app_state.registry
-        await registry.load(name)
-        return _Resident(registry, name)
+    def _loader(self) -> Any:
+        """Serve's multiplexed loader for this replica: loads a model into the registry; Serve
+        evicts the least recently used past ``max_models`` (``_Resident.__del__`` unloads)."""
+
+        async def load(name: str) -> _Resident:
+            registry = self._app_state.registry
+            await registry.load(name)
+            return _Resident(registry, name)
+
+        return serve.multiplexed(max_num_models_per_replica=self._max_models)(load)
 
 
 LMHead: Any = serve.deployment(serve.ingress()(Replica))
+
+
+def _threads_for_replica(settings: Settings) -> Settings:
+    """onnxruntime ignores ``OMP_NUM_THREADS``, Ray's per-actor thread limit: unless set, a
+    replica's onnxruntime threads follow its ``num_cpus``, so replicas sharing a node do not
+    each start a thread per core and fight over them."""
+    cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0)
+    if settings.intra_op_threads or not cpus:
+        return settings
+    return settings.model_copy(update={"intra_op_threads": max(1, int(cpus))})
 
 
 class _Resident:
@@ -127,3 +141,24 @@ def build(args: dict[str, Any]) -> Application:
 
 
 app = LMHead.bind()
+
+
+def run(settings: Settings, replicas: int | None, max_models: int = 0) -> None:
+    """``lmhead serve --ray``: this application on the Ray cluster ``RAY_ADDRESS`` names (a
+    local one otherwise), Serve's proxy on the settings' host and port; blocks until Ctrl-C."""
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, logging_level="warning")
+    else:  # a cluster of this machine alone: Ray's own ports stay on loopback
+        ray.init(
+            address="local",  # a new one, never a stale cluster `ray start` left on the machine
+            _node_ip_address="127.0.0.1",
+            logging_level="warning",
+            include_dashboard=False,
+        )
+    serve.start(http_options={"host": settings.host, "port": settings.port})
+    fields = settings.model_dump(exclude_unset=True, exclude={"host", "port"})
+    args = {**fields, "max_models": max_models}
+    if replicas is not None:
+        args["replicas"] = replicas
+    serve.run(build(args), name="lmhead", route_prefix="/", blocking=True)

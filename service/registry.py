@@ -238,6 +238,11 @@ class Registry:
     def knows(self, name: str) -> bool:
         return name in self._records
 
+    def holds(self, name: str) -> bool:
+        """Loaded, loading or failed: asked for and not unloaded since."""
+        record = self._records.get(name)
+        return record is not None and record.state != ModelState.UNAVAILABLE
+
     def record(self, name: str) -> ModelRecord:
         if name not in self._records:
             raise ModelNotFound(f"model {name[:64]!r} not found")

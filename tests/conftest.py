@@ -20,15 +20,17 @@ from service.repository import MODEL_FILE
 VOCAB = 997
 D_MODEL = 48
 
-# tests/docker needs a running container (.ci/docker starts one and sets the URL).
+# tests/docker needs a running container (.ci/docker starts one and sets the URL); tests/ray
+# a multi-node Ray cluster and the ray extra (`make ray-test` sets LMHEAD_RAY_TESTS).
 collect_ignore = [] if os.environ.get("LMHEAD_DOCKER_URL") else ["docker"]
+collect_ignore += [] if os.environ.get("LMHEAD_RAY_TESTS") else ["ray"]
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """tests/unit -> unit, tests/integration -> integration: markers by folder."""
     for item in items:
         folder = Path(str(item.fspath)).parent.name
-        if folder in {"unit", "integration", "docker"}:
+        if folder in {"unit", "integration", "docker", "ray"}:
             item.add_marker(getattr(pytest.mark, folder))
 
 

@@ -115,6 +115,16 @@ def _parser(place: PlaceSettings) -> argparse.ArgumentParser:
     serve.add_argument(
         "--model-name", help="serve only this model (overrides LMHEAD_MODEL_NAME; KServe's name)"
     )
+    serve.add_argument(
+        "--ray", action="store_true", help="run as a Ray Serve application (the ray extra)"
+    )
+    serve.add_argument("--replicas", type=int, help="with --ray: fixed replicas (default 1)")
+    serve.add_argument(
+        "--max-models",
+        type=int,
+        default=0,
+        help="with --ray: load models on request, at most this many per replica (multiplexing)",
+    )
     serve.set_defaults(handler=commands.serve)
 
     importer = subcommands.add_parser("import", help="make a head from a HF safetensors checkpoint")

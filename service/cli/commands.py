@@ -47,6 +47,17 @@ def serve(args: argparse.Namespace) -> int:
     }
     settings = Settings(**{key: value for key, value in flags.items() if value is not None})
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.ray:
+        try:
+            from service import rayserve
+        except ImportError as error:
+            raise CommandError(
+                f"--ray needs the ray extra (pip install '.[ray]'): {error}"
+            ) from None
+        rayserve.run(settings, args.replicas, args.max_models)
+        return 0
+    if args.replicas is not None or args.max_models:
+        raise CommandError("--replicas and --max-models go with --ray")
     server.run(settings)
     return 0
 

@@ -114,7 +114,8 @@ def test_images_probes_and_memory_match_the_service(
 
 
 def test_services_and_autoscalers_point_at_the_deployment() -> None:
-    documents = {(d["kind"], d["metadata"]["name"]): d for d in _documents("deploy/**/*.yaml")}
+    manifests = _documents("deploy/kubernetes/*.yaml") + _documents("deploy/kserve/*.yaml")
+    documents = {(d["kind"], d["metadata"]["name"]): d for d in manifests}
     deployment = documents[("Deployment", "lmhead")]
     labels = deployment["spec"]["template"]["metadata"]["labels"]
     service = documents[("Service", "lmhead")]["spec"]

@@ -21,13 +21,14 @@ from service.settings import Settings
 Scenario = Callable[[Registry, RepositoryPoller], Awaitable[None]]
 
 
-def _run(repository: Path, scenario: Scenario) -> None:
+def _run(repository: Path, scenario: Scenario, lazy: bool = False) -> None:
     async def main() -> None:
         with ThreadPoolExecutor(1) as executor:
             metrics = Metrics()
-            registry = Registry(Settings(repository=repository), executor, metrics)
+            settings = Settings(repository=repository, load_at_start=not lazy)
+            registry = Registry(settings, executor, metrics)
             await registry.load_all()
-            poller = RepositoryPoller(registry, repository, 1.0, metrics)
+            poller = RepositoryPoller(registry, repository, 1.0, metrics, lazy=lazy)
             await poller.prime()
             try:
                 await scenario(registry, poller)
@@ -127,3 +128,28 @@ def test_a_removed_model_is_unloaded_and_a_new_one_loaded(
         assert registry.get("new").version == 1
 
     _run(repository, scenario)
+
+
+def test_started_empty_it_follows_only_the_models_asked_for(
+    tmp_path: Path, table: npt.NDArray[np.float32]
+) -> None:
+    """LMHEAD_LOAD_AT_START=false (Ray Serve multiplexing): new versions of a model that was
+    loaded on request are followed; one never asked for, or unloaded since, stays out."""
+    repository = tmp_path / "models"
+    for name in ("asked", "never", "evicted"):
+        save_head(HeadWeights.from_arrays(table), repository / name / "1")
+
+    async def scenario(registry: Registry, poller: RepositoryPoller) -> None:
+        assert registry.records() == []
+        await registry.load("asked")
+        await registry.load("evicted")
+        await registry.unload("evicted")
+        for name in ("asked", "never", "evicted"):
+            save_head(HeadWeights.from_arrays(table * 2), repository / name / "2")
+        await poller.scan()
+        await poller.scan()
+        assert registry.get("asked").version == 2
+        assert not registry.knows("never")
+        assert registry.record("evicted").state == "UNAVAILABLE"
+
+    _run(repository, scenario, lazy=True)
