@@ -40,7 +40,7 @@ class Replica:
     """One lmhead service per replica (``LMHead`` is this class as a Serve deployment)."""
 
     def __init__(self, settings: dict[str, Any] | None = None, max_models: int = 0) -> None:
-        self._settings = _threads_for_replica(Settings(**(settings or {})))
+        self._settings = _threads_for_replica(_replica_settings(settings or {}))
         self._max_models = max_models
         self._replica = serve.get_replica_context().replica_id.unique_id
         self._node = ray.get_runtime_context().get_node_id()
@@ -107,6 +107,20 @@ class Replica:
 
 
 LMHead: Any = serve.deployment(serve.ingress()(Replica))
+
+
+#: A control-API call through Serve's proxy reaches one replica, not all: unless told otherwise
+#: (args or ``LMHEAD_*``), replicas follow the shared repository and refuse load/unload (403).
+REPLICA_DEFAULTS = {"control_mode": "poll", "read_only": True}
+
+
+def _replica_settings(given: dict[str, Any]) -> Settings:
+    defaults = {
+        key: value
+        for key, value in REPLICA_DEFAULTS.items()
+        if f"LMHEAD_{key.upper()}" not in os.environ
+    }
+    return Settings(**{**defaults, **given})
 
 
 def _threads_for_replica(settings: Settings) -> Settings:

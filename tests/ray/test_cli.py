@@ -1,5 +1,6 @@
 """The README's Ray command as a user runs it: ``lmhead serve --ray`` starts a local Ray
-cluster and serves the repository through Serve's proxy; Ctrl-C stops it and its cluster.
+cluster and serves the repository through Serve's proxy, read-only (replicas follow the
+repository); Ctrl-C stops it and its cluster.
 
 Runs before the three-node cluster of test_cluster.py starts (the fixture is created on first
 use), so the two never share the machine's two cores.
@@ -53,6 +54,9 @@ def test_lmhead_serve_ray_answers_as_the_reference_and_stops_on_ctrl_c(tmp_path:
         assert response.headers["x-lmhead-replica"]
         expected = reference_logits(repository / "head" / "1", hidden).argmax(axis=1)
         assert [row["token_ids"][0] for row in response.json()["results"]] == expected.tolist()
+        # Replicas follow the repository; a load/unload would reach only one of them: refused.
+        unload = httpx.post(f"{url}/v2/repository/models/head/unload", timeout=30)
+        assert unload.status_code == 403, unload.text
         process.send_signal(signal.SIGINT)  # Ctrl-C
         assert process.wait(timeout=120) in (0, -signal.SIGINT, 130)
     finally:
