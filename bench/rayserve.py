@@ -3,7 +3,8 @@
 The same demo head (32000 x 512, `.npy` bodies, k=10) is served three ways on this machine:
 one ``lmhead serve`` process, and Ray Serve with 1 and 2 replicas behind Serve's HTTP proxy
 (a local one-node Ray cluster; each replica is a whole lmhead service with its own dynamic
-batching). Each is driven by 1 and 16 closed-loop aiohttp clients with 1-row and 64-row
+batching and onnxruntime threads = its ``num_cpus``: all the cores for one replica, half each
+for two). Each is driven by 1 and 16 closed-loop aiohttp clients with 1-row and 64-row
 requests (bounded in count and time, ``bench.serve``'s driver). The single process is measured
 before and after the Ray runs and averaged, so drift on a shared machine hits both sides alike.
 The 1-row, 1-client latency difference is the cost of Serve's proxy hop. Needs the ray extra.
@@ -14,6 +15,7 @@ The 1-row, 1-client latency difference is the cost of Serve's proxy hop. Needs t
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 from pathlib import Path
 
@@ -31,6 +33,7 @@ MODEL = "demo-tied"
 ROWS = (1, 64)
 CLIENTS = (1, 16)
 REPLICAS = (1, 2)
+CORES = os.cpu_count() or 1
 Runs = dict[tuple[int, int], Result]
 
 
@@ -77,9 +80,11 @@ def _on_ray(repository: Path) -> dict[int, Runs]:
     measured = {}
     try:
         for replicas in REPLICAS:
-            deployment = LMHead.options(num_replicas=replicas, ray_actor_options={"num_cpus": 1})
+            cpus = max(1, CORES // replicas)  # every configuration gets the machine's cores
+            deployment = LMHead.options(num_replicas=replicas, ray_actor_options={"num_cpus": cpus})
             serve.run(deployment.bind(settings), name="lmhead", route_prefix="/")
             measured[replicas] = _measure(f"http://127.0.0.1:{port}")
+            serve.delete("lmhead")  # its replicas free their CPUs for the next configuration
     finally:
         serve.shutdown()
         ray.shutdown()

@@ -15,7 +15,6 @@ README = BENCH.parent / "README.md"
 BEGIN = "<!-- bench.readme: begin -->"
 END = "<!-- bench.readme: end -->"
 Row = dict[str, str]
-BATCHING = "64 one-row JSON clients, batching on / off"
 
 
 def tables(name: str) -> list[list[Row]]:
@@ -51,7 +50,9 @@ def headlines() -> str:
     heads = tables("results-heads.md")[0]
     (swap,) = tables("results-swap.md")
     (shadow,) = tables("results-shadow.md")
-    before_after = tables("results-before-after.md")[0]
+    (ray,) = tables("results-ray.md")
+    ray_1, ray_2 = {"served by": "Ray Serve, 1 replica"}, {"served by": "Ray Serve, 2 replicas"}
+    at_64, at_1 = {"rows/req": "64", "clients": "16"}, {"rows/req": "1", "clients": "1"}
     gpu_memory, gpu_time, _, _ = tables("results-gpu.md")
     gpt2 = {"head": "tied fp32", "vocab x d": "50257 x 768"}
     int8 = {"head": "tied int8 b128", "vocab x d": "128256 x 2048"}
@@ -122,10 +123,12 @@ def headlines() -> str:
             "results-gpu.md",
         ),
         (
-            "one data plane (issue 12): batching on/off before / after",
-            f"{pick(before_after, 'before', measure=BATCHING)} / "
-            f"{pick(before_after, 'after', measure=BATCHING)}",
-            "results-before-after.md",
+            "Ray Serve, 1 / 2 replicas vs one process: 64 rows, 16 clients; 1-row p50 (ms)",
+            f"{pick(ray, 'vs single process', **ray_1, **at_64)} / "
+            f"{pick(ray, 'vs single process', **ray_2, **at_64)}; "
+            f"{pick(ray, 'p50 ms', **ray_1, **at_1)} vs "
+            f"{pick(ray, 'p50 ms', **{'served by': 'single process'}, **at_1)}",
+            "results-ray.md",
         ),
     ]
     lines = [

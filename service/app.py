@@ -70,6 +70,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 settings.poll_interval_s,
                 metrics,
                 settings.model_name,
+                lazy=not settings.load_at_start,
             )
             background.append(asyncio.create_task(_follow(loading, poller), name="lmhead-poll"))
         try:
