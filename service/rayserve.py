@@ -106,11 +106,11 @@ class Replica:
         return serve.multiplexed(max_num_models_per_replica=self._max_models)(load)
 
 
-#: Serve's defaults suit one-request-at-a-time models: a replica that batches wants many
-#: requests in flight (its own queue limit still answers 503 past LMHEAD_MAX_QUEUE_ROWS; at
-#: Serve's default of 5 the proxy holds the rest back and retries with backoff), and a drain
-#: as long as LMHEAD_DRAIN_TIMEOUT_S's default (30 s) before it is stopped.
-LMHead: Any = serve.deployment(max_ongoing_requests=64, graceful_shutdown_timeout_s=35)(
+#: Serve's defaults suit one-request-at-a-time models: a replica that batches wants more
+#: requests in flight (at Serve's default of 5 the proxy holds the rest back and retries with
+#: backoff: 1-row requests at 16 clients ran at 0.04x one process), and a drain as long as
+#: LMHEAD_DRAIN_TIMEOUT_S's default (30 s) before it is stopped.
+LMHead: Any = serve.deployment(max_ongoing_requests=32, graceful_shutdown_timeout_s=35)(
     serve.ingress()(Replica)
 )
 

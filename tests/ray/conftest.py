@@ -37,7 +37,21 @@ NODE_ENV = {
     # Replicas and handles report load every 0.5 s (default 10 s) so autoscaling tests are quick.
     "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
     "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
+    # The tests' one proxy (on the head) would keep requests on the head's replica until it is
+    # full; spread them as proxies on every node behind a load balancer do in production.
+    "RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING": "0",
 }
+
+
+#: Lines the tests report (requests sent, retried, failed), printed after the run.
+COUNTS: list[str] = []
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if COUNTS:
+        terminalreporter.section("requests counted under failures and publications")
+        for line in COUNTS:
+            terminalreporter.write_line(line)
 
 
 @dataclass
