@@ -60,6 +60,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         registry = Registry(settings, executor, metrics)
         plane = DataPlane(registry, settings, metrics)
         app.state.registry, app.state.plane = registry, plane
+        rpc = None if settings.grpc_port is None else await _serve_grpc(plane, settings, metrics)
         loading = asyncio.create_task(_start(settings, registry), name="lmhead-startup-load")
         app.state.loading = loading  # awaitable by embedders and in-process tests
         background = [loading]
@@ -76,6 +77,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         try:
             yield
         finally:
+            if rpc is not None:  # HTTP has drained (uvicorn); now gRPC's calls in flight
+                await rpc.stop(grace=settings.drain_timeout_s)
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
@@ -96,6 +99,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for module in (health, native, repository, v2):
         app.include_router(module.router)
     return app
+
+
+async def _serve_grpc(plane: DataPlane, settings: Settings, metrics: Metrics) -> Any:
+    """The gRPC front end (the grpc extra), imported only when a port is set."""
+    try:
+        from service import grpcserver
+    except ImportError as error:
+        raise RuntimeError(
+            f"LMHEAD_GRPC_PORT needs the grpc extra (pip install '.[grpc]'): {error}"
+        ) from None
+    return await grpcserver.start(plane, settings, metrics)
 
 
 async def _start(settings: Settings, registry: Registry) -> None:

@@ -53,6 +53,19 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.grpc_requests = Counter(
+            "lmhead_grpc_requests",
+            "gRPC calls by method and status code.",
+            ["method", "code"],
+            registry=self.registry,
+        )
+        self.grpc_duration = Histogram(
+            "lmhead_grpc_request_duration_seconds",
+            "Wall time of gRPC calls, request decoded to answer built.",
+            ["method"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.queue_duration = Histogram(
             "lmhead_queue_duration_seconds",
             "Time a request waited in its model's batch queue.",

@@ -44,6 +44,8 @@ class Settings(PlaceSettings):
 
     host: str = "127.0.0.1"
     """Address to bind; use 0.0.0.0 in a container."""
+    grpc_port: int | None = Field(default=None, ge=0, le=65535)
+    """Also serve the V2 protocol over gRPC on this port (the image uses 8001); off if unset."""
     default_k: int = Field(default=5, ge=1)
     """Top-k when a request does not say (a model's config.json may override it)."""
     max_k: int = Field(default=1000, ge=1)

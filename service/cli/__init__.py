@@ -113,6 +113,9 @@ def _parser(place: PlaceSettings) -> argparse.ArgumentParser:
     serve.add_argument("--host", help="overrides LMHEAD_HOST")
     serve.add_argument("--port", type=int, help="overrides LMHEAD_PORT")
     serve.add_argument(
+        "--grpc-port", type=int, help="also serve V2 over gRPC here (overrides LMHEAD_GRPC_PORT)"
+    )
+    serve.add_argument(
         "--model-name", help="serve only this model (overrides LMHEAD_MODEL_NAME; KServe's name)"
     )
     serve.add_argument(

@@ -43,6 +43,7 @@ def serve(args: argparse.Namespace) -> int:
         "repository": args.repository,
         "host": args.host,
         "port": args.port,
+        "grpc_port": args.grpc_port,
         "model_name": args.model_name,
     }
     settings = Settings(**{key: value for key, value in flags.items() if value is not None})

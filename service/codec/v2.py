@@ -31,7 +31,7 @@ from service.codec.wire import (
     target,
 )
 from service.errors import InvalidInput, MalformedBody
-from service.messages import InferRequest, InferResult, Target, Tokens
+from service.messages import HeadInfo, InferRequest, InferResult, Target, Tokens
 
 HEADER_LENGTH = "inference-header-content-length"
 DTYPES: dict[str, np.dtype[Any]] = {
@@ -91,9 +91,17 @@ def decode(body: bytes, header_length: str | None, to: Target) -> tuple[InferReq
         raise MalformedBody(f"inference header is not valid JSON ({error.msg})") from None
     if not isinstance(header, dict):
         raise MalformedBody("inference header must be a JSON object")
-    parameters = _mapping(header.get("parameters"), "parameters")
     # numpy reads a JSON ``true`` inside data as 1: scan for them when the header has any.
     booleans = b"true" in header_bytes or b"false" in header_bytes
+    return decode_header(header, binary, booleans, to)
+
+
+def decode_header(
+    header: dict[str, Any], binary: bytes, booleans: bool, to: Target
+) -> tuple[InferRequest, OutputPlan]:
+    """The request once parsed: inputs (typed ``data`` or ``binary_data_size`` bytes of
+    ``binary``), parameters and outputs. The gRPC front end builds the same header."""
+    parameters = _mapping(header.get("parameters"), "parameters")
     inputs = _inputs(header.get("inputs"), binary, booleans)
     default_binary = _flag(parameters, "binary_data_output")
     outputs = _outputs(header.get("outputs"), default_binary) or _default_outputs(
@@ -124,21 +132,15 @@ def encode(result: InferResult, plan: OutputPlan) -> tuple[bytes, dict[str, str]
     """JSON answer, or a JSON header + binary tensors when any output asked for binary."""
     outputs, blobs = [], []
     for request in plan.outputs:
-        array = _select(request, result)
-        datatype = "BYTES" if array.dtype.kind in "OUS" else _datatype(array.dtype)
-        entry: dict[str, Any] = {
-            "name": request.name,
-            "datatype": datatype,
-            "shape": list(array.shape),
-        }
+        array = select(request, result)
+        kind = "BYTES" if array.dtype.kind in "OUS" else datatype(array.dtype)
+        entry: dict[str, Any] = {"name": request.name, "datatype": kind, "shape": list(array.shape)}
         if request.binary:
-            blob = (
-                _bytes_blob(array) if datatype == "BYTES" else np.ascontiguousarray(array).tobytes()
-            )
+            blob = bytes_blob(array) if kind == "BYTES" else np.ascontiguousarray(array).tobytes()
             entry["parameters"] = {"binary_data_size": len(blob)}
             blobs.append(blob)
         else:
-            entry["data"] = array.reshape(-1).tolist() if datatype == "BYTES" else array.reshape(-1)
+            entry["data"] = array.reshape(-1).tolist() if kind == "BYTES" else array.reshape(-1)
         outputs.append(entry)
     payload: dict[str, Any] = {
         "model_name": result.head.name,
@@ -154,7 +156,30 @@ def encode(result: InferResult, plan: OutputPlan) -> tuple[bytes, dict[str, str]
     return header + b"".join(blobs), headers
 
 
-def _select(output: OutputRequest, result: InferResult) -> npt.NDArray[Any]:
+def model_metadata(head: HeadInfo, versions: list[int]) -> dict[str, Any]:
+    """Inputs, outputs and versions of a model, as the protocol describes them (REST, gRPC)."""
+    return {
+        "name": head.name,
+        "versions": [str(v) for v in versions],
+        "platform": "onnx_onnxv1",
+        "inputs": [
+            {"name": "hidden_states", "datatype": "FP32", "shape": [-1, head.d_model]},
+            {"name": "input_ids", "datatype": "INT64", "shape": [-1]},
+        ],
+        "outputs": [
+            {"name": "topk_token_ids", "datatype": "INT64", "shape": [-1, -1]},
+            {"name": "topk_logits", "datatype": "FP32", "shape": [-1, -1]},
+            {"name": "topk_logprobs", "datatype": "FP32", "shape": [-1, -1]},
+            {"name": "logsumexp", "datatype": "FP32", "shape": [-1]},
+            {"name": "logits", "datatype": "FP32", "shape": [-1, head.vocab_size]},
+            {"name": "embeddings", "datatype": "FP32", "shape": [-1, head.d_model]},
+        ],
+        "parameters": {"tied": head.tied, "version": head.version, "dtype": head.dtype}
+        | ({"block_size": head.block_size} if head.block_size else {}),
+    }
+
+
+def select(output: OutputRequest, result: InferResult) -> npt.NDArray[Any]:
     """The array one requested output carries."""
     topk = result.topk
     if output.name == "embeddings":
@@ -358,14 +383,14 @@ def _count(parameters: dict[str, Any], key: str, output: str) -> int | None:
     return value
 
 
-def _datatype(dtype: np.dtype[Any]) -> str:
+def datatype(dtype: np.dtype[Any]) -> str:
     for name, candidate in DTYPES.items():
         if candidate == dtype:
             return name
     raise ValueError(f"no V2 datatype for {dtype}")
 
 
-def _bytes_blob(array: npt.NDArray[Any]) -> bytes:
+def bytes_blob(array: npt.NDArray[Any]) -> bytes:
     parts = []
     for item in array.reshape(-1).tolist():
         raw = item.encode() if isinstance(item, str) else bytes(item)

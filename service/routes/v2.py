@@ -70,25 +70,7 @@ async def model_metadata(request: Request) -> dict[str, Any]:
     """Inputs, outputs and versions of a model, as the protocol describes them."""
     plane = plane_of(request)
     head = plane.head(target(request))
-    return {
-        "name": head.name,
-        "versions": [str(v) for v in plane.versions(head.name)],
-        "platform": "onnx_onnxv1",
-        "inputs": [
-            {"name": "hidden_states", "datatype": "FP32", "shape": [-1, head.d_model]},
-            {"name": "input_ids", "datatype": "INT64", "shape": [-1]},
-        ],
-        "outputs": [
-            {"name": "topk_token_ids", "datatype": "INT64", "shape": [-1, -1]},
-            {"name": "topk_logits", "datatype": "FP32", "shape": [-1, -1]},
-            {"name": "topk_logprobs", "datatype": "FP32", "shape": [-1, -1]},
-            {"name": "logsumexp", "datatype": "FP32", "shape": [-1]},
-            {"name": "logits", "datatype": "FP32", "shape": [-1, head.vocab_size]},
-            {"name": "embeddings", "datatype": "FP32", "shape": [-1, head.d_model]},
-        ],
-        "parameters": {"tied": head.tied, "version": head.version, "dtype": head.dtype}
-        | ({"block_size": head.block_size} if head.block_size else {}),
-    }
+    return v2.model_metadata(head, plane.versions(head.name))
 
 
 @router.get(**_metadata_route("/models/{name}/ready"))

@@ -1,0 +1,206 @@
+"""The Open Inference Protocol over gRPC (``inference.GRPCInferenceService``), in-process.
+
+A third front end over the same data plane as ``/v1`` and ``/v2``: ModelInfer is decode
+(``service.codec.grpc``) -> ``DataPlane.infer`` -> encode, under the same memory admission,
+limits, leases and batcher. Health, metadata, and Triton's repository RPCs (index, load,
+unload) follow the REST rules: the admin token comes as ``authorization: Bearer ...``
+metadata, read-only and control mode refuse with PERMISSION_DENIED. Every ``ServiceError``
+maps to one status code here, with its message; anything else is logged and answered
+INTERNAL without detail. RPCs lmhead has no use for (shared memory, streaming, trace) answer
+UNIMPLEMENTED. Started by the app's lifespan when ``LMHEAD_GRPC_PORT`` is set, stopped with a
+drain of ``LMHEAD_DRAIN_TIMEOUT_S``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+from tritonclient.grpc import service_pb2 as pb
+from tritonclient.grpc import service_pb2_grpc
+
+from service import __version__
+from service.codec import grpc as codec
+from service.codec.wire import off_loop
+from service.dataplane import DataPlane
+from service.errors import (
+    InvalidInput,
+    ModelNotReady,
+    PayloadTooLarge,
+    QueueFull,
+    ServerBusy,
+    ServiceError,
+    Unauthorized,
+)
+from service.limits import BODY_EXPANSION, charge
+from service.metrics import Metrics
+from service.settings import Settings
+
+logger = logging.getLogger("lmhead")
+Answer = TypeVar("Answer")
+EXTENSIONS = ["binary_tensor_data", "classification", "model_repository"]
+
+
+def status_of(error: ServiceError) -> grpc.StatusCode:
+    """The gRPC status for a service error (its HTTP status, where no class says more)."""
+    if isinstance(error, PayloadTooLarge):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(error, QueueFull | ServerBusy | ModelNotReady):
+        return grpc.StatusCode.UNAVAILABLE  # transient: retry with backoff
+    return {
+        400: grpc.StatusCode.INVALID_ARGUMENT,
+        401: grpc.StatusCode.UNAUTHENTICATED,
+        403: grpc.StatusCode.PERMISSION_DENIED,
+        404: grpc.StatusCode.NOT_FOUND,
+        406: grpc.StatusCode.INVALID_ARGUMENT,
+        415: grpc.StatusCode.INVALID_ARGUMENT,
+        422: grpc.StatusCode.INVALID_ARGUMENT,
+    }.get(error.status, grpc.StatusCode.INTERNAL)
+
+
+class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
+    """The servicer: each RPC is one data-plane call between decode and encode."""
+
+    def __init__(self, plane: DataPlane, metrics: Metrics) -> None:
+        self._plane = plane
+        self._metrics = metrics
+
+    async def _answer(
+        self, method: str, context: Any, call: Callable[[], Awaitable[Answer]]
+    ) -> Answer:
+        """Run one RPC: metrics, and every error mapped to a status code once."""
+        started, code = time.perf_counter(), grpc.StatusCode.OK
+        try:
+            return await call()
+        except ServiceError as error:
+            code = status_of(error)
+            await context.abort(code, error.message)  # raises: the RPC ends here
+            raise
+        except Exception:
+            logger.exception("gRPC %s failed", method)
+            code = grpc.StatusCode.INTERNAL
+            await context.abort(code, "internal error (logged by the server)")
+            raise
+        finally:
+            self._metrics.grpc_requests.labels(method, code.name).inc()
+            self._metrics.grpc_duration.labels(method).observe(time.perf_counter() - started)
+
+    # -- health and metadata ----------------------------------------------------------------
+
+    async def ServerLive(self, request: Any, context: Any) -> Any:
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request: Any, context: Any) -> Any:
+        try:
+            self._plane.check_ready()
+        except ModelNotReady:
+            return pb.ServerReadyResponse(ready=False)
+        return pb.ServerReadyResponse(ready=True)
+
+    async def ModelReady(self, request: Any, context: Any) -> Any:
+        async def ready() -> Any:
+            try:
+                self._plane.head(codec.target(request.name, request.version))
+            except ModelNotReady:
+                return pb.ModelReadyResponse(ready=False)
+            return pb.ModelReadyResponse(ready=True)
+
+        return await self._answer("ModelReady", context, ready)
+
+    async def ServerMetadata(self, request: Any, context: Any) -> Any:
+        return pb.ServerMetadataResponse(name="lmhead", version=__version__, extensions=EXTENSIONS)
+
+    async def ModelMetadata(self, request: Any, context: Any) -> Any:
+        async def metadata() -> Any:
+            head = self._plane.head(codec.target(request.name, request.version))
+            return codec.model_metadata(head, self._plane.versions(head.name))
+
+        return await self._answer("ModelMetadata", context, metadata)
+
+    # -- inference --------------------------------------------------------------------------
+
+    async def ModelInfer(self, request: Any, context: Any) -> Any:
+        async def infer() -> Any:
+            with self._plane.admit():  # the request's memory, held until answered
+                size = sum(len(raw) for raw in request.raw_input_contents)
+                charge(size * BODY_EXPANSION)
+                decoded, plan = await off_loop(size, codec.decode, request)
+                result = await self._plane.infer(decoded)
+                return await off_loop(size, codec.encode, result, plan)
+
+        return await self._answer("ModelInfer", context, infer)
+
+    # -- repository (Triton's extension) ----------------------------------------------------
+
+    async def RepositoryIndex(self, request: Any, context: Any) -> Any:
+        async def index() -> Any:
+            self._authorize(context)
+            rows = self._plane.index()
+            if request.ready:
+                rows = [row for row in rows if row["state"] == "READY"]
+            models = [
+                pb.RepositoryIndexResponse.ModelIndex(
+                    name=row["name"],
+                    version="" if row.get("version") is None else str(row["version"]),
+                    state=row["state"],
+                    reason=row.get("reason") or "",
+                )
+                for row in rows
+            ]
+            return pb.RepositoryIndexResponse(models=models)
+
+        return await self._answer("RepositoryIndex", context, index)
+
+    async def RepositoryModelLoad(self, request: Any, context: Any) -> Any:
+        async def load() -> Any:
+            self._authorize(context)
+            version = codec.parameters(request.parameters).get("version")
+            if version is not None and (not isinstance(version, int) or version < 0):
+                raise InvalidInput("parameter version must be a non-negative int64_param")
+            await self._plane.load(request.model_name, version)
+            return pb.RepositoryModelLoadResponse()
+
+        return await self._answer("RepositoryModelLoad", context, load)
+
+    async def RepositoryModelUnload(self, request: Any, context: Any) -> Any:
+        async def unload() -> Any:
+            self._authorize(context)
+            await self._plane.unload(request.model_name)
+            return pb.RepositoryModelUnloadResponse()
+
+        return await self._answer("RepositoryModelUnload", context, unload)
+
+    def _authorize(self, context: Any) -> None:
+        metadata = dict(context.invocation_metadata() or ())
+        scheme, _, presented = str(metadata.get("authorization", "")).partition(" ")
+        try:
+            self._plane.authorize(presented if scheme.lower() == "bearer" else None)
+        except Unauthorized:
+            raise Unauthorized(
+                "the repository RPCs need metadata 'authorization: Bearer <admin token>'"
+            ) from None
+
+
+async def start(plane: DataPlane, settings: Settings, metrics: Metrics) -> grpc.aio.Server:
+    """Serve gRPC on ``LMHEAD_HOST:LMHEAD_GRPC_PORT`` (messages up to the body limit)."""
+    assert settings.grpc_port is not None
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", settings.max_body_bytes),
+            ("grpc.max_send_message_length", -1),  # answers are bounded by the logits limit
+            ("grpc.so_reuseport", 0),  # a port already taken is an error, not shared
+        ]
+    )
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
+        InferenceService(plane, metrics), server
+    )
+    address = f"{settings.host}:{settings.grpc_port}"
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot listen for gRPC on {address}")
+    await server.start()
+    logger.info("gRPC (Open Inference Protocol) on %s:%d", settings.host, port)
+    return server

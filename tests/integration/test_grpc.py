@@ -1,0 +1,312 @@
+"""Open Inference Protocol over gRPC (``LMHEAD_GRPC_PORT``) with the real ``tritonclient.grpc``
+and raw protobuf stubs: numbers against the numpy reference, typed and raw contents, the
+repository RPCs driving a swap under gRPC load, auth, limits and bad requests."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import numpy.typing as npt
+import pytest
+import tritonclient.grpc as triton
+from tritonclient.grpc import service_pb2 as pb
+from tritonclient.grpc import service_pb2_grpc
+from tritonclient.utils import InferenceServerException
+
+from service.demo import demo_tokens
+from service.heads import HeadWeights, save_head
+from service.reference import log_softmax, logsumexp, top_k
+from tests.conftest import D_MODEL, VOCAB, reference_logits, write_tied_and_untied
+from tests.server import free_port, poll, running_server
+
+HIDDEN = np.random.default_rng(22).standard_normal((3, D_MODEL)).astype(np.float32)
+TOKEN = "s3cret-admin-token"
+
+
+@pytest.fixture(scope="module")
+def repository(
+    tmp_path_factory: pytest.TempPathFactory,
+    table: npt.NDArray[np.float32],
+    output_weight: npt.NDArray[np.float32],
+) -> Path:
+    root = tmp_path_factory.mktemp("models")
+    write_tied_and_untied(root, table, output_weight)
+    return root
+
+
+@pytest.fixture(scope="module")
+def address(repository: Path) -> Iterator[str]:
+    port = free_port()
+    settings = {"grpc_port": str(port), "admin_token": TOKEN, "max_body_bytes": str(2**20)}
+    with running_server(repository, **settings):
+        yield f"127.0.0.1:{port}"
+
+
+@pytest.fixture
+def client(address: str) -> Iterator[triton.InferenceServerClient]:
+    connection = triton.InferenceServerClient(address)
+    yield connection
+    connection.close()
+
+
+@pytest.fixture
+def stub(address: str) -> Iterator[Any]:
+    with grpc.insecure_channel(address) as channel:
+        yield service_pb2_grpc.GRPCInferenceServiceStub(channel)
+
+
+ADMIN = {"authorization": f"Bearer {TOKEN}"}
+
+
+def _hidden_input(array: npt.NDArray[Any], datatype: str = "FP32") -> triton.InferInput:
+    tensor = triton.InferInput("hidden_states", list(array.shape), datatype)
+    tensor.set_data_from_numpy(array)
+    return tensor
+
+
+def test_health_and_metadata(client: triton.InferenceServerClient) -> None:
+    assert client.is_server_live()
+    assert client.is_server_ready()
+    assert client.is_model_ready("tied")
+    with pytest.raises(InferenceServerException, match="not found"):
+        client.is_model_ready("missing")
+    metadata = client.get_model_metadata("untied", as_json=True)
+    assert metadata["platform"] == "onnx_onnxv1"
+    assert metadata["versions"] == ["1"]
+    inputs = {i["name"]: (i["datatype"], i["shape"]) for i in metadata["inputs"]}
+    assert inputs == {
+        "hidden_states": ("FP32", [str(-1), str(D_MODEL)]),
+        "input_ids": ("INT64", [str(-1)]),
+    }
+    outputs = {o["name"]: o["shape"] for o in metadata["outputs"]}
+    assert outputs["logits"] == [str(-1), str(VOCAB)]
+    server = client.get_server_metadata(as_json=True)
+    assert server["name"] == "lmhead"
+    assert {"binary_tensor_data", "classification", "model_repository"} <= set(server["extensions"])
+
+
+@pytest.mark.parametrize("model", ["tied", "untied"])
+def test_infer_raw_contents_equal_the_reference(
+    client: triton.InferenceServerClient, repository: Path, model: str
+) -> None:
+    names = ["topk_token_ids", "topk_logits", "topk_logprobs", "logsumexp"]
+    outputs = [triton.InferRequestedOutput(name) for name in names]
+    result = client.infer(model, [_hidden_input(HIDDEN)], outputs=outputs, parameters={"k": 4})
+    logits = reference_logits(repository / model / "1", HIDDEN)
+    values, ids = top_k(logits, 4)
+    np.testing.assert_array_equal(result.as_numpy("topk_token_ids"), ids)
+    np.testing.assert_allclose(result.as_numpy("topk_logits"), values, rtol=1e-4, atol=1e-4)
+    expected_lp = np.take_along_axis(log_softmax(logits), ids, axis=-1)
+    np.testing.assert_allclose(result.as_numpy("topk_logprobs"), expected_lp, atol=1e-4)
+    np.testing.assert_allclose(result.as_numpy("logsumexp"), logsumexp(logits), atol=1e-4)
+    answer = result.get_response()
+    assert (answer.model_name, answer.model_version) == (model, "1")
+    assert answer.parameters["tied"].bool_param == (model == "tied")
+
+
+@pytest.mark.parametrize("model", ["tied", "untied"])
+def test_typed_contents_both_ways(stub: Any, repository: Path, model: str) -> None:
+    tensor = pb.ModelInferRequest.InferInputTensor(
+        name="hidden_states", datatype="FP32", shape=list(HIDDEN.shape)
+    )
+    tensor.contents.fp32_contents.extend(HIDDEN.reshape(-1).tolist())
+    request = pb.ModelInferRequest(model_name=model, inputs=[tensor], id="req-7")
+    request.parameters["k"].int64_param = 3
+    request.parameters["binary_data_output"].bool_param = False
+    answer = stub.ModelInfer(request)
+    assert not answer.raw_output_contents
+    assert answer.id == "req-7"
+    by_name = {output.name: output for output in answer.outputs}
+    ids = np.array(by_name["topk_token_ids"].contents.int64_contents).reshape(3, 3)
+    values = np.array(by_name["topk_logits"].contents.fp32_contents).reshape(3, 3)
+    expected_values, expected_ids = top_k(reference_logits(repository / model / "1", HIDDEN), 3)
+    np.testing.assert_array_equal(ids, expected_ids)
+    np.testing.assert_allclose(values, expected_values, rtol=1e-4, atol=1e-4)
+
+
+def test_full_logits_fp16_input_and_version(
+    client: triton.InferenceServerClient, repository: Path
+) -> None:
+    half = HIDDEN.astype(np.float16)
+    result = client.infer(
+        "untied",
+        [_hidden_input(half, "FP16")],
+        model_version="1",
+        outputs=[triton.InferRequestedOutput("logits")],
+    )
+    expected = reference_logits(repository / "untied" / "1", half.astype(np.float32))
+    np.testing.assert_allclose(result.as_numpy("logits"), expected, rtol=1e-3, atol=1e-3)
+
+
+def test_classification(client: triton.InferenceServerClient, repository: Path) -> None:
+    requested = triton.InferRequestedOutput("logits", class_count=3)
+    strings = client.infer("tied", [_hidden_input(HIDDEN)], outputs=[requested]).as_numpy("logits")
+    values, ids = top_k(reference_logits(repository / "tied" / "1", HIDDEN), 3)
+    labels = demo_tokens(VOCAB)
+    for row in range(3):
+        for col in range(3):
+            value, index, label = strings[row, col].decode().split(":")
+            assert (int(index), label) == (ids[row, col], labels[ids[row, col]])
+            assert abs(float(value) - values[row, col]) < 1e-4
+
+
+@pytest.mark.parametrize("datatype", ["INT64", "INT32"])
+def test_embeddings_from_input_ids(
+    client: triton.InferenceServerClient, table: npt.NDArray[np.float32], datatype: str
+) -> None:
+    ids = np.array([3, 0, VOCAB - 1], dtype=np.int64 if datatype == "INT64" else np.int32)
+    tensor = triton.InferInput("input_ids", [3], datatype)
+    tensor.set_data_from_numpy(ids)
+    result = client.infer("tied", [tensor])
+    np.testing.assert_array_equal(result.as_numpy("embeddings"), table[ids])
+
+
+def _load_under_traffic(
+    address: str, stop: threading.Event, answers: list[tuple[str, str]]
+) -> None:
+    """One client's loop: ("ok", version) per answer, ("failed", message) per failed call."""
+    with triton.InferenceServerClient(address) as connection:
+        while not stop.is_set():
+            try:
+                result = connection.infer("untied", [_hidden_input(HIDDEN)])
+                answers.append(("ok", result.get_response().model_version))
+            except InferenceServerException as error:
+                answers.append(("failed", str(error)))
+
+
+def test_repository_rpcs_swap_under_grpc_load_with_no_failed_request(
+    address: str,
+    client: triton.InferenceServerClient,
+    repository: Path,
+    table: npt.NDArray[np.float32],
+) -> None:
+    index = {model.name: model.state for model in client.get_model_repository_index(ADMIN).models}
+    assert index == {"tied": "READY", "untied": "READY"}
+    save_head(HeadWeights.from_arrays(table * -1.0), repository / "untied" / "2")
+    answers: list[tuple[str, str]] = []
+    stop = threading.Event()
+    threads = [
+        threading.Thread(target=_load_under_traffic, args=(address, stop, answers))
+        for _ in range(4)
+    ]
+    for thread in threads:
+        thread.start()
+    try:
+        client.load_model("untied", headers=ADMIN)  # returns once version 2 is published
+        served = len(answers)
+        poll(lambda: len(answers) >= served + 20 or None, "20 answers after the swap")
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=30)
+    assert [a for a in answers if a[0] == "failed"] == []
+    assert {version for _, version in answers} == {"1", "2"}
+    client.unload_model("untied", headers=ADMIN)
+    with pytest.raises(InferenceServerException, match="UNAVAILABLE|not"):
+        client.infer("untied", [_hidden_input(HIDDEN)])
+    shutil.rmtree(repository / "untied" / "2")
+    client.load_model("untied", headers=ADMIN)  # back to version 1 for the other tests
+    assert client.is_model_ready("untied", model_version="1")
+
+
+def test_repository_rpcs_need_the_admin_token(client: triton.InferenceServerClient) -> None:
+    for headers in (None, {"authorization": "Bearer wrong"}, {"authorization": TOKEN}):
+        with pytest.raises(InferenceServerException) as raised:
+            client.unload_model("tied", headers=headers)
+        assert raised.value.status() == "StatusCode.UNAUTHENTICATED"
+        assert "Bearer <admin token>" in raised.value.message()
+    assert client.is_model_ready("tied")
+
+
+def _request(**fields: Any) -> Any:
+    """A valid 2-row raw request, with ``fields`` replacing parts of it."""
+    hidden = fields.pop("hidden", HIDDEN[:2])
+    tensor = pb.ModelInferRequest.InferInputTensor(
+        name=fields.pop("name", "hidden_states"),
+        datatype=fields.pop("datatype", "FP32"),
+        shape=fields.pop("shape", list(hidden.shape)),
+    )
+    raw = fields.pop("raw", [hidden.tobytes()])
+    request = pb.ModelInferRequest(
+        model_name=fields.pop("model", "tied"),
+        model_version=fields.pop("version", ""),
+        inputs=[tensor],
+        raw_input_contents=raw,
+    )
+    for key, value in fields.pop("parameters", {}).items():
+        setattr(request.parameters[key], value[0], value[1])
+    for name in fields.pop("outputs", []):
+        request.outputs.add(name=name)
+    assert not fields
+    return request
+
+
+BAD_REQUESTS = [
+    ("unknown model", _request(model="nope"), "NOT_FOUND", "nope"),
+    ("unknown version", _request(version="9"), "NOT_FOUND", "version"),
+    ("version not a number", _request(version="v1"), "INVALID_ARGUMENT", "model_version"),
+    ("wrong d_model", _request(hidden=HIDDEN[:2, :5].copy()), "INVALID_ARGUMENT", "d_model"),
+    ("shape and bytes disagree", _request(shape=[3, D_MODEL]), "INVALID_ARGUMENT", "bytes"),
+    ("unknown input", _request(name="hidden"), "INVALID_ARGUMENT", "unknown input"),
+    ("integer hidden states", _request(datatype="INT32"), "INVALID_ARGUMENT", "FP32 or FP16"),
+    ("raw count", _request(raw=[b"", b""]), "INVALID_ARGUMENT", "one per input"),
+    ("k too large", _request(parameters={"k": ("int64_param", 10**6)}), "INVALID_ARGUMENT", "k"),
+    ("k a string", _request(parameters={"k": ("string_param", "5")}), "INVALID_ARGUMENT", "k"),
+    (
+        "temperature zero",
+        _request(parameters={"temperature": ("double_param", 0.0)}),
+        "INVALID_ARGUMENT",
+        "temperature",
+    ),
+    ("unknown output", _request(outputs=["probs"]), "INVALID_ARGUMENT", "unknown output"),
+    (
+        "NaN",
+        _request(hidden=np.full((2, D_MODEL), np.nan, np.float32)),
+        "INVALID_ARGUMENT",
+        "NaN",
+    ),
+    (
+        "over the message limit",
+        _request(hidden=np.zeros((8192, D_MODEL), np.float32)),  # 1.5 MiB > 1 MiB
+        "RESOURCE_EXHAUSTED",
+        "",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "request_", "code", "words"), BAD_REQUESTS, ids=[c[0] for c in BAD_REQUESTS]
+)
+def test_bad_requests_get_clear_status_codes_and_the_next_one_is_served(
+    stub: Any, repository: Path, case: str, request_: Any, code: str, words: str
+) -> None:
+    with pytest.raises(grpc.RpcError) as raised:
+        stub.ModelInfer(request_)
+    assert raised.value.code().name == code, raised.value.details()
+    details = raised.value.details() or ""
+    assert words.lower() in details.lower(), details
+    assert len(details) < 400  # names the field; never echoes the data
+    answer = stub.ModelInfer(_request())  # the next request is served
+    ids = np.frombuffer(answer.raw_output_contents[0], dtype=np.int64).reshape(2, -1)
+    np.testing.assert_array_equal(
+        ids, top_k(reference_logits(repository / "tied" / "1", HIDDEN[:2]), ids.shape[1])[1]
+    )
+
+
+def test_read_only_refuses_load_and_unload(repository: Path) -> None:
+    port = free_port()
+    with (
+        running_server(repository, grpc_port=str(port), read_only="true"),
+        triton.InferenceServerClient(f"127.0.0.1:{port}") as connection,
+    ):
+        with pytest.raises(InferenceServerException) as raised:
+            connection.unload_model("tied")
+        assert raised.value.status() == "StatusCode.PERMISSION_DENIED"
+        assert "LMHEAD_READ_ONLY" in raised.value.message()
+        assert connection.is_model_ready("tied")
