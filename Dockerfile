@@ -19,7 +19,7 @@ COPY pyproject.toml ./
 # A stub package lets pip resolve and install the dependencies from pyproject.toml alone, so
 # this layer is rebuilt only when the dependencies change, not on every source edit.
 RUN mkdir service && touch service/__init__.py \
-    && /opt/lmhead/bin/pip install ".[cpu]" \
+    && /opt/lmhead/bin/pip install ".[cpu,grpc]" \
     && /opt/lmhead/bin/pip uninstall --yes lmhead \
     && rm -rf service build ./*.egg-info
 COPY service ./service
@@ -36,18 +36,18 @@ RUN apt-get update \
 WORKDIR /src
 COPY pyproject.toml ./
 COPY service ./service
-RUN /opt/lmhead/bin/pip install ".[gpu]" "onnxruntime-gpu==${ORT_GPU}" && rm -rf /src
+RUN /opt/lmhead/bin/pip install ".[gpu,grpc]" "onnxruntime-gpu==${ORT_GPU}" && rm -rf /src
 RUN groupadd --system --gid 10001 lmhead \
     && useradd --system --uid 10001 --gid 10001 --create-home lmhead \
     && mkdir -p /models && chown lmhead /models
 ENV PATH=/opt/lmhead/bin:$PATH \
-    LMHEAD_HOST=0.0.0.0 LMHEAD_PORT=8000 LMHEAD_REPOSITORY=/models \
+    LMHEAD_HOST=0.0.0.0 LMHEAD_PORT=8000 LMHEAD_GRPC_PORT=8001 LMHEAD_REPOSITORY=/models \
     LMHEAD_PROVIDER=cuda LMHEAD_CONTROL_MODE=poll LMHEAD_READ_ONLY=true \
     LMHEAD_CREATE_DEMO_MODELS=true
 USER 10001:10001
 WORKDIR /home/lmhead
 VOLUME ["/models"]
-EXPOSE 8000
+EXPOSE 8000 8001
 HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 CMD ["lmhead", "health"]
 CMD ["lmhead", "serve"]
 
@@ -58,12 +58,12 @@ RUN groupadd --system --gid 10001 lmhead \
     && mkdir -p /models && chown lmhead /models
 COPY --from=build /opt/lmhead /opt/lmhead
 ENV PATH=/opt/lmhead/bin:$PATH \
-    LMHEAD_HOST=0.0.0.0 LMHEAD_PORT=8000 LMHEAD_REPOSITORY=/models \
+    LMHEAD_HOST=0.0.0.0 LMHEAD_PORT=8000 LMHEAD_GRPC_PORT=8001 LMHEAD_REPOSITORY=/models \
     LMHEAD_PROVIDER=cpu LMHEAD_CONTROL_MODE=poll LMHEAD_READ_ONLY=true \
     LMHEAD_CREATE_DEMO_MODELS=true
 USER 10001:10001
 WORKDIR /home/lmhead
 VOLUME ["/models"]
-EXPOSE 8000
+EXPOSE 8000 8001
 HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 CMD ["lmhead", "health"]
 CMD ["lmhead", "serve"]

@@ -6,8 +6,9 @@ VENV ?= .venv
 # are loaded there too, by tests/integration/test_runtimes.py.
 ORT_OLDEST ?= 1.18.0
 OLDEST ?= .venv-oldest
-# Manifest validation (deploy/validate.py) in its own environment: the KServe SDK's models
-# (installed without its model-server dependencies) and kubernetes-validate's schemas.
+# The KServe SDK in its own environment (its server dependencies pin versions lmhead's do not
+# share): its gRPC client runs in tests/integration/test_grpc_kserve.py, its CRD models and
+# kubernetes-validate's schemas check the manifests (deploy/validate.py).
 DEPLOY ?= .venv-deploy
 KSERVE_SDK ?= 0.21.0
 # Ray Serve (service/rayserve.py) and its multi-node cluster tests, in their own environment.
@@ -48,8 +49,8 @@ lint: install
 typecheck: install
 	$(BIN)/mypy
 
-pytest: install $(OLDEST)/.installed
-	LMHEAD_OLDEST_PYTHON=$(OLDEST)/bin/python $(BIN)/pytest
+pytest: install $(OLDEST)/.installed $(DEPLOY)/.installed
+	LMHEAD_OLDEST_PYTHON=$(OLDEST)/bin/python LMHEAD_KSERVE_PYTHON=$(DEPLOY)/bin/python $(BIN)/pytest
 
 ## Everything CI checks: install, lint, type-check, the whole test suite.
 test: lint typecheck pytest
@@ -57,8 +58,7 @@ test: lint typecheck pytest
 $(DEPLOY)/.installed: Makefile
 	rm -rf $(DEPLOY)
 	$(PYTHON) -m venv $(DEPLOY)
-	$(DEPLOY)/bin/python -m pip install --quiet --no-deps "kserve==$(KSERVE_SDK)"
-	$(DEPLOY)/bin/python -m pip install --quiet six kubernetes kubernetes-validate pyyaml
+	$(DEPLOY)/bin/python -m pip install --quiet "kserve==$(KSERVE_SDK)" kubernetes-validate
 	touch $@
 
 ## Validate every Kubernetes and KServe manifest offline (CI runs it after `make test`).

@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+import tritonclient.grpc as triton
 
 from service.demo import demo_tokens
 
@@ -40,6 +41,24 @@ def test_image_serves_topk_for_both_demo_heads() -> None:
     assert info["providers"] == ["CPUExecutionProvider"]
     refused = httpx.post(f"{url}/v2/repository/models/demo-tied/load", timeout=10)
     assert refused.status_code == 403  # the image's default: read-only repository API
+
+
+@pytest.mark.skipif("LMHEAD_DOCKER_GRPC" not in os.environ, reason="the image run by .ci/docker")
+def test_image_serves_v2_over_grpc() -> None:
+    with triton.InferenceServerClient(os.environ["LMHEAD_DOCKER_GRPC"]) as client:
+        assert client.is_model_ready("demo-tied")
+        tensor = triton.InferInput("hidden_states", [2, 512], "FP32")
+        tensor.set_data_from_numpy(np.asarray(HIDDEN, dtype=np.float32))
+        result = client.infer("demo-untied", [tensor], parameters={"k": 3})
+        ids, values = result.as_numpy("topk_token_ids"), result.as_numpy("topk_logits")
+        assert ids.shape == values.shape == (2, 3)
+        assert (np.diff(values, axis=1) <= 0).all()
+        answer = httpx.post(
+            f"{os.environ['LMHEAD_DOCKER_URL']}/v1/models/demo-untied/topk",
+            json={"hidden_states": HIDDEN, "k": 3},
+            timeout=30,
+        ).json()
+        assert ids.tolist() == [row["token_ids"] for row in answer["results"]]
 
 
 @pytest.mark.skipif("LMHEAD_COMPOSE_URL" not in os.environ, reason="needs docker compose")

@@ -1,0 +1,127 @@
+"""Benchmark the three wire protocols of one lmhead process, side by side in one run.
+
+V2 over gRPC (``grpc.aio`` stubs, raw tensor contents, one channel per client), V2 over REST
+with the binary extension, and the native API with ``.npy`` bodies, all on the same server,
+the same demo head (32000 x 512, top-10) and the same hidden states; 1-row and 64-row requests
+at 1 and 16 closed-loop clients, bounded in count and time (``bench.serve``'s budget). The
+three protocols alternate within each cell, twice, and each cell reports the mean, so drift
+on a shared machine hits all three alike.
+
+    python -m bench.protocols [--output bench/results-protocols.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import uvloop
+from tritonclient.grpc import service_pb2 as pb
+from tritonclient.grpc import service_pb2_grpc
+
+from bench.machine import describe_machine
+from bench.serve import MAX_SECONDS, K, Result, _drive, _hidden, _mean, _result, _until
+from service.demo import write_demo_models
+from tests.server import free_port, running_server
+
+MODEL = "demo-tied"
+ROWS = (1, 64)
+CLIENTS = (1, 16)
+ROUNDS = 2
+PROTOCOLS = ("gRPC raw", "V2 REST binary", "native npy")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--output", type=Path)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as scratch:
+        repository = Path(scratch)
+        write_demo_models(repository)
+        report = _report(repository)
+    print(report)
+    if args.output:
+        args.output.write_text(report + "\n", encoding="utf-8")
+    return 0
+
+
+def _infer_request(rows: int) -> pb.ModelInferRequest:
+    hidden = _hidden(rows)
+    tensor = pb.ModelInferRequest.InferInputTensor(
+        name="hidden_states", datatype="FP32", shape=list(hidden.shape)
+    )
+    request = pb.ModelInferRequest(
+        model_name=MODEL, inputs=[tensor], raw_input_contents=[hidden.tobytes()]
+    )
+    request.parameters["k"].int64_param = K
+    return request
+
+
+async def _drive_grpc(address: str, rows: int, clients: int) -> Result:
+    """``clients`` channels, each sending its next request when its answer is in."""
+    request = _infer_request(rows)
+    channels = [grpc.aio.insecure_channel(address) for _ in range(clients)]
+    stubs = [service_pb2_grpc.GRPCInferenceServiceStub(channel) for channel in channels]
+    try:
+        await asyncio.gather(*(stub.ModelInfer(request) for stub in stubs))  # all connected
+        latencies: list[float] = []
+        tickets = iter(range(max(8 * clients, 200 // rows + 16)))
+        start = time.perf_counter()
+
+        async def client(stub: service_pb2_grpc.GRPCInferenceServiceStub) -> None:
+            for _ in _until(tickets, start):
+                begin = time.perf_counter()
+                await stub.ModelInfer(request)
+                latencies.append(time.perf_counter() - begin)
+
+        await asyncio.gather(*(client(stub) for stub in stubs))
+        return _result(latencies, rows, time.perf_counter() - start)
+    finally:
+        await asyncio.gather(*(channel.close() for channel in channels))
+
+
+def _cell(url: str, address: str, rows: int, clients: int) -> dict[str, Result]:
+    runs: dict[str, list[Result]] = {name: [] for name in PROTOCOLS}
+    for _ in range(ROUNDS):
+        runs["gRPC raw"].append(uvloop.run(_drive_grpc(address, rows, clients)))
+        v2 = f"{url}/v2/models/{MODEL}/infer"
+        runs["V2 REST binary"].append(uvloop.run(_drive(v2, "v2-binary", rows, clients)))
+        native = f"{url}/v1/models/{MODEL}/topk"
+        runs["native npy"].append(uvloop.run(_drive(native, "npy", rows, clients)))
+    return {name: _mean(*results) for name, results in runs.items()}
+
+
+def _report(repository: Path) -> str:
+    port = free_port()
+    with running_server(repository, grpc_port=str(port), log_level="warning") as url:
+        cells = {
+            (rows, clients): _cell(url, f"127.0.0.1:{port}", rows, clients)
+            for rows in ROWS
+            for clients in CLIENTS
+        }
+    lines = [
+        describe_machine(),
+        "",
+        f"Head `{MODEL}` (32000 x 512), top-{K}, loopback, one server for all three; clients "
+        f"on the same cores; each cell the mean of {ROUNDS} alternating rounds (<= "
+        f"{MAX_SECONDS:.0f} s each).",
+        "",
+        "| protocol | rows/req | clients | rows/s | p50 ms | p99 ms | vs native npy |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for (rows, clients), results in cells.items():
+        base = results["native npy"].rows_per_s
+        for name, result in results.items():
+            lines.append(
+                f"| {name} | {rows} | {clients} | {result.rows_per_s:.0f} | "
+                f"{result.p50_ms:.2f} | {result.p99_ms:.2f} | {result.rows_per_s / base:.2f}x |"
+            )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
