@@ -272,6 +272,12 @@ BAD_REQUESTS = [
         "NaN",
     ),
     (
+        "too many rows",
+        _request(hidden=np.zeros((4097, D_MODEL), np.float32)),
+        "RESOURCE_EXHAUSTED",
+        "4097 rows",
+    ),
+    (
         "over the message limit",
         _request(hidden=np.zeros((8192, D_MODEL), np.float32)),  # 1.5 MiB > 1 MiB
         "RESOURCE_EXHAUSTED",
