@@ -87,6 +87,7 @@ bench: install
 	$(BIN)/python -m bench.serve --output bench/results-serve.md
 	$(BIN)/python -m bench.swap --large --output bench/results-swap.md
 	$(BIN)/python -m bench.shadow --output bench/results-shadow.md
+	$(BIN)/python -m bench.protocols --output bench/results-protocols.md
 	$(BIN)/python -m bench.import_head
 
 clean:

@@ -1,7 +1,8 @@
 """Benchmark the three wire protocols of one lmhead process, side by side in one run.
 
-V2 over gRPC (``grpc.aio`` stubs, raw tensor contents, one channel per client), V2 over REST
-with the binary extension, and the native API with ``.npy`` bodies, all on the same server,
+V2 over gRPC (blocking stubs, as ``tritonclient.grpc`` uses, one channel and thread per client;
+raw tensor contents), V2 over REST with the binary extension (aiohttp) and the native API with
+``.npy`` bodies (aiohttp), all on the same server,
 the same demo head (32000 x 512, top-10) and the same hidden states; 1-row and 64-row requests
 at 1 and 16 closed-loop clients, bounded in count and time (``bench.serve``'s budget). The
 three protocols alternate within each cell, twice, and each cell reports the mean, so drift
@@ -13,10 +14,12 @@ on a shared machine hits all three alike.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import grpc
 import uvloop
@@ -61,33 +64,45 @@ def _infer_request(rows: int) -> pb.ModelInferRequest:
     return request
 
 
-async def _drive_grpc(address: str, rows: int, clients: int) -> Result:
-    """``clients`` channels, each sending its next request when its answer is in."""
+def _drive_grpc(address: str, rows: int, clients: int) -> Result:
+    """``clients`` threads, each with its own channel and blocking stub (what
+    ``tritonclient.grpc`` uses), sending its next request when its answer is in."""
     request = _infer_request(rows)
-    channels = [grpc.aio.insecure_channel(address) for _ in range(clients)]
+    channels = [grpc.insecure_channel(address) for _ in range(clients)]
     stubs = [service_pb2_grpc.GRPCInferenceServiceStub(channel) for channel in channels]
+    latencies: list[float] = []
+    tickets = iter(range(max(8 * clients, 200 // rows + 16)))
+    lock = threading.Lock()
+
+    def client(stub: service_pb2_grpc.GRPCInferenceServiceStub) -> None:
+        while True:
+            with lock:  # one ticket at a time, as the asyncio drivers take theirs
+                ticket = next(_until(tickets, start), None)
+            if ticket is None:
+                return
+            begin = time.perf_counter()
+            stub.ModelInfer(request)
+            latencies.append(time.perf_counter() - begin)
+
     try:
-        await asyncio.gather(*(stub.ModelInfer(request) for stub in stubs))  # all connected
-        latencies: list[float] = []
-        tickets = iter(range(max(8 * clients, 200 // rows + 16)))
-        start = time.perf_counter()
-
-        async def client(stub: service_pb2_grpc.GRPCInferenceServiceStub) -> None:
-            for _ in _until(tickets, start):
-                begin = time.perf_counter()
-                await stub.ModelInfer(request)
-                latencies.append(time.perf_counter() - begin)
-
-        await asyncio.gather(*(client(stub) for stub in stubs))
+        with ThreadPoolExecutor(clients) as pool:
+            list(pool.map(stub_call, stubs, [request] * clients))  # every channel connected
+            start = time.perf_counter()
+            list(pool.map(client, stubs))
         return _result(latencies, rows, time.perf_counter() - start)
     finally:
-        await asyncio.gather(*(channel.close() for channel in channels))
+        for channel in channels:
+            channel.close()
+
+
+def stub_call(stub: service_pb2_grpc.GRPCInferenceServiceStub, request: Any) -> Any:
+    return stub.ModelInfer(request)
 
 
 def _cell(url: str, address: str, rows: int, clients: int) -> dict[str, Result]:
     runs: dict[str, list[Result]] = {name: [] for name in PROTOCOLS}
     for _ in range(ROUNDS):
-        runs["gRPC raw"].append(uvloop.run(_drive_grpc(address, rows, clients)))
+        runs["gRPC raw"].append(_drive_grpc(address, rows, clients))
         v2 = f"{url}/v2/models/{MODEL}/infer"
         runs["V2 REST binary"].append(uvloop.run(_drive(v2, "v2-binary", rows, clients)))
         native = f"{url}/v1/models/{MODEL}/topk"

@@ -51,6 +51,7 @@ def headlines() -> str:
     (swap,) = tables("results-swap.md")
     (shadow,) = tables("results-shadow.md")
     (ray,) = tables("results-ray.md")
+    (protocols,) = tables("results-protocols.md")
     ray_1, ray_2 = {"served by": "Ray Serve, 1 replica"}, {"served by": "Ray Serve, 2 replicas"}
     at_64, at_1 = {"rows/req": "64", "clients": "16"}, {"rows/req": "1", "clients": "1"}
     gpu_memory, gpu_time, _, _ = tables("results-gpu.md")
@@ -121,6 +122,13 @@ def headlines() -> str:
             f"{pick(gpu_time, '64 rows', engine='lmhead bfloat16')} / "
             f"{pick(gpu_time, '64 rows', engine='torch bfloat16')}",
             "results-gpu.md",
+        ),
+        (
+            "V2 over gRPC vs native `.npy`: 64 rows, 16 clients; 1-row p50 at 1 client (ms)",
+            f"{pick(protocols, 'vs native npy', protocol='gRPC raw', **at_64)}; "
+            f"{pick(protocols, 'p50 ms', protocol='gRPC raw', **at_1)} vs "
+            f"{pick(protocols, 'p50 ms', protocol='native npy', **at_1)}",
+            "results-protocols.md",
         ),
         (
             "Ray Serve, 1 / 2 replicas vs one process: 64 rows, 16 clients; 1-row p50 (ms)",
