@@ -5,6 +5,7 @@ repository RPCs driving a swap under gRPC load, auth, limits and bad requests.""
 from __future__ import annotations
 
 import shutil
+import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +24,7 @@ from service.demo import demo_tokens
 from service.heads import HeadWeights, save_head
 from service.reference import log_softmax, logsumexp, top_k
 from tests.conftest import D_MODEL, VOCAB, reference_logits, write_tied_and_untied
-from tests.server import free_port, poll, running_server
+from tests.server import free_port, poll, running_server, server_process
 
 HIDDEN = np.random.default_rng(22).standard_normal((3, D_MODEL)).astype(np.float32)
 TOKEN = "s3cret-admin-token"
@@ -316,3 +317,41 @@ def test_read_only_refuses_load_and_unload(repository: Path) -> None:
         assert raised.value.status() == "StatusCode.PERMISSION_DENIED"
         assert "LMHEAD_READ_ONLY" in raised.value.message()
         assert connection.is_model_ready("tied")
+
+
+def test_shutdown_under_grpc_load_ends_cleanly(repository: Path) -> None:
+    """SIGTERM under gRPC load ends cleanly: every call is answered or refused UNAVAILABLE
+    (no INTERNAL, no CANCELLED, no hang) and the process exits after its graceful shutdown.
+    (Which calls were in flight at the signal is not observable from here, so this does not
+    prove the drain itself; the grace is ``LMHEAD_DRAIN_TIMEOUT_S`` in the lifespan.)"""
+    port = free_port()
+    codes: list[str] = []
+    stop = threading.Event()
+
+    def client() -> None:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            request = _request(hidden=np.ones((4096, D_MODEL), np.float32))
+            while not stop.is_set():
+                try:
+                    stub.ModelInfer(request, timeout=30)
+                    codes.append("OK")
+                except grpc.RpcError as error:
+                    codes.append(error.code().name)
+                    if error.code() == grpc.StatusCode.UNAVAILABLE:
+                        return
+
+    with running_server(repository, grpc_port=str(port)) as url:
+        threads = [threading.Thread(target=client) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        poll(lambda: len(codes) >= 8 or None, "8 answers before the shutdown")
+        server = server_process(url)
+        server.terminate()
+        # uvicorn re-raises the signal once its graceful shutdown is done
+        assert server.wait(timeout=60) in (0, -signal.SIGTERM)
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=60)
+    assert set(codes) <= {"OK", "UNAVAILABLE"}, sorted(set(codes))
+    assert codes.count("OK") >= 8
