@@ -19,8 +19,9 @@ from __future__ import annotations
 import asyncio
 import math
 import secrets
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager
+from contextlib import contextmanager
 from time import perf_counter
 from typing import Any
 
@@ -91,9 +92,11 @@ class DataPlane:
         """Return once the shadow replays started so far have finished (their metrics are in)."""
         await self._shadow.settle()
 
-    def admit(self) -> AbstractContextManager[Reservation]:
-        """Front ends: hold one request's memory (body, logits, answer) until it is answered."""
-        return self._budget.request()
+    @contextmanager
+    def admit(self) -> Iterator[Reservation]:
+        """Front ends: hold one request's memory (body, logits, answer) until answered."""
+        with self._metrics.requests_in_flight.track_inprogress(), self._budget.request() as held:
+            yield held
 
     # -- metadata ---------------------------------------------------------------------------
 

@@ -53,6 +53,11 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.requests_in_flight = Gauge(
+            "lmhead_requests_in_flight",
+            "Inference requests admitted and not yet answered (REST and gRPC).",
+            registry=self.registry,
+        )
         self.grpc_requests = Counter(
             "lmhead_grpc_requests",
             "gRPC calls by method and status code.",

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
 import numpy as np
 import numpy.typing as npt
 import pytest
@@ -355,3 +356,43 @@ def test_shutdown_under_grpc_load_ends_cleanly(repository: Path) -> None:
             thread.join(timeout=60)
     assert set(codes) <= {"OK", "UNAVAILABLE"}, sorted(set(codes))
     assert codes.count("OK") >= 8
+
+
+def _in_flight(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    (line,) = [line for line in text.splitlines() if line.startswith("lmhead_requests_in_flight ")]
+    return float(line.split()[-1])
+
+
+def test_shutdown_drains_a_grpc_call_in_flight(tmp_path: Path) -> None:
+    """A call that is running when SIGTERM arrives is answered in full: a big head makes it
+    last ~1 s, ``lmhead_requests_in_flight`` shows it has been admitted. (Without the grace
+    in the lifespan, ``stop`` cancels it: the client sees UNAVAILABLE.)"""
+    rng = np.random.default_rng(4)
+    table = rng.standard_normal((50000, 256), dtype=np.float32)
+    save_head(HeadWeights.from_arrays(table), tmp_path / "big" / "1")
+    hidden = rng.standard_normal((2048, 256), dtype=np.float32)
+    port = free_port()
+    outcome: list[Any] = []
+
+    def call() -> None:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            try:
+                outcome.append(stub.ModelInfer(_request(model="big", hidden=hidden), timeout=60))
+            except grpc.RpcError as error:
+                outcome.append(error.code().name)
+
+    with running_server(tmp_path, grpc_port=str(port)) as url:
+        caller = threading.Thread(target=call)
+        caller.start()
+        poll(lambda: _in_flight(url) >= 1 or None, "the call admitted")
+        server = server_process(url)
+        server.terminate()
+        caller.join(timeout=60)
+        assert server.wait(timeout=60) in (0, -signal.SIGTERM)
+    (answer,) = outcome
+    assert not isinstance(answer, str), answer
+    ids = np.frombuffer(answer.raw_output_contents[0], dtype=np.int64).reshape(2048, -1)
+    expected = top_k(reference_logits(tmp_path / "big" / "1", hidden[:8]), ids.shape[1])[1]
+    np.testing.assert_array_equal(ids[:8], expected)
