@@ -14,7 +14,7 @@ import pytest
 from bench.readme import headlines
 from service.demo import DemoSpec, write_demo_models
 from service.settings import settings_table
-from tests.server import running_server
+from tests.server import free_port, running_server
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -55,3 +55,13 @@ def test_client_snippets_run_against_a_server(tmp_path: Path, snippet: str) -> N
     with running_server(tmp_path) as url:
         printed = _run(snippet.replace("localhost:8000", url.removeprefix("http://")), tmp_path)
     assert "[[" in printed  # the arrays the snippet prints
+
+
+@pytest.mark.parametrize("snippet", [s for s in SNIPPETS if "localhost:8001" in s])
+def test_grpc_snippets_run_against_a_server(tmp_path: Path, snippet: str) -> None:
+    write_demo_models(tmp_path, DemoSpec(vocab_size=2000, d_model=512))
+    port = free_port()
+    with running_server(tmp_path, grpc_port=str(port)):
+        printed = _run(snippet.replace("localhost:8001", f"127.0.0.1:{port}"), tmp_path)
+    assert "[[" in printed
+    assert printed.strip().endswith("True")  # demo-tied says it is tied
