@@ -268,8 +268,8 @@ def served_table(vocab: int = 50257, d_model: int = 768) -> list[str]:
     with tempfile.TemporaryDirectory() as scratch:
         repository = Path(scratch) / "models"
         configs = _configs(Path(scratch), vocab, d_model)
-        names = {"tied fp32": "fp32", "tied int8 b128": "int8", "tied int4 b64": "int4"}
-        chosen = [c for c in configs if c.name in names and c.mode == "shared"]
+        chosen = [c for c in configs if c.name.startswith("tied") and c.mode == "shared"]
+        names = {c.name: c.spec.name if c.spec else "fp32" for c in chosen}
         for config in chosen:
             version = repository / names[config.name] / "1"
             version.mkdir(parents=True)

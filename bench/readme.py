@@ -57,7 +57,7 @@ def headlines() -> str:
     gpu_memory, gpu_time, _, _ = tables("results-gpu.md")
     gpt2 = {"head": "tied fp32", "vocab x d": "50257 x 768"}
     int8 = {"head": "tied int8 b128", "vocab x d": "128256 x 2048"}
-    int4 = {"head": "tied int4 b64", "vocab x d": "128256 x 2048"}
+    int4 = {"head": "tied int4 b128", "vocab x d": "128256 x 2048"}
     rows = [
         (
             "64-row `.npy` requests, 16 clients, vs a bare onnxruntime session",

@@ -26,7 +26,7 @@ import numpy.typing as npt
 QUANTIZE_ROWS = 4096
 BITS = (4, 8)
 #: Defaults chosen by bench/heads.py at 50257 x 768 (README "Quantized heads").
-DEFAULT_BLOCK_SIZE = {8: 128, 4: 64}
+DEFAULT_BLOCK_SIZE = {8: 128, 4: 128}
 #: ``MatMulNBits`` accuracy level 4: int8 activations and integer dot products. Level 0/1
 #: dequantizes the weights on every call: measured 30-70x slower for 8 bits.
 ACCURACY_LEVEL = 4

@@ -1,14 +1,14 @@
 """lmhead as a Ray Serve application: the same app (native API, V2, one data plane) in every
 replica, behind Serve's HTTP proxy; Serve balances, autoscales and restarts replicas.
 
-Each replica is a whole lmhead service built from ``LMHEAD_*`` settings (the deployment's
-environment): it reads the model repository from a path every node reaches, follows it
-(``LMHEAD_CONTROL_MODE=poll``: a published version is loaded and swapped in by every replica),
-and batches dynamically inside itself. With ``multiplexed=True`` a replica starts empty and
-loads the models it is asked for (Serve's model multiplexing routes a request carrying the
-``serve_multiplexed_model_id`` header to a replica that holds that model; a replica keeps at
-most ``max_models_per_replica``, least recently used first out), so a repository larger than
-one machine's memory can be served.
+Each replica is a whole lmhead service built from ``LMHEAD_*`` settings (the application's
+args or environment): it reads the model repository from a path every node reaches, follows
+it (poll mode and read-only by default: a control-API call through the proxy would reach one
+replica only), and batches dynamically inside itself. With ``max_models`` > 0 a replica starts
+empty and loads the models it is asked for (Serve's model multiplexing routes a request
+carrying the ``serve_multiplexed_model_id`` header to a replica that holds that model; a
+replica keeps at most ``max_models``, least recently used first out), so a repository larger
+than one machine's memory can be served.
 
     serve run deploy/ray/serve.yaml          # autoscaling, settings in runtime_env
     lmhead serve --ray [--replicas N]        # on the Ray cluster of RAY_ADDRESS, or a local one
@@ -18,7 +18,6 @@ Needs the ``ray`` extra (``pip install .[ray]``); nothing else imports this modu
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import Any
 
@@ -30,7 +29,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from service.app import create_app
 from service.settings import Settings
 
-logger = logging.getLogger("lmhead")
 #: Every answer names the Ray node and replica that computed it (spread and failover show).
 NODE_HEADER = b"x-lmhead-node"
 REPLICA_HEADER = b"x-lmhead-replica"

@@ -43,7 +43,7 @@ def _hidden(rows: int = 6, seed: int = 13) -> npt.NDArray[np.float32]:
 
 def test_specs_are_checked_and_named() -> None:
     assert QuantSpec.parse("int8") == QuantSpec(8, 128)
-    assert QuantSpec.parse("int4") == QuantSpec(4, 64)
+    assert QuantSpec.parse("int4") == QuantSpec(4, 128)
     assert QuantSpec.parse("int4", 32).describe() == "int4, blocks of 32"
     bad: list[Callable[[], QuantSpec]] = [
         lambda: QuantSpec.parse("int3"),
@@ -226,7 +226,10 @@ def test_required_runtimes_follow_the_operators_used(
     assert required_runtime(untied, split=False) == (1, 18)
 
 
-@pytest.mark.parametrize(("spec", "top1"), [(QuantSpec(8, 128), 0.99), (QuantSpec(4, 64), 0.97)])
+@pytest.mark.parametrize(
+    ("spec", "top1"),
+    [(QuantSpec(8, 128), 0.99), (QuantSpec(4, 128), 0.97), (QuantSpec(4, 64), 0.97)],
+)
 def test_quantized_heads_agree_with_fp32_on_peaked_states(
     tmp_path: Path, spec: QuantSpec, top1: float
 ) -> None:
