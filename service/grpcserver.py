@@ -184,6 +184,24 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: 
             ) from None
 
 
+def _unimplemented(method: str) -> Callable[..., Awaitable[Any]]:
+    async def refuse(self: InferenceService, request: Any, context: Any) -> Any:
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED,
+            f"lmhead does not implement {method}; it serves health, metadata, ModelInfer and "
+            "the repository RPCs",
+        )
+
+    return refuse
+
+
+#: The protocol's other RPCs (statistics, config, streaming, shared memory, trace, logging)
+#: answer UNIMPLEMENTED with a message, not the stub's bare NotImplementedError.
+for _method in pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods_by_name:
+    if _method not in InferenceService.__dict__:
+        setattr(InferenceService, _method, _unimplemented(_method))
+
+
 async def start(plane: DataPlane, settings: Settings, metrics: Metrics) -> grpc.aio.Server:
     """Serve gRPC on ``LMHEAD_HOST:LMHEAD_GRPC_PORT`` (messages up to the body limit)."""
     assert settings.grpc_port is not None

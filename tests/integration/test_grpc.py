@@ -396,3 +396,10 @@ def test_shutdown_drains_a_grpc_call_in_flight(tmp_path: Path) -> None:
     ids = np.frombuffer(answer.raw_output_contents[0], dtype=np.int64).reshape(2048, -1)
     expected = top_k(reference_logits(tmp_path / "big" / "1", hidden[:8]), ids.shape[1])[1]
     np.testing.assert_array_equal(ids[:8], expected)
+
+
+def test_rpcs_lmhead_does_not_serve_say_so(stub: Any) -> None:
+    with pytest.raises(grpc.RpcError) as raised:
+        stub.ModelStatistics(pb.ModelStatisticsRequest(name="tied"))
+    assert raised.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert "does not implement ModelStatistics" in (raised.value.details() or "")
