@@ -13,8 +13,6 @@ on a shared machine hits all three alike.
 
 from __future__ import annotations
 
-import argparse
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,9 +24,8 @@ import uvloop
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
-from bench.machine import describe_machine
+from bench.machine import describe_machine, report_on_demo_heads
 from bench.serve import MAX_SECONDS, K, Result, _drive, _hidden, _mean, _result, _until
-from service.demo import write_demo_models
 from tests.server import free_port, running_server
 
 MODEL = "demo-tied"
@@ -39,17 +36,7 @@ PROTOCOLS = ("gRPC raw", "V2 REST binary", "native npy")
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--output", type=Path)
-    args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as scratch:
-        repository = Path(scratch)
-        write_demo_models(repository)
-        report = _report(repository)
-    print(report)
-    if args.output:
-        args.output.write_text(report + "\n", encoding="utf-8")
-    return 0
+    return report_on_demo_heads(__doc__, _report)
 
 
 def _infer_request(rows: int) -> pb.ModelInferRequest:

@@ -14,18 +14,15 @@ The 1-row, 1-client latency difference is the cost of Serve's proxy hop. Needs t
 
 from __future__ import annotations
 
-import argparse
 import os
-import tempfile
 from pathlib import Path
 
 import ray
 import uvloop
 from ray import serve
 
-from bench.machine import describe_machine
+from bench.machine import describe_machine, report_on_demo_heads
 from bench.serve import Result, _drive, _mean
-from service.demo import write_demo_models
 from service.rayserve import LMHead
 from tests.server import free_port, running_server
 
@@ -38,17 +35,7 @@ Runs = dict[tuple[int, int], Result]
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--output", type=Path)
-    args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as scratch:
-        repository = Path(scratch)
-        write_demo_models(repository)
-        report = _report(repository)
-    print(report)
-    if args.output:
-        args.output.write_text(report + "\n", encoding="utf-8")
-    return 0
+    return report_on_demo_heads(__doc__, _report)
 
 
 def _measure(url: str) -> Runs:
