@@ -125,7 +125,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: 
     async def ModelInfer(self, request: Any, context: Any) -> Any:
         async def infer() -> Any:
             with self._plane.admit():  # the request's memory, held until answered
-                size = sum(len(raw) for raw in request.raw_input_contents)
+                size = request.ByteSize()  # raw or typed contents alike
                 charge(size * BODY_EXPANSION)
                 decoded, plan = await off_loop(size, codec.decode, request)
                 result = await self._plane.infer(decoded)
