@@ -1,4 +1,4 @@
-"""The data plane: the one API under every front end (native REST, V2 REST, and later more).
+"""The data plane: the one API under every front end (native REST, V2 over REST and gRPC).
 
 Front ends decode a request into a typed message (``service.messages``), call one method here
 and encode the result. This module alone owns the inference rules:

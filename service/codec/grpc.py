@@ -24,13 +24,12 @@ from service.codec.wire import VERSION
 from service.errors import InvalidInput
 from service.messages import HeadInfo, InferRequest, InferResult, Target
 
-#: Typed ``contents`` field per datatype (FP16 has none: it travels raw only).
+#: Typed ``contents`` field per numeric datatype (FP16 has none: it travels raw only).
 CONTENTS = {
     "FP32": "fp32_contents",
     "FP64": "fp64_contents",
     "INT64": "int64_contents",
     "INT32": "int_contents",
-    "BYTES": "bytes_contents",
 }
 
 
@@ -94,7 +93,7 @@ def _input(tensor: Any, raw: bytes | None) -> dict[str, Any]:
             "(the protocol has no typed FP16 contents); or send FP32 contents"
         )
     field = CONTENTS.get(tensor.datatype)
-    if field is not None and field != "bytes_contents":
+    if field is not None:
         entry["data"] = list(getattr(tensor.contents, field))
     return entry
 
