@@ -124,7 +124,10 @@ def _replica_settings(given: dict[str, Any]) -> Settings:
         for key, value in REPLICA_DEFAULTS.items()
         if f"LMHEAD_{key.upper()}" not in os.environ
     }
-    return Settings(**{**defaults, **given})
+    settings = Settings(**{**defaults, **given})
+    if settings.grpc_port is not None:  # every replica would bind it; Serve proxies HTTP here
+        raise ValueError("LMHEAD_GRPC_PORT: gRPC is served by single lmhead processes, not Ray")
+    return settings
 
 
 def _threads_for_replica(settings: Settings) -> Settings:

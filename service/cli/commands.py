@@ -49,6 +49,8 @@ def serve(args: argparse.Namespace) -> int:
     settings = Settings(**{key: value for key, value in flags.items() if value is not None})
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.ray:
+        if settings.grpc_port is not None:  # every replica would bind it; Serve proxies HTTP
+            raise CommandError("gRPC is served by single lmhead processes, not under --ray")
         try:
             from service import rayserve
         except ImportError as error:

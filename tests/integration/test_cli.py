@@ -92,6 +92,17 @@ def test_the_command_alone_prints_help_and_says_its_version() -> None:
     assert version.stdout.strip() == f"lmhead {__version__}"
 
 
+def test_serve_refuses_flags_that_do_not_go_together() -> None:
+    for flags, words in (
+        (["--replicas", "2"], "go with --ray"),
+        (["--ray", "--grpc-port", "8001"], "not under --ray"),
+    ):
+        refused = _run("serve", *flags)
+        assert refused.returncode != 0
+        assert words in refused.stderr
+        assert "Traceback" not in refused.stderr
+
+
 def test_serve_help_says_where_every_other_setting_comes_from() -> None:
     text = _run("serve", "--help").stdout.replace("\n", " ")
     assert "LMHEAD_MAX_ROWS" in text
