@@ -321,12 +321,15 @@ def test_read_only_refuses_load_and_unload(repository: Path) -> None:
 
 
 def test_shutdown_under_grpc_load_ends_cleanly(repository: Path) -> None:
-    """SIGTERM under gRPC load ends cleanly: every call is answered or refused UNAVAILABLE
-    (no INTERNAL, no CANCELLED, no hang) and the process exits after its graceful shutdown.
-    (Which calls were in flight at the signal is not observable from here, so this does not
-    prove the drain itself; the grace is ``LMHEAD_DRAIN_TIMEOUT_S`` in the lifespan.)"""
+    """SIGTERM under gRPC load ends cleanly: every call is answered, refused UNAVAILABLE, or
+    (grpc core's answer to a call that reached the server after its shutdown began and was never
+    handed to a handler: grpc/grpc#41785) CANCELLED with core's own bare message; never INTERNAL,
+    never a hang, and the process exits after its graceful shutdown. (Which calls were in flight
+    at the signal is not observable from here, so this does not prove the drain itself; the grace
+    is ``LMHEAD_DRAIN_TIMEOUT_S`` in the lifespan.)"""
     port = free_port()
     codes: list[str] = []
+    details: set[str] = set()
     stop = threading.Event()
 
     def client() -> None:
@@ -339,6 +342,7 @@ def test_shutdown_under_grpc_load_ends_cleanly(repository: Path) -> None:
                     codes.append("OK")
                 except grpc.RpcError as error:
                     codes.append(error.code().name)
+                    details.add(f"{error.code().name}: {error.details()}")
                     if error.code() == grpc.StatusCode.UNAVAILABLE:
                         return
 
@@ -354,7 +358,9 @@ def test_shutdown_under_grpc_load_ends_cleanly(repository: Path) -> None:
         stop.set()
         for thread in threads:
             thread.join(timeout=60)
-    assert set(codes) <= {"OK", "UNAVAILABLE"}, sorted(set(codes))
+    assert set(codes) <= {"OK", "UNAVAILABLE", "CANCELLED"}, sorted(details)
+    # CANCELLED only as core's own zombie call, never from a handler
+    assert {d for d in details if d.startswith("CANCELLED")} <= {"CANCELLED: CANCELLED"}, details
     assert codes.count("OK") >= 8
 
 
