@@ -21,17 +21,20 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+import numpy.typing as npt
 import onnx
 import onnxruntime as ort
 from onnx import numpy_helper
 
-from service.graph import without_embedding
+from service.graph import OUTPUT_BIAS, without_embedding
 from service.heads import read_head, save_head
 from service.inspect import HeadReport, inspect_head
 from service.quantize import QuantSpec
 from service.rows import FileRows, QuantizedRows, RowSource
 from service.runtime import CUDA, HeadSession
 from service.settings import MemoryMode
+from service.vocabulary import CandidateLogits
 
 PROJECTION_FILE = "projection.onnx"
 
@@ -69,15 +72,88 @@ def open_head(
     split = _splits(report, placement)
     check_runtime(report, split)
     if split:
-        return _split(served, report, placement, scratch / "split")
-    return HeadSession(
-        served,
-        tied=report.tied,
-        memory_mode=placement.memory_mode,
-        intra_op_threads=placement.intra_op_threads,
-        providers=placement.providers,
-        tf32=placement.tf32,
+        session = _split(served, report, placement, scratch / "split")
+    else:
+        session = HeadSession(
+            served,
+            tied=report.tied,
+            memory_mode=placement.memory_mode,
+            intra_op_threads=placement.intra_op_threads,
+            providers=placement.providers,
+            tf32=placement.tf32,
+        )
+    session.candidates = candidate_logits(session, served, report, scratch / "rows")
+    return session
+
+
+def candidate_logits(
+    session: HeadSession, served: Path, report: HeadReport, into: Path
+) -> CandidateLogits | None:
+    """Logits of chosen tokens from their rows of the projection matrix: a tied head's rows
+    come from its one table (the split file's ``pread``, or the session's own Gather), an
+    untied head's from its output matrix's bytes in the served file (inline ones moved to
+    ``into``, on disk, not in memory). None when the matrix is not stored one row per token
+    (a foreign ``MatMul`` layout): candidates then come from full logits."""
+    transforms = report.transforms
+    rows: RowSource | None = session.rows if report.tied else None
+    if rows is None and report.tied and report.quantization is None:
+        rows = SessionRows(session)
+    tensors: dict[str, onnx.TensorProto] = {}
+    if rows is None or transforms.get("bias"):  # read the graph (inline bytes too) only then
+        model = onnx.load(str(served), load_external_data=False)
+        tensors = {tensor.name: tensor for tensor in model.graph.initializer}
+    if rows is None:
+        rows = _output_rows(tensors, report, served.parent, into)
+    if rows is None:
+        return None
+    bias = None
+    if transforms.get("bias"):
+        if OUTPUT_BIAS not in tensors:
+            return None
+        bias = numpy_helper.to_array(tensors[OUTPUT_BIAS], str(served.parent)).astype(np.float32)
+    return CandidateLogits(
+        rows,
+        float(transforms.get("input_scale", 1.0)),
+        float(transforms.get("logit_scale", 1.0)),
+        None if transforms.get("softcap") is None else float(transforms["softcap"]),
+        bias,
     )
+
+
+class SessionRows:
+    """Rows of a tied head's one table through the session's own Gather."""
+
+    def __init__(self, session: HeadSession) -> None:
+        self._session = session
+
+    def rows(self, ids: npt.NDArray[np.int64]) -> npt.NDArray[np.float32]:
+        return self._session.embed(ids)
+
+
+def _output_rows(
+    tensors: dict[str, onnx.TensorProto], report: HeadReport, directory: Path, into: Path
+) -> RowSource | None:
+    quantization = report.quantization
+    names = quantization["projection_tensors"] if quantization else [report.projection_initializer]
+    if any(name not in tensors for name in names):
+        return None
+    parts = [tensors[name] for name in names]
+    if parts[0].dims[0] != report.vocab_size:
+        return None
+    if quantization is None and list(parts[0].dims) != [report.vocab_size, report.d_model]:
+        return None
+    into.mkdir(parents=True, exist_ok=True)
+    for tensor in parts:
+        location = _external_location(tensor)
+        if location is None:
+            _move_to_file(tensor, into / f"{tensor.name}.data")
+        elif not (into / location).exists():
+            _link_or_copy(directory / location, into / location)
+    files = tuple(FileRows.of(tensor, into) for tensor in parts)
+    if quantization is None:
+        return files[0]
+    spec = QuantSpec(quantization["bits"], quantization["block_size"])
+    return QuantizedRows(files, spec, report.d_model)
 
 
 def required_runtime(report: HeadReport, split: bool) -> tuple[int, int]:

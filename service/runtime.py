@@ -43,6 +43,7 @@ from service.graph import (
 )
 from service.rows import RowSource
 from service.settings import MemoryMode, ProviderChoice
+from service.vocabulary import CandidateLogits
 
 logger = logging.getLogger("lmhead")
 MEMORY_MODES: tuple[MemoryMode, ...] = get_args(MemoryMode)
@@ -81,6 +82,21 @@ class Projection:
     def topk_logprobs(self) -> npt.NDArray[np.float32]:
         """log-softmax of the top-k entries, exact over the full vocabulary."""
         return self.topk_logits - self.logsumexp[..., None]
+
+
+@dataclass(frozen=True)
+class Scored:
+    """``HeadSession.score`` of some rows: top-k, log-sum-exp, target logit and rank."""
+
+    topk_logits: npt.NDArray[np.float32]
+    topk_token_ids: npt.NDArray[np.int64]
+    logsumexp: npt.NDArray[np.float32]
+    target_logit: npt.NDArray[np.float32]
+    rank: npt.NDArray[np.int64]
+
+
+#: Rows whose ranks are counted at once (a rows x vocab boolean temporary).
+RANK_ROWS = 8
 
 
 def session_options(
@@ -139,6 +155,8 @@ class HeadSession:
         self.path = Path(path)
         self.io_binding = io_binding
         self.rows = rows
+        #: Logits of chosen tokens from their rows of W (``service.layout`` sets it).
+        self.candidates: CandidateLogits | None = None
         on_cuda = CUDA in providers
         self.memory_mode: MemoryMode = "shared" if on_cuda else memory_mode
         options = session_options(
@@ -198,6 +216,26 @@ class HeadSession:
         outputs = self._run(names, rows, self._no_ids, k, per_row)
         values, ids, lse, *rest = (out.reshape(*leading, *out.shape[1:]) for out in outputs)
         return Projection(values, ids, lse, rest[0] if rest else None)
+
+    def score(
+        self, rows: npt.NDArray[np.float32], targets: npt.NDArray[np.int64], k: int
+    ) -> Scored:
+        """Top-k, log-sum-exp and each row's target logit and rank (tokens scoring strictly
+        higher, and equal ones with lower ids) for (rows, d_model) rows at temperature 1.
+        The logits live only for this call; ranks are counted ``RANK_ROWS`` rows at a time
+        (a small boolean temporary)."""
+        temperature = np.ones((len(rows), 1), np.float32)
+        names = [TOPK_LOGITS, TOPK_TOKEN_IDS, LOGSUMEXP, LOGITS]
+        values, ids, lse, logits = self._run(names, rows, self._no_ids, k, temperature)
+        target = logits[np.arange(len(rows)), targets]
+        rank = np.empty(len(rows), np.int64)
+        columns = np.arange(self.vocab_size)
+        for start in range(0, len(rows), RANK_ROWS):
+            block, mark = logits[start : start + RANK_ROWS], target[start : start + RANK_ROWS]
+            before = columns[None, :] < targets[start : start + RANK_ROWS, None]
+            ties = ((block == mark[:, None]) & before).sum(axis=1)  # equal: lower ids first
+            rank[start : start + RANK_ROWS] = (block > mark[:, None]).sum(axis=1) + ties
+        return Scored(values, ids, lse, target, rank)
 
     def embed(self, input_ids: npt.ArrayLike) -> npt.NDArray[np.float32]:
         """Rows of the input embedding table, shaped ``input_ids.shape + (d_model,)``."""

@@ -1,0 +1,229 @@
+"""A head's next-token distribution, shaped by the request: allowed tokens, bias, sampling,
+and scoring of long prompts; the data plane's helpers for those options (``service.vocabulary``
+holds the numpy, this module decides what to fetch from the head).
+
+Costs, by construction:
+
+* allowed tokens: their rows of W (n x d_model) and a small matmul; a full run only when the
+  log-probs must be over the whole vocabulary (its log-sum-exp);
+* bias or banned tokens: one run for the top-(k + |B|) and |B| rows of W;
+* sampling: the same run with a wider top (``SAMPLE_PREFIX``); only a row whose kept set may
+  reach past it is run again with full logits (a flat distribution, no filter);
+* prompt scoring: runs of ``score_rows`` rows, so its logits never exceed ``SCORE_BYTES``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from service.limits import LOGIT_BYTES, charge
+from service.loaded_version import LoadedVersion
+from service.runtime import Scored
+from service.vocabulary import (
+    Bias,
+    Floats,
+    Ids,
+    SampleSpec,
+    apply_bias,
+    biased_topk,
+    logsumexp,
+    sample_sorted,
+    swap_lse,
+    top_sorted,
+)
+
+#: Tokens fetched per row for sampling: the kept set of a peaked distribution fits in it.
+SAMPLE_PREFIX = 64
+#: Logits of one scoring run; onnxruntime holds them and their log-softmax (2 copies).
+SCORE_BYTES = 24 * 2**20
+Over = Literal["candidates", "vocabulary"]
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Validated options (the data plane checks ids and ranges before building one)."""
+
+    allowed: Ids | None = None
+    """(n,) for every row or (rows, n) per row; sorted by nothing."""
+    bias: Bias | None = None
+    over: Over = "vocabulary"
+    sample: SampleSpec | None = None
+
+
+@dataclass(frozen=True)
+class Shaped:
+    """Top-k of the shaped distribution (rows x k), its log-sum-exp, and the draws."""
+
+    values: Floats
+    ids: Ids
+    lse: Floats
+    sampled: Ids | None = None
+    sampled_logprobs: Floats | None = None
+
+
+async def candidate_logits(
+    model: LoadedVersion, rows: Floats, ids: Ids, temperature: float
+) -> Floats:
+    """(rows, n) logits of ``ids`` from their rows of W (full logits when the head's layout
+    has no row source)."""
+    per_row = np.full(len(rows), temperature, np.float32)
+    candidates = model.session.candidates
+    if candidates is not None:
+        return await _off_loop(model, candidates, rows, ids, per_row)
+    logits = await full_logits(model, rows, temperature)
+    every = np.broadcast_to(ids, (len(rows), ids.shape[-1])) if ids.ndim == 1 else ids
+    return np.take_along_axis(logits, every, axis=1)
+
+
+async def full_logits(model: LoadedVersion, rows: Floats, temperature: float) -> Floats:
+    """Full logits of a few rows (the exact fallback), charged to the request."""
+    charge(len(rows) * model.vocab_size * LOGIT_BYTES)
+    projection = await model.project(rows, 1, temperature=temperature, full_logits=True)
+    assert projection.logits is not None
+    return projection.logits
+
+
+async def shaped_topk(
+    model: LoadedVersion, rows: Floats, k: int, temperature: float, shape: Shape
+) -> Shaped:
+    if shape.allowed is not None:
+        return await _restricted(model, rows, k, temperature, shape, shape.allowed)
+    return await _whole(model, rows, k, temperature, shape)
+
+
+async def _restricted(
+    model: LoadedVersion, rows: Floats, k: int, temperature: float, shape: Shape, allowed: Ids
+) -> Shaped:
+    logits = await candidate_logits(model, rows, allowed, temperature)
+    if shape.bias is not None:
+        logits = apply_bias(logits, allowed, shape.bias)
+    ordered, order_ids = top_sorted(logits, allowed, logits.shape[1])
+    lse = logsumexp(logits)
+    sampled = drawn = None
+    if shape.sample is not None:
+        index, _ = sample_sorted(ordered, lse, shape.sample, _draws(shape.sample, rows), 0)
+        sampled = order_ids[np.arange(len(rows)), index]
+        drawn = ordered[np.arange(len(rows)), index]
+    if shape.over == "vocabulary":
+        lse = await _vocabulary_lse(model, rows, temperature, shape.bias)
+    logprobs = None if drawn is None else drawn - lse
+    return Shaped(ordered[:, :k], order_ids[:, :k], lse, sampled, logprobs)
+
+
+async def _vocabulary_lse(
+    model: LoadedVersion, rows: Floats, temperature: float, bias: Bias | None
+) -> Floats:
+    """The whole vocabulary's log-sum-exp, biased when asked (one run, k=1)."""
+    lse = (await model.project(rows, 1, temperature=temperature)).logsumexp
+    if bias is None:
+        return lse
+    raw = await candidate_logits(model, rows, bias.ids, temperature)
+    swapped, trusted = swap_lse(lse, raw, bias)
+    for row in np.flatnonzero(~trusted):
+        full = await full_logits(model, rows[row : row + 1], temperature)
+        swapped[row] = logsumexp(apply_bias(full, None, bias))[0]
+    return swapped
+
+
+async def _whole(
+    model: LoadedVersion, rows: Floats, k: int, temperature: float, shape: Shape
+) -> Shaped:
+    vocab, bias, spec = model.vocab_size, shape.bias, shape.sample
+    width = max(k, SAMPLE_PREFIX, spec.top_k or 0) if spec is not None else k
+    extra = 0 if bias is None else len(bias.ids)
+    projection = await model.project(rows, min(vocab, width + extra), temperature=temperature)
+    values, ids, lse = projection.topk_logits, projection.topk_token_ids, projection.logsumexp
+    redo = np.zeros(len(rows), np.bool_)
+    if bias is not None:
+        raw = await candidate_logits(model, rows, bias.ids, temperature)
+        values, ids = biased_topk(values, ids, raw, bias, width)
+        lse, trusted = swap_lse(lse, raw, bias)
+        redo |= ~trusted
+    sampled = drawn = None
+    if spec is not None:
+        draws = _draws(spec, rows)
+        index, inside = sample_sorted(values, lse, spec, draws, vocab)
+        picked = np.arange(len(rows)), index
+        sampled, drawn = ids[picked], values[picked]
+        redo |= ~inside
+    values, ids = values[:, :k].copy(), ids[:, :k].copy()
+    for row in np.flatnonzero(redo):  # exact, from the row's full logits
+        exact = await _whole_row(model, rows[row : row + 1], k, temperature, bias, spec, int(row))
+        values[row], ids[row], lse[row] = exact.values[0], exact.ids[0], exact.lse[0]
+        if sampled is not None and drawn is not None and exact.sampled is not None:
+            sampled[row], drawn[row] = exact.sampled[0], exact.drawn
+    logprobs = None if drawn is None else drawn - lse
+    return Shaped(values, ids, lse, sampled, logprobs)
+
+
+@dataclass(frozen=True)
+class _Row:
+    """One row redone from its full logits: top-k, log-sum-exp, and the draw's token/logit."""
+
+    values: Floats
+    ids: Ids
+    lse: Floats
+    sampled: Ids | None = None
+    drawn: float = 0.0
+
+
+async def _whole_row(
+    model: LoadedVersion,
+    row: Floats,
+    k: int,
+    temperature: float,
+    bias: Bias | None,
+    spec: SampleSpec | None,
+    position: int,
+) -> _Row:
+    logits = await full_logits(model, row, temperature)
+    if bias is not None:
+        logits = apply_bias(logits, None, bias)
+    lse = logsumexp(logits)
+    if spec is None:
+        values, ids = top_sorted(logits, np.arange(model.vocab_size), k)
+        return _Row(values, ids, lse)
+    order = np.argsort(-logits[0], kind="stable")  # the whole row, descending
+    ordered, ordered_ids = logits[:, order], order[None, :].astype(np.int64)
+    draw = spec.uniforms(position + 1)[position:]  # this row's u, as in the batch
+    (chosen,), _ = sample_sorted(ordered, lse, spec, draw, model.vocab_size)
+    return _Row(
+        ordered[:, :k], ordered_ids[:, :k], lse, ordered_ids[:, chosen], float(ordered[0, chosen])
+    )
+
+
+def _draws(spec: SampleSpec, rows: Floats) -> npt.NDArray[np.float64]:
+    return spec.uniforms(len(rows))
+
+
+def score_rows(vocab_size: int, rows_per_run: int) -> int:
+    """Rows per scoring run: its logits (and onnxruntime's log-softmax of them) stay small."""
+    return max(1, min(rows_per_run, SCORE_BYTES // (vocab_size * LOGIT_BYTES)))
+
+
+async def score_chunks(model: LoadedVersion, rows: Floats, targets: Ids, k: int) -> Scored:
+    """Target logits, ranks, top-k alternatives and log-sum-exp of any number of rows, in
+    runs of ``score_rows``: peak memory is one run's, whatever the prompt's length."""
+    step = score_rows(model.vocab_size, model.rows_per_run)
+    loop = asyncio.get_running_loop()
+    parts = [
+        await loop.run_in_executor(
+            model.executor, model.session.score, rows[i : i + step], targets[i : i + step], k
+        )
+        for i in range(0, len(rows), step)
+    ]
+    return Scored(*(np.concatenate(arrays) for arrays in zip(*_fields(parts), strict=True)))
+
+
+def _fields(parts: list[Scored]) -> list[tuple[npt.NDArray[np.generic], ...]]:
+    return [(p.topk_logits, p.topk_token_ids, p.logsumexp, p.target_logit, p.rank) for p in parts]
+
+
+async def _off_loop(model: LoadedVersion, function: Callable[..., Floats], *args: object) -> Floats:
+    return await asyncio.get_running_loop().run_in_executor(model.executor, function, *args)

@@ -1,0 +1,199 @@
+"""A head's distribution reshaped on request: restricted vocabularies, logit bias and sampling.
+
+Everything here is numpy on small arrays; the data plane (``service.shaping``) decides which
+rows of W and which graph outputs to fetch. Three facts keep it exact without a
+(rows x vocab) tensor on the host:
+
+* **Candidate logits** are ``h @ W[ids].T`` with the head's transforms (``CandidateLogits``):
+  the same numbers the graph computes for those tokens, at the cost of n rows instead of vocab.
+* **Bias** on a set B of tokens leaves every other logit alone, so the biased top-k lies within
+  the unbiased top-(k + |B|) plus B itself (``biased_topk``), and the biased log-sum-exp is
+  the full one with B's terms swapped (``swap_lse``). When B held almost all the mass the swap
+  cancels; such rows are flagged and recomputed from full logits.
+* **Sampling** draws one uniform u per row from a counter-based generator keyed by the seed,
+  so u depends on (seed, row position) alone, and inverts the CDF of the kept tokens in
+  descending order (``sample_sorted``). Any prefix of that order that holds the kept set gives
+  the same token as the whole vocabulary; a row whose kept set may reach past the fetched
+  prefix is flagged and recomputed from full logits with the same u. Filters follow Hugging
+  Face's order: ``top_k``, then ``top_p`` on the renormalised remainder, then ``min_p``
+  relative to the most likely token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from service.rows import RowSource
+
+Floats = npt.NDArray[np.float32]
+Ids = npt.NDArray[np.int64]
+#: Below this share of probability left outside B, swapping B's terms loses float64 digits.
+CANCELLATION = 1e-6
+
+
+@dataclass(frozen=True)
+class CandidateLogits:
+    """Logits of chosen tokens from their rows of W: what the graph gives for those columns.
+
+    ``input_scale`` multiplies the hidden state, the bias is added, ``logit_scale`` multiplies
+    and ``softcap`` caps the logits, then the temperature divides them (``service.graph``).
+    """
+
+    rows: RowSource
+    input_scale: float = 1.0
+    logit_scale: float = 1.0
+    softcap: float | None = None
+    bias: Floats | None = None
+
+    def __call__(self, hidden: Floats, ids: Ids, temperature: Floats) -> Floats:
+        """(rows, n) logits for ids shared by every row (n,) or given per row (rows, n)."""
+        unique, inverse = np.unique(ids, return_inverse=True)
+        weights = self.rows.rows(unique)
+        raw = (hidden * np.float32(self.input_scale)) @ weights.T  # (rows, unique)
+        if ids.ndim == 1:
+            logits = raw[:, inverse.reshape(-1)]
+        else:
+            logits = np.take_along_axis(raw, inverse.reshape(ids.shape), axis=1)
+        if self.bias is not None:
+            logits = logits + self.bias[ids]
+        if self.logit_scale != 1.0:
+            logits = logits * np.float32(self.logit_scale)
+        if self.softcap is not None:
+            cap = np.float32(self.softcap)
+            logits = np.tanh(logits / cap) * cap
+        return np.ascontiguousarray(logits / temperature[:, None], dtype=np.float32)
+
+
+@dataclass(frozen=True)
+class Bias:
+    """Additive bias per token id (sorted ids); banned tokens carry -inf."""
+
+    ids: Ids
+    values: Floats
+
+    @classmethod
+    def of(cls, bias: dict[int, float] | None, banned: Ids | None) -> Bias | None:
+        table = dict(bias or {})
+        for token in [] if banned is None else banned.reshape(-1).tolist():
+            table[int(token)] = -np.inf
+        if not table:
+            return None
+        ids = np.array(sorted(table), np.int64)
+        return cls(ids, np.array([table[token] for token in ids.tolist()], np.float32))
+
+    @property
+    def banned(self) -> int:
+        return int(np.isneginf(self.values).sum())
+
+
+def logsumexp(logits: Floats) -> Floats:
+    """Row-wise log-sum-exp (rows, n) -> (rows,), -inf for a row that is all -inf."""
+    top = logits.max(axis=1, keepdims=True)
+    safe = np.where(np.isfinite(top), top, 0.0)
+    with np.errstate(divide="ignore"):
+        total = np.log(np.exp(logits - safe).sum(axis=1))
+    result: Floats = (total + safe[:, 0]).astype(np.float32)
+    return result
+
+
+def top_sorted(logits: Floats, ids: Ids, k: int) -> tuple[Floats, Ids]:
+    """The k largest of (rows, n) logits, descending, with their ids ((n,) or (rows, n))."""
+    k = min(k, logits.shape[1])
+    if k < logits.shape[1]:
+        part = np.argpartition(-logits, k - 1, axis=1)[:, :k]
+    else:
+        part = np.broadcast_to(np.arange(logits.shape[1]), logits.shape)
+    values = np.take_along_axis(logits, part, axis=1)
+    order = np.argsort(-values, axis=1, kind="stable")
+    chosen = np.take_along_axis(part, order, axis=1)
+    every = np.broadcast_to(ids, logits.shape) if ids.ndim == 1 else ids
+    return np.take_along_axis(values, order, axis=1), np.take_along_axis(every, chosen, axis=1)
+
+
+def biased_topk(values: Floats, ids: Ids, raw_b: Floats, bias: Bias, k: int) -> tuple[Floats, Ids]:
+    """Top-k of biased logits from the unbiased top-(k + |B|) (``values``/``ids``, rows x K)
+    and the exact unbiased logits of B (``raw_b``, rows x |B|)."""
+    masked = np.where(np.isin(ids, bias.ids), -np.inf, values).astype(np.float32)
+    biased = (raw_b + bias.values).astype(np.float32)
+    every = np.concatenate([ids, np.broadcast_to(bias.ids, raw_b.shape)], axis=1)
+    return top_sorted(np.concatenate([masked, biased], axis=1), every, k)
+
+
+def swap_lse(lse: Floats, raw_b: Floats, bias: Bias) -> tuple[Floats, npt.NDArray[np.bool_]]:
+    """The log-sum-exp with B's terms biased, and which rows kept enough digits to trust."""
+    shifted = raw_b.astype(np.float64) - lse.astype(np.float64)[:, None]
+    outside = 1.0 - np.exp(shifted).sum(axis=1)
+    inside = np.exp(shifted + bias.values.astype(np.float64)).sum(axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        swapped = lse + np.log(np.maximum(outside, 0.0) + inside)
+    return swapped.astype(np.float32), outside > CANCELLATION
+
+
+def apply_bias(logits: Floats, ids: Ids | None, bias: Bias) -> Floats:
+    """Full or candidate logits with B's bias added (``ids``: the columns' token ids, None for
+    the full vocabulary)."""
+    out: Floats = logits.copy()
+    if ids is None:
+        out[:, bias.ids] += bias.values
+        return out
+    every = np.broadcast_to(ids, logits.shape)
+    position = np.searchsorted(bias.ids, every)  # bias.ids are sorted (``Bias.of``)
+    found = bias.ids[np.minimum(position, len(bias.ids) - 1)] == every
+    out += np.where(found, bias.values[np.minimum(position, len(bias.ids) - 1)], 0.0)
+    return out
+
+
+@dataclass(frozen=True)
+class SampleSpec:
+    """How to draw one token per row; ``temperature`` 0 means greedy."""
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    seed: int = 0
+
+    def uniforms(self, rows: int) -> npt.NDArray[np.float64]:
+        """One u per row: Philox keyed by the seed, so row i draws the same u whatever else
+        is in the batch or the request."""
+        return np.random.Generator(np.random.Philox(key=self.seed)).random(rows)
+
+
+def sample_sorted(
+    values: Floats, lse: Floats, spec: SampleSpec, u: npt.NDArray[np.float64], vocab: int
+) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.bool_]]:
+    """Index into each row of descending ``values`` (rows x K, a prefix of the row's sorted
+    logits, ``lse`` the row's whole log-sum-exp) of the drawn token, and whether the kept set
+    surely lies within the prefix (else recompute the row with the whole sorted row)."""
+    width = values.shape[1]
+    if spec.temperature == 0:
+        return np.zeros(len(values), np.intp), np.ones(len(values), np.bool_)
+    probs = np.exp(values.astype(np.float64) - lse.astype(np.float64)[:, None])
+    kept = np.ones_like(probs, dtype=np.bool_)
+    inside = np.full(len(values), width >= vocab)
+    if spec.top_k is not None:
+        kept[:, spec.top_k :] = False
+        inside |= spec.top_k <= width
+    mass = np.where(kept, probs, 0.0)
+    if spec.top_p is not None:
+        total = mass.sum(axis=1, keepdims=True) if spec.top_k is not None else 1.0
+        cumulative = np.cumsum(mass, axis=1) / total
+        kept &= (cumulative - mass / total) < spec.top_p
+        inside |= cumulative[:, -1] >= spec.top_p
+    if spec.min_p is not None:
+        kept &= probs >= spec.min_p * probs[:, :1]
+        inside |= probs[:, -1] < spec.min_p * probs[:, 0]
+    mass = np.where(kept, probs, 0.0)
+    cumulative = np.cumsum(mass, axis=1)
+    if spec.top_k is None and spec.top_p is None and spec.min_p is None:
+        inside |= u < cumulative[:, -1]  # the draw lands in the prefix; the tail is not needed
+        target = u
+    else:
+        target = u * cumulative[:, -1]
+    index = np.minimum((cumulative <= target[:, None]).sum(axis=1), width - 1)
+    last_kept = width - 1 - np.argmax(kept[:, ::-1], axis=1)  # u at the very top, rounded
+    index = np.where(kept[np.arange(len(values)), index], index, last_kept)
+    return index.astype(np.intp), inside
