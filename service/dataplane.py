@@ -22,19 +22,17 @@ import secrets
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from time import perf_counter
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from service import compare
+from service import compare, distribution, scoring
 from service.errors import (
     Forbidden,
     InvalidInput,
     ModelLoadFailed,
     ModelNotReady,
-    ServiceError,
     Unauthorized,
 )
 from service.limits import LOGIT_BYTES, Limits, MemoryBudget, Reservation, charge
@@ -55,10 +53,12 @@ from service.messages import (
     Target,
     TopKRequest,
     TopKResult,
+    VocabularyOptions,
 )
 from service.metrics import Metrics
 from service.registry import ModelRecord, ModelState, Registry
 from service.runtime import Projection
+from service.serving import Serving
 from service.settings import Settings
 from service.shadow import ShadowTraffic
 
@@ -128,6 +128,10 @@ class DataPlane:
             hidden = self._limits.hidden_states(request.hidden_states, model.d_model)
             k = self._limits.k(request.k, model.default_k)
             temperature = self._limits.temperature(request.temperature)
+            if request.vocabulary is not None:
+                return await self._shaped(
+                    model, hidden, k, temperature, request.vocabulary, request.tokens
+                )
             projection = await self._project(model, hidden, k, temperature, full_logits=False)
             return self._topk_result(model, projection, request.logprobs, request.tokens)
 
@@ -135,6 +139,23 @@ class DataPlane:
         with self._serving("logits", request.target) as (model,):
             hidden = self._limits.hidden_states(request.hidden_states, model.d_model)
             temperature = self._limits.temperature(request.temperature)
+            if request.allowed_token_ids is not None:
+                rows = hidden.reshape(-1, model.d_model)
+                ids = distribution.token_lists(
+                    request.allowed_token_ids,
+                    len(rows),
+                    model.vocab_size,
+                    self._limits,
+                    "allowed_token_ids",
+                )
+                logits = await distribution.candidate_logits(model, rows, ids, temperature)
+                columns = np.broadcast_to(ids, logits.shape) if ids.ndim == 1 else ids
+                leading = hidden.shape[:-1]
+                return LogitsResult(
+                    model.info,
+                    logits.reshape(*leading, -1),
+                    np.ascontiguousarray(columns).reshape(*leading, -1),
+                )
             projection = await self._project(model, hidden, 1, temperature, full_logits=True)
             assert projection.logits is not None
             return LogitsResult(model.info, projection.logits)
@@ -155,33 +176,53 @@ class DataPlane:
                 hidden = self._limits.hidden_states(request.hidden_states, model.d_model)
                 k = self._limits.k(request.k, model.default_k)
                 temperature = self._limits.temperature(request.temperature)
-                projection = await self._project(
-                    model, hidden, k, temperature, full_logits=request.full_logits
-                )
-                topk = self._topk_result(model, projection, True, request.tokens)
-                logits = projection.logits if request.full_logits else None
+                if request.vocabulary is not None:
+                    if request.full_logits:
+                        raise InvalidInput(
+                            "the logits output cannot be combined with allowed_token_ids, "
+                            "logit_bias, banned_token_ids or sample (use /v1 .../logits)"
+                        )
+                    topk = await self._shaped(
+                        model, hidden, k, temperature, request.vocabulary, request.tokens
+                    )
+                else:
+                    projection = await self._project(
+                        model, hidden, k, temperature, full_logits=request.full_logits
+                    )
+                    topk = self._topk_result(model, projection, True, request.tokens)
+                    logits = projection.logits if request.full_logits else None
             embeddings = None if ids is None else await model.embed(ids)
             return InferResult(model.info, topk, logits, embeddings)
 
     async def score(self, request: ScoreRequest) -> ScoreResult:
-        """Per row the target's logit, log-prob and rank; NLL, perplexity; candidates."""
+        """Per position the target's logit, log-prob and rank, top-k alternatives; NLL and
+        perplexity; candidates. Runs in chunks (``distribution.score_chunks``): any number of
+        rows within the row limit, never a (rows x vocab) tensor for the whole request."""
         with self._serving("score", request.target) as (model,):
             hidden = self._limits.hidden_states(request.hidden_states, model.d_model)
             targets = self._targets(request.target_ids, hidden, model)
-            logits, lse = await self._full(model, hidden, copies=1)
-            scores = await self._statistics(compare.score, logits, lse, targets)
+            rows = hidden.reshape(-1, model.d_model)
             candidates = None
             if request.candidate_ids is not None:
-                candidates = self._candidates(request.candidate_ids, logits, lse, model)
-            return ScoreResult(
-                model.info,
-                scores.logit,
-                scores.logprob,
-                scores.rank,
-                scores.nll,
-                scores.perplexity,
-                candidates,
-            )
+                ids = distribution.token_lists(
+                    request.candidate_ids,
+                    len(rows),
+                    model.vocab_size,
+                    self._limits,
+                    "candidate_ids",
+                )
+                logits = await distribution.candidate_logits(model, rows, ids, 1.0)
+                every = np.broadcast_to(ids, logits.shape) if ids.ndim == 1 else ids
+                candidates = CandidateScores(np.ascontiguousarray(every), logits, logits)
+            if request.logprobs_over == "candidates":
+                if candidates is None:
+                    raise InvalidInput("logprobs_over='candidates' needs candidate_ids")
+                return scoring.score_within(model.info, candidates, targets)
+            if request.logprobs_over not in (None, "vocabulary"):
+                raise InvalidInput("logprobs_over must be 'candidates' or 'vocabulary'")
+            k = self._limits.k(request.k, request.k) if request.k else 1
+            scored = await scoring.score_chunks(model, rows, targets, k)
+            return scoring.score_result(model.info, scored, candidates, request.k)
 
     async def compare(self, request: CompareRequest) -> CompareResult:
         """The same rows through two heads: agreement, KL both ways, NLL per head, speed."""
@@ -249,9 +290,9 @@ class DataPlane:
 
     # -- the rules' helpers -----------------------------------------------------------------
 
-    def _serving(self, verb: str, *targets: Target) -> _Serving:
+    def _serving(self, verb: str, *targets: Target) -> Serving:
         """Look up and lease each target (no ``await`` between), and record the call."""
-        return _Serving(self._registry, self._metrics, verb, targets)
+        return Serving(self._registry, self._metrics, verb, targets)
 
     async def _project(
         self,
@@ -276,6 +317,25 @@ class DataPlane:
             assert projection.logits is not None
             self._shadow.submit(model, hidden, projection.logits, temperature)
         return projection
+
+    async def _shaped(
+        self,
+        model: LoadedVersion,
+        hidden: npt.NDArray[np.float32],
+        k: int,
+        temperature: float,
+        options: VocabularyOptions,
+        tokens: bool,
+    ) -> TopKResult:
+        """Top-k of the distribution the options shape (never shadowed: not the head's own)."""
+        rows = hidden.reshape(-1, model.d_model)
+        shape, temperature = distribution.shape_of(
+            options, len(rows), model.vocab_size, self._limits, temperature
+        )
+        if shape.allowed is not None:
+            k = min(k, shape.allowed.shape[-1])
+        shaped = await distribution.shaped_topk(model, rows, k, temperature, shape)
+        return distribution.topk_result(model, hidden.shape[:-1], shaped, shape, tokens)
 
     async def _shadow_logits(
         self, primary: LoadedVersion, name: str, rows: npt.NDArray[np.float32], temperature: float
@@ -312,28 +372,6 @@ class DataPlane:
             )
         return self._limits.token_ids(raw, model.vocab_size, "target_ids").reshape(-1)
 
-    def _candidates(
-        self,
-        raw: npt.NDArray[Any],
-        logits: npt.NDArray[np.float32],
-        lse: npt.NDArray[np.float32],
-        model: LoadedVersion,
-    ) -> CandidateScores:
-        if raw.ndim not in (1, 2) or raw.shape[-1] > model.vocab_size:
-            raise InvalidInput(
-                "candidate_ids must be one list of ids for every row, or one list per row, "
-                f"of at most {model.vocab_size} ids"
-            )
-        ids = self._limits.token_ids(raw, model.vocab_size, "candidate_ids")
-        per_row = np.broadcast_to(ids, (len(logits), ids.shape[-1])) if ids.ndim == 1 else ids
-        if per_row.shape[0] != len(logits):
-            raise InvalidInput(
-                f"candidate_ids must be one list for all rows or one per row ({len(logits)}), "
-                f"got {ids.shape[0]} lists"
-            )
-        values = np.take_along_axis(logits, per_row, axis=1)
-        return CandidateScores(np.ascontiguousarray(per_row), values, values - lse[:, None])
-
     def _topk_result(
         self, model: LoadedVersion, projection: Projection, logprobs: bool, tokens: bool
     ) -> TopKResult:
@@ -345,49 +383,6 @@ class DataPlane:
             projection.logsumexp,
             projection.topk_logprobs if logprobs else None,
             model.tokens(ids.reshape(-1, ids.shape[-1])) if tokens else None,
-        )
-
-
-class _Serving:
-    """The context of one data-plane call: leased versions in, call metrics out.
-
-    A class rather than a generator: it runs twice per request on the hot path.
-    """
-
-    def __init__(
-        self, registry: Registry, metrics: Metrics, verb: str, targets: tuple[Target, ...]
-    ) -> None:
-        self._registry, self._metrics = registry, metrics
-        self._verb, self._targets = verb, targets
-        self._heads: list[LoadedVersion] = []
-        self._started = perf_counter()
-
-    def __enter__(self) -> list[LoadedVersion]:
-        try:
-            for target in self._targets:
-                head = self._registry.get(target.model, target.version)
-                head.acquire()
-                self._heads.append(head)
-        except BaseException as error:
-            self.__exit__(type(error), error, None)
-            raise
-        return self._heads
-
-    def __exit__(
-        self, kind: type[BaseException] | None, error: BaseException | None, _: object
-    ) -> None:
-        for head in self._heads:
-            head.release()
-        outcome = "ok" if error is None else "internal_error"
-        if isinstance(error, ServiceError):
-            outcome = error.code
-        first = self._heads[0] if self._heads else None
-        self._metrics.observe_call(
-            first.name if first else "",
-            str(first.version) if first else "",
-            self._verb,
-            outcome,
-            perf_counter() - self._started,
         )
 
 

@@ -8,13 +8,15 @@ Costs, by construction:
   log-probs must be over the whole vocabulary (its log-sum-exp);
 * bias or banned tokens: one run for the top-(k + |B|) and |B| rows of W;
 * sampling: the same run with a wider top (``SAMPLE_PREFIX``); only a row whose kept set may
-  reach past it is run again with full logits (a flat distribution, no filter);
-* prompt scoring: runs of ``score_rows`` rows, so its logits never exceed ``SCORE_BYTES``.
+  reach past it is run again with full logits (a flat distribution, no filter).
+
+Scoring long prompts is ``service.scoring``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -22,9 +24,15 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-from service.limits import LOGIT_BYTES, charge
+from service.errors import InvalidInput
+from service.limits import LOGIT_BYTES, Limits, charge
 from service.loaded_version import LoadedVersion
-from service.runtime import Scored
+from service.messages import (
+    Sampled,
+    SampleOptions,
+    TopKResult,
+    VocabularyOptions,
+)
 from service.vocabulary import (
     Bias,
     Floats,
@@ -40,8 +48,6 @@ from service.vocabulary import (
 
 #: Tokens fetched per row for sampling: the kept set of a peaked distribution fits in it.
 SAMPLE_PREFIX = 64
-#: Logits of one scoring run; onnxruntime holds them and their log-softmax (2 copies).
-SCORE_BYTES = 24 * 2**20
 Over = Literal["candidates", "vocabulary"]
 
 
@@ -65,6 +71,102 @@ class Shaped:
     lse: Floats
     sampled: Ids | None = None
     sampled_logprobs: Floats | None = None
+
+
+#: |logit_bias| values beyond this are a ban or a forced token in all but name (OpenAI's range).
+MAX_BIAS = 100.0
+
+
+def shape_of(
+    options: VocabularyOptions, rows: int, vocab: int, limits: Limits, temperature: float
+) -> tuple[Shape, float]:
+    """Checked options and the temperature of the run (the sampling one, when given)."""
+    allowed = None
+    if options.allowed_token_ids is not None:
+        allowed = token_lists(options.allowed_token_ids, rows, vocab, limits, "allowed_token_ids")
+    banned = options.banned_token_ids
+    if banned is not None:
+        banned = limits.token_ids(banned, vocab, "banned_token_ids").reshape(-1)
+    bias = Bias.of(_bias_table(options.logit_bias, vocab, limits), banned)
+    if bias is not None and allowed is None and bias.banned >= vocab:
+        raise InvalidInput(f"banned_token_ids bans all {vocab} tokens; leave at least one")
+    if bias is not None and allowed is not None:
+        allowed_banned = np.isin(allowed, bias.ids[np.isneginf(bias.values)])
+        if allowed_banned.all(axis=-1).any():
+            raise InvalidInput("every allowed token of a row is banned; leave at least one")
+    over = options.logprobs_over or ("candidates" if allowed is not None else "vocabulary")
+    if over not in ("candidates", "vocabulary"):
+        raise InvalidInput(f"logprobs_over must be 'candidates' or 'vocabulary', got {over!r}")
+    if over == "candidates" and allowed is None:
+        raise InvalidInput("logprobs_over='candidates' needs allowed_token_ids")
+    sample = None
+    if options.sample is not None:
+        sample, temperature = _sample_spec(options.sample, vocab, limits, temperature)
+    return Shape(allowed, bias, over, sample), temperature  # type: ignore[arg-type]
+
+
+def token_lists(raw: Ids, rows: int, vocab: int, limits: Limits, field: str) -> Ids:
+    """One list of ids for every row (n,), or one list per row (rows, n)."""
+    if raw.ndim not in (1, 2) or raw.shape[-1] > vocab:
+        raise InvalidInput(
+            f"{field} must be one list of ids for every row, or one list per row, "
+            f"of at most {vocab} ids"
+        )
+    ids = limits.token_ids(raw, vocab, field)
+    if ids.ndim == 2 and ids.shape[0] != rows:
+        raise InvalidInput(
+            f"{field} must be one list for all rows or one per row ({rows}), "
+            f"got {ids.shape[0]} lists"
+        )
+    return ids
+
+
+def _bias_table(raw: dict[object, object] | None, vocab: int, limits: Limits) -> dict[int, float]:
+    if not raw:
+        return {}
+    if len(raw) > limits.max_k:
+        raise InvalidInput(f"logit_bias has {len(raw)} entries; at most {limits.max_k}")
+    table: dict[int, float] = {}
+    for key, value in raw.items():
+        token = _integer(key)
+        if token is None or not 0 <= token < vocab:
+            raise InvalidInput(f"logit_bias keys must be token ids in [0, {vocab})")
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise InvalidInput("logit_bias values must be numbers")
+        if not -MAX_BIAS <= float(value) <= MAX_BIAS:
+            raise InvalidInput(f"logit_bias values must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}]")
+        table[token] = float(value)
+    return table
+
+
+def _integer(key: object) -> int | None:
+    if isinstance(key, int) and not isinstance(key, bool):
+        return key
+    if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+        return int(key)
+    return None
+
+
+def _sample_spec(
+    options: SampleOptions, vocab: int, limits: Limits, temperature: float
+) -> tuple[SampleSpec, float]:
+    sampling = options.temperature
+    if sampling is not None and temperature != 1.0 and sampling != temperature:
+        raise InvalidInput("give the temperature once: sample.temperature or temperature")
+    if sampling is not None and sampling != 0:
+        temperature = limits.temperature(sampling)  # the range check of every temperature
+    if options.top_k is not None and not 1 <= options.top_k <= limits.max_k:
+        raise InvalidInput(f"sample.top_k must be in [1, {limits.max_k}], got {options.top_k}")
+    for name, value, low in (("top_p", options.top_p, 0.0), ("min_p", options.min_p, 0.0)):
+        if value is not None and not low < value <= 1.0 and not (name == "min_p" and value == 0):
+            raise InvalidInput(f"sample.{name} must be in (0, 1], got {value}")
+    seed = options.seed if options.seed is not None else secrets.randbits(63)
+    if not 0 <= seed < 2**63:
+        raise InvalidInput(f"sample.seed must be in [0, 2**63), got {seed}")
+    spec = SampleSpec(
+        0.0 if sampling == 0 else temperature, options.top_k, options.top_p, options.min_p, seed
+    )
+    return spec, temperature
 
 
 async def candidate_logits(
@@ -202,28 +304,33 @@ def _draws(spec: SampleSpec, rows: Floats) -> npt.NDArray[np.float64]:
     return spec.uniforms(len(rows))
 
 
-def score_rows(vocab_size: int, rows_per_run: int) -> int:
-    """Rows per scoring run: its logits (and onnxruntime's log-softmax of them) stay small."""
-    return max(1, min(rows_per_run, SCORE_BYTES // (vocab_size * LOGIT_BYTES)))
-
-
-async def score_chunks(model: LoadedVersion, rows: Floats, targets: Ids, k: int) -> Scored:
-    """Target logits, ranks, top-k alternatives and log-sum-exp of any number of rows, in
-    runs of ``score_rows``: peak memory is one run's, whatever the prompt's length."""
-    step = score_rows(model.vocab_size, model.rows_per_run)
-    loop = asyncio.get_running_loop()
-    parts = [
-        await loop.run_in_executor(
-            model.executor, model.session.score, rows[i : i + step], targets[i : i + step], k
-        )
-        for i in range(0, len(rows), step)
-    ]
-    return Scored(*(np.concatenate(arrays) for arrays in zip(*_fields(parts), strict=True)))
-
-
-def _fields(parts: list[Scored]) -> list[tuple[npt.NDArray[np.generic], ...]]:
-    return [(p.topk_logits, p.topk_token_ids, p.logsumexp, p.target_logit, p.rank) for p in parts]
-
-
 async def _off_loop(model: LoadedVersion, function: Callable[..., Floats], *args: object) -> Floats:
     return await asyncio.get_running_loop().run_in_executor(model.executor, function, *args)
+
+
+def topk_result(
+    model: LoadedVersion, leading: tuple[int, ...], shaped: Shaped, shape: Shape, tokens: bool
+) -> TopKResult:
+    """The answer, leading dims as sent; log-probs always (they are what the options change)."""
+    values, ids = shaped.values.reshape(*leading, -1), shaped.ids.reshape(*leading, -1)
+    lse = shaped.lse.reshape(leading)
+    sampled = None
+    if shape.sample is not None and shaped.sampled is not None:
+        assert shaped.sampled_logprobs is not None
+        labels = model.tokens(shaped.sampled[:, None]) if tokens else None
+        sampled = Sampled(
+            shaped.sampled.reshape(leading),
+            shaped.sampled_logprobs.reshape(leading),
+            shape.sample.seed,
+            None if labels is None else [row[0] for row in labels],
+        )
+    return TopKResult(
+        model.info,
+        ids,
+        values,
+        lse,
+        values - lse[..., None],
+        model.tokens(shaped.ids) if tokens else None,
+        shape.over,
+        sampled,
+    )

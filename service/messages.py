@@ -41,6 +41,29 @@ class HeadInfo:
 
 
 @dataclass(frozen=True)
+class SampleOptions:
+    """Draw one token per row: ``temperature`` (0: greedy; the request's when absent),
+    ``top_k``, ``top_p``, ``min_p`` filters, and a ``seed`` (a random one when absent)."""
+
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class VocabularyOptions:
+    """The distribution as the request wants it, as decoded (the data plane checks it)."""
+
+    allowed_token_ids: npt.NDArray[Any] | None = None
+    logit_bias: dict[Any, Any] | None = None
+    banned_token_ids: npt.NDArray[Any] | None = None
+    logprobs_over: str | None = None
+    sample: SampleOptions | None = None
+
+
+@dataclass(frozen=True)
 class TopKRequest:
     target: Target
     hidden_states: npt.NDArray[Any]
@@ -48,6 +71,7 @@ class TopKRequest:
     temperature: float = 1.0
     logprobs: bool = False
     tokens: bool = False
+    vocabulary: VocabularyOptions | None = None
 
 
 @dataclass(frozen=True)
@@ -60,6 +84,21 @@ class TopKResult:
     logsumexp: npt.NDArray[np.float32]
     logprobs: npt.NDArray[np.float32] | None = None
     tokens: Tokens | None = None
+    logprobs_over: str = "vocabulary"
+    """Which distribution log-probs (and ``logsumexp``) are over: the whole vocabulary, or
+    only the allowed tokens."""
+    sampled: Sampled | None = None
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """One drawn token per row (leading dims as sent), its log-prob (over ``logprobs_over``
+    at the sampling temperature, before filters), and the seed that reproduces it."""
+
+    token_ids: npt.NDArray[np.int64]
+    logprobs: npt.NDArray[np.float32]
+    seed: int
+    tokens: list[str | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -67,12 +106,15 @@ class LogitsRequest:
     target: Target
     hidden_states: npt.NDArray[Any]
     temperature: float = 1.0
+    allowed_token_ids: npt.NDArray[Any] | None = None
 
 
 @dataclass(frozen=True)
 class LogitsResult:
     head: HeadInfo
     logits: npt.NDArray[np.float32]
+    token_ids: npt.NDArray[np.int64] | None = None
+    """The tokens of the columns when restricted to allowed ids (else column = token id)."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +144,7 @@ class InferRequest:
     temperature: float = 1.0
     full_logits: bool = False
     tokens: bool = False
+    vocabulary: VocabularyOptions | None = None
 
 
 @dataclass(frozen=True)
@@ -120,6 +163,10 @@ class ScoreRequest:
     hidden_states: npt.NDArray[Any]
     target_ids: npt.NDArray[Any]
     candidate_ids: npt.NDArray[Any] | None = None
+    k: int = 0
+    """Top-k alternatives per position (0: none)."""
+    logprobs_over: str | None = None
+    """``candidates``: score within ``candidate_ids`` only (no full run); else the vocabulary."""
 
 
 @dataclass(frozen=True)
@@ -138,6 +185,9 @@ class ScoreResult:
     nll: float
     perplexity: float
     candidates: CandidateScores | None = None
+    alternatives: CandidateScores | None = None
+    """Top-k tokens per position (ids, logits, log-probs), when asked."""
+    logprobs_over: str = "vocabulary"
 
 
 @dataclass(frozen=True)

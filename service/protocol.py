@@ -10,7 +10,7 @@ Ranges (k, temperature, rows) are the data plane's rules, not the wire's.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -29,13 +29,34 @@ class LogitsOptions(_Options):
     """Divides the logits (and so the log-probs); never changes the order."""
 
 
+class SampleBody(_Options):
+    """Draw one token per row (filters in Hugging Face's order: top_k, top_p, min_p)."""
+
+    temperature: float | None = None
+    """Sampling temperature; 0 is greedy; the request's ``temperature`` when absent."""
+    top_k: int | None = None
+    top_p: float | None = None
+    """Keep the smallest set of most likely tokens whose mass reaches top_p (exact: never cut
+    to the returned k)."""
+    min_p: float | None = None
+    """Keep tokens at least min_p times as likely as the most likely one."""
+    seed: int | None = None
+    """Same seed, same row position: same token. A random seed (returned) when absent."""
+
+
 class TopKOptions(LogitsOptions):
     """Options of ``/topk``: the temperature, plus k and whether to return log-probs."""
 
     k: int | None = None
     """How many tokens per row; the model's default when absent."""
     logprobs: bool = False
-    """Also return log-softmax values over the full vocabulary."""
+    """Also return log-softmax values (over ``logprobs_over``)."""
+    logit_bias: dict[str, float] | None = None
+    """Token id -> added to its logit before top-k, log-probs and sampling (in [-100, 100])."""
+    logprobs_over: Literal["candidates", "vocabulary"] | None = None
+    """With allowed_token_ids: log-probs over them (default) or over the whole vocabulary."""
+    sample: SampleBody | None = None
+    """Also draw one token per row from the (biased, restricted) distribution."""
 
 
 class EmbedOptions(_Options):
@@ -43,7 +64,12 @@ class EmbedOptions(_Options):
 
 
 class ScoreOptions(_Options):
-    """``/score`` takes no options beside its arrays; unknown fields are refused."""
+    """Options of ``/score`` beside its arrays; unknown fields are refused."""
+
+    k: int = Field(default=0, ge=0)
+    """Also return the top-k alternatives at each position."""
+    logprobs_over: Literal["candidates", "vocabulary"] | None = None
+    """``candidates``: score each target among its row's candidate_ids only (no full run)."""
 
 
 class CompareOptions(_Options):
@@ -70,6 +96,10 @@ class TopKBody(TopKOptions):
 
     hidden_states: list[Any]
     """(rows, d_model) or (batch, tokens, d_model) floats: final, post-norm hidden states."""
+    allowed_token_ids: list[Any] | None = None
+    """Restrict to these ids (one list, or one per row): costs their rows of W only."""
+    banned_token_ids: list[int] | None = None
+    """Never return or draw these ids."""
 
 
 class LogitsBody(LogitsOptions):
@@ -77,6 +107,8 @@ class LogitsBody(LogitsOptions):
 
     hidden_states: list[Any]
     """(rows, d_model) or (batch, tokens, d_model) floats."""
+    allowed_token_ids: list[Any] | None = None
+    """Only these columns (one list, or one per row); the answer names them."""
 
 
 class EmbedBody(_Options):
@@ -111,6 +143,9 @@ class TopKRow(_Document):
     logits: list[float]
     logprobs: list[float] | None = None
     tokens: list[str | None] | None = None
+    sampled_token_id: int | None = None
+    sampled_logprob: float | None = None
+    sampled_token: str | None = None
 
 
 class Identity(_Document):
@@ -124,6 +159,10 @@ class TopKAnswer(Identity):
     shape: list[int]
     """The leading dims of hidden_states; results are one per row, in order."""
     results: list[TopKRow]
+    logprobs_over: Literal["candidates", "vocabulary"] | None = None
+    """Present when the request shaped the distribution."""
+    seed: int | None = None
+    """The seed that reproduces the draws, when sampling."""
 
 
 class LogitsAnswer(Identity):
@@ -151,6 +190,9 @@ class ScoreAnswer(Identity):
     nll: float
     perplexity: float
     candidates: list[CandidateRow] | None = None
+    alternatives: list[CandidateRow] | None = None
+    """The top-k tokens at each position, when k was given."""
+    logprobs_over: Literal["candidates", "vocabulary"] = "vocabulary"
 
 
 class KLSummary(_Document):

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import orjson
 from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
@@ -45,11 +46,13 @@ from service.messages import (
     HeadInfo,
     LogitsRequest,
     LogitsResult,
+    SampleOptions,
     ScoreRequest,
     ScoreResult,
     Target,
     TopKRequest,
     TopKResult,
+    VocabularyOptions,
 )
 from service.protocol import (
     CompareOptions,
@@ -65,17 +68,40 @@ HIDDEN = "hidden_states"
 async def decode_topk(request: Request, body_limit: int) -> tuple[TopKRequest, str]:
     """A top-k request and the media type the answer should have."""
     answer = response_type(request, (JSON, NPY, NPZ), JSON)
-    hidden, opts = await _hidden_and_options(request, body_limit, TopKOptions)
+    hidden, opts, arrays = await _hidden_and_options(request, body_limit, TopKOptions)
     decoded = TopKRequest(
-        target(request), hidden, opts.k, opts.temperature, opts.logprobs, tokens=answer == JSON
+        target(request),
+        hidden,
+        opts.k,
+        opts.temperature,
+        opts.logprobs,
+        tokens=answer == JSON,
+        vocabulary=_vocabulary(opts, arrays),
     )
     return decoded, answer
 
 
+def _vocabulary(opts: TopKOptions, arrays: dict[str, Any]) -> VocabularyOptions | None:
+    """The distribution options, or None when the request has none (the plain fast path)."""
+    sample = opts.sample
+    if not (arrays or opts.logit_bias or opts.logprobs_over or sample):
+        return None
+    return VocabularyOptions(
+        arrays.get("allowed_token_ids"),
+        opts.logit_bias,
+        arrays.get("banned_token_ids"),
+        opts.logprobs_over,
+        None if sample is None else SampleOptions(**sample.model_dump()),
+    )
+
+
 async def decode_logits(request: Request, body_limit: int) -> tuple[LogitsRequest, str]:
     answer = response_type(request, (NPY, JSON), NPY)
-    hidden, opts = await _hidden_and_options(request, body_limit, LogitsOptions)
-    return LogitsRequest(target(request), hidden, opts.temperature), answer
+    hidden, opts, arrays = await _hidden_and_options(request, body_limit, LogitsOptions)
+    allowed = arrays.pop("allowed_token_ids", None)
+    if arrays:
+        raise InvalidInput(f"/logits does not take {sorted(arrays)}")
+    return LogitsRequest(target(request), hidden, opts.temperature, allowed), answer
 
 
 async def decode_embed(request: Request, body_limit: int) -> tuple[EmbedRequest, str]:
@@ -110,12 +136,14 @@ def _score_request(body: bytes, to: Target) -> ScoreRequest:
     hidden = float_array(_required(payload, HIDDEN, "(rows, d_model)"), HIDDEN, booleans)
     targets = _required(payload, "target_ids", "one token id per row")
     candidates = payload.pop("candidate_ids", None)
-    options(ScoreOptions, payload)
+    opts: ScoreOptions = options(ScoreOptions, payload)
     return ScoreRequest(
         to,
         hidden,
         int_array(targets, "target_ids", booleans),
         None if candidates is None else int_array(candidates, "candidate_ids", booleans),
+        opts.k,
+        opts.logprobs_over,
     )
 
 
@@ -153,8 +181,8 @@ async def encode_embed(result: EmbedResult, answer: str) -> Response:
 
 
 async def encode_score(result: ScoreResult) -> Response:
-    size = result.rank.size * 64 + (
-        0 if result.candidates is None else result.candidates.ids.size * 40
+    size = result.rank.size * 64 + sum(
+        found.ids.size * 40 for found in (result.candidates, result.alternatives) if found
     )
     return await off_loop(size, _score_response, result)
 
@@ -173,6 +201,9 @@ def _topk_response(result: TopKResult, answer: str) -> Response:
         }
         if result.logprobs is not None:
             arrays["logprobs"] = result.logprobs
+        if result.sampled is not None:
+            arrays["sampled_token_ids"] = result.sampled.token_ids
+            arrays["sampled_logprobs"] = result.sampled.logprobs
         return _reply(result.head, npz_bytes({**arrays, "logsumexp": result.logsumexp}), NPZ)
     return _reply(result.head, npy_bytes(_topk_records(result)), NPY)
 
@@ -180,6 +211,8 @@ def _topk_response(result: TopKResult, answer: str) -> Response:
 def _logits_response(result: LogitsResult, answer: str) -> Response:
     if answer == JSON:
         payload = {**_identity(result.head), "logits": result.logits}
+        if result.token_ids is not None:  # restricted: the columns' ids (npy: as requested)
+            payload["token_ids"] = result.token_ids
         return _reply(result.head, json_bytes(payload), JSON)
     return _reply(result.head, npy_bytes(result.logits), NPY)
 
@@ -203,14 +236,15 @@ def _score_response(result: ScoreResult) -> Response:
         "nll": result.nll,
         "perplexity": result.perplexity,
     }
-    if result.candidates is not None:
-        found = result.candidates
-        payload["candidates"] = [
-            {"ids": ids, "logits": logits, "logprobs": logprobs}
-            for ids, logits, logprobs in zip(
-                found.ids.tolist(), found.logits.tolist(), found.logprobs.tolist(), strict=True
-            )
-        ]
+    for name, found in (("candidates", result.candidates), ("alternatives", result.alternatives)):
+        if found is not None:
+            payload[name] = [
+                {"ids": ids, "logits": logits, "logprobs": logprobs}
+                for ids, logits, logprobs in zip(
+                    found.ids.tolist(), found.logits.tolist(), found.logprobs.tolist(), strict=True
+                )
+            ]
+    payload["logprobs_over"] = result.logprobs_over
     return _reply(result.head, json_bytes(payload), JSON)
 
 
@@ -221,23 +255,50 @@ def _compare_response(result: CompareResult) -> Response:
     return Response(json_bytes(payload), media_type=JSON)
 
 
+#: Id lists beside the options: decoded to numpy like the hidden states, not by pydantic.
+ID_LISTS = ("allowed_token_ids", "banned_token_ids")
+#: Query parameters (``.npy`` bodies) whose value is JSON text.
+JSON_QUERY = (*ID_LISTS, "logit_bias", "sample")
+
+
 async def _hidden_and_options(
     request: Request, body_limit: int, schema: type[BaseModel]
-) -> tuple[npt.NDArray[Any], Any]:
+) -> tuple[npt.NDArray[Any], Any, dict[str, npt.NDArray[Any]]]:
     body = await read_body(request, body_limit)
     if content_type(request, (JSON, NPY)) == NPY:
         array = parse_npy(body, HIDDEN)
-        values = {k: v for k, v in request.query_params.items() if k != "version"}
-        return array, options(schema, values, strict=False)
+        values = {k: _query_value(k, v) for k, v in request.query_params.items() if k != "version"}
+        arrays = _id_lists(values, booleans=True)
+        return array, options(schema, values, strict=False), arrays
     return await off_loop(len(body), _json_hidden_and_options, body, schema)
 
 
-def _json_hidden_and_options(body: bytes, schema: type[BaseModel]) -> tuple[npt.NDArray[Any], Any]:
+def _query_value(name: str, text: str) -> Any:
+    if name not in JSON_QUERY:
+        return text
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError:
+        raise InvalidInput(f"query parameter {name} must be JSON, e.g. {name}=[3,7]") from None
+
+
+def _id_lists(values: dict[str, Any], booleans: bool) -> dict[str, npt.NDArray[Any]]:
+    return {
+        name: int_array(values.pop(name), name, booleans)
+        for name in ID_LISTS
+        if values.get(name) is not None
+    }
+
+
+def _json_hidden_and_options(
+    body: bytes, schema: type[BaseModel]
+) -> tuple[npt.NDArray[Any], Any, dict[str, npt.NDArray[Any]]]:
     values = parse_json_object(body)
     booleans = booleans_hidden(body, values)
     expected = "(rows, d_model) or (batch, tokens, d_model)"
     array = float_array(_required(values, HIDDEN, expected), HIDDEN, booleans)
-    return array, options(schema, values)
+    arrays = _id_lists(values, booleans)
+    return array, options(schema, values), arrays
 
 
 def _required(payload: dict[str, Any], field: str, expected: str) -> Any:
@@ -257,14 +318,32 @@ def _topk_payload(result: TopKResult) -> dict[str, Any]:
     values = result.logits.reshape(-1, k)
     logprobs = None if result.logprobs is None else result.logprobs.reshape(-1, k)
     results = []
+    sampled = result.sampled
+    drawn = None if sampled is None else sampled.token_ids.reshape(-1).tolist()
     for row, row_ids in enumerate(ids.tolist()):  # one tolist for the batch: 3x cheaper
         item: dict[str, Any] = {"token_ids": row_ids, "logits": values[row]}
         if logprobs is not None:
             item["logprobs"] = logprobs[row]
         if result.tokens is not None:
             item["tokens"] = result.tokens[row]
+        if sampled is not None and drawn is not None:
+            item["sampled_token_id"] = drawn[row]
+            item["sampled_logprob"] = float(sampled.logprobs.reshape(-1)[row])
+            if sampled.tokens is not None:
+                item["sampled_token"] = sampled.tokens[row]
         results.append(item)
-    return {**_identity(result.head), "k": k, "shape": leading, "results": results}
+    payload = {**_identity(result.head), "k": k, "shape": leading, "results": results}
+    return payload | _shaping(result)
+
+
+def _shaping(result: TopKResult) -> dict[str, Any]:
+    """What a shaped answer says about itself (nothing for a plain top-k)."""
+    extra: dict[str, Any] = {}
+    if result.logprobs_over != "vocabulary":
+        extra["logprobs_over"] = result.logprobs_over
+    if result.sampled is not None:
+        extra["seed"] = result.sampled.seed
+    return extra
 
 
 def _topk_records(result: TopKResult) -> npt.NDArray[Any]:
@@ -275,11 +354,16 @@ def _topk_records(result: TopKResult) -> npt.NDArray[Any]:
     ]
     if result.logprobs is not None:
         fields.append(("logprobs", np.float32, (k,)))
+    if result.sampled is not None:
+        fields += [("sampled_token_id", np.int64, ()), ("sampled_logprob", np.float32, ())]  # type: ignore[list-item]
     records = np.empty(result.token_ids.shape[:-1], dtype=np.dtype(fields))
     records["token_ids"] = result.token_ids
     records["logits"] = result.logits
     if result.logprobs is not None:
         records["logprobs"] = result.logprobs
+    if result.sampled is not None:
+        records["sampled_token_id"] = result.sampled.token_ids
+        records["sampled_logprob"] = result.sampled.logprobs
     return records
 
 

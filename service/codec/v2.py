@@ -21,6 +21,14 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
+from service.codec.v2params import (
+    SAMPLED_OUTPUTS,
+    flag,
+    number,
+    optional_int,
+    sampled_arrays,
+    vocabulary,
+)
 from service.codec.wire import (
     float_array,
     header,
@@ -42,7 +50,14 @@ DTYPES: dict[str, np.dtype[Any]] = {
     "INT32": np.dtype("<i4"),
 }
 INPUT_TYPES = {"hidden_states": ("FP32", "FP16"), "input_ids": ("INT64", "INT32")}
-PROJECTION_OUTPUTS = ("topk_token_ids", "topk_logits", "topk_logprobs", "logsumexp", "logits")
+PROJECTION_OUTPUTS = (
+    "topk_token_ids",
+    "topk_logits",
+    "topk_logprobs",
+    "logsumexp",
+    "logits",
+    *SAMPLED_OUTPUTS,
+)
 OUTPUTS = (*PROJECTION_OUTPUTS, "embeddings")
 MAX_RANK = 4
 
@@ -103,7 +118,7 @@ def decode_header(
     ``binary``), parameters and outputs. The gRPC front end builds the same header."""
     parameters = _mapping(header.get("parameters"), "parameters")
     inputs = _inputs(header.get("inputs"), binary, booleans)
-    default_binary = _flag(parameters, "binary_data_output")
+    default_binary = flag(parameters, "binary_data_output")
     outputs = _outputs(header.get("outputs"), default_binary) or _default_outputs(
         inputs, parameters, default_binary
     )
@@ -119,10 +134,11 @@ def decode_header(
         to,
         hidden if names & set(PROJECTION_OUTPUTS) else None,
         ids if "embeddings" in names else None,
-        max(asked) if asked else _optional_int(parameters, "k"),
-        _number(parameters, "temperature", 1.0),
+        max(asked) if asked else optional_int(parameters, "k"),
+        number(parameters, "temperature", 1.0),
         full_logits=any(o.name == "logits" and o.classification is None for o in outputs),
         tokens=any(o.classification is not None for o in outputs),
+        vocabulary=vocabulary(parameters),
     )
     request_id = header.get("id")
     return request, OutputPlan(None if request_id is None else str(request_id)[:256], outputs)
@@ -173,6 +189,8 @@ def model_metadata(head: HeadInfo, versions: list[int]) -> dict[str, Any]:
             {"name": "logsumexp", "datatype": "FP32", "shape": [-1]},
             {"name": "logits", "datatype": "FP32", "shape": [-1, head.vocab_size]},
             {"name": "embeddings", "datatype": "FP32", "shape": [-1, head.d_model]},
+            {"name": "sampled_token_ids", "datatype": "INT64", "shape": [-1]},
+            {"name": "sampled_logprobs", "datatype": "FP32", "shape": [-1]},
         ],
         "parameters": {"tied": head.tied, "version": head.version, "dtype": head.dtype}
         | ({"block_size": head.block_size} if head.block_size else {}),
@@ -198,8 +216,10 @@ def select(output: OutputRequest, result: InferResult) -> npt.NDArray[Any]:
         "topk_logprobs": topk.logprobs,
         "logsumexp": topk.logsumexp,
     }
+    arrays.update(sampled_arrays(topk))
     array = arrays[output.name]
-    assert array is not None
+    if array is None:
+        raise InvalidInput(f"output {output.name} needs the parameter sample")
     return array[..., : output.k] if output.k is not None and output.name != "logsumexp" else array
 
 
@@ -226,30 +246,11 @@ def _default_outputs(
     if "hidden_states" not in inputs:
         return [OutputRequest("embeddings", binary)]
     names = ["topk_token_ids", "topk_logits"]
-    if _flag(parameters, "logprobs"):
+    if flag(parameters, "logprobs"):
         names.append("topk_logprobs")
+    if parameters.get("sample") is not None:
+        names += SAMPLED_OUTPUTS
     return [OutputRequest(name, binary) for name in names]
-
-
-def _flag(parameters: dict[str, Any], name: str) -> bool:
-    value = parameters.get(name, False)
-    if not isinstance(value, bool):
-        raise InvalidInput(f"parameter {name} must be true or false")
-    return value
-
-
-def _optional_int(parameters: dict[str, Any], name: str) -> int | None:
-    value = parameters.get(name)
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-        raise InvalidInput(f"parameter {name} must be an integer")
-    return value
-
-
-def _number(parameters: dict[str, Any], name: str, default: float) -> float:
-    value = parameters.get(name, default)
-    if not isinstance(value, int | float) or isinstance(value, bool):
-        raise InvalidInput(f"parameter {name} must be a number")
-    return float(value)
 
 
 def _split(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:

@@ -168,7 +168,8 @@ def test_rows_are_bounded_for_hidden_states_and_ids(repository: Path) -> None:
 
 
 def test_every_path_that_makes_full_logits_obeys_the_byte_limit(repository: Path) -> None:
-    """/logits, V2 logits, score and compare (two heads) all count rows x vocab bytes."""
+    """/logits, V2 logits and compare (two heads) all count rows x vocab bytes; score runs in
+    chunks within the limit, so it takes the rows the others refuse."""
     fits, too_many = _hidden(LOGIT_ROWS), _hidden(LOGIT_ROWS + 1)
     targets = np.zeros(LOGIT_ROWS + 1, np.int64)
     half = LOGIT_ROWS // 2
@@ -178,7 +179,6 @@ def test_every_path_that_makes_full_logits_obeys_the_byte_limit(repository: Path
         refused: list[Awaitable[Any]] = [
             plane.logits(LogitsRequest(TIED, too_many)),
             plane.infer(InferRequest(TIED, too_many, full_logits=True)),
-            plane.score(ScoreRequest(TIED, too_many, targets)),
             plane.compare(CompareRequest(("tied", "untied"), _hidden(half + 1))),
         ]
         for request in refused:
@@ -186,6 +186,8 @@ def test_every_path_that_makes_full_logits_obeys_the_byte_limit(repository: Path
                 await request
         compared = await plane.compare(CompareRequest(("tied", "untied"), _hidden(half)))
         assert compared.agreement["rows"] == half
+        scored = await plane.score(ScoreRequest(TIED, too_many, targets))
+        assert scored.rank.shape == (LOGIT_ROWS + 1,)
         top = await plane.infer(InferRequest(TIED, too_many))  # top-k only: no full logits
         assert top.topk is not None
         assert top.logits is None

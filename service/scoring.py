@@ -1,0 +1,98 @@
+"""Scoring: each position's target log-prob and rank, top-k alternatives, NLL and perplexity,
+for prompts of any length within the row limit, in memory bounded by one small run.
+
+A run of ``score_rows`` rows holds its logits and onnxruntime's log-softmax of them (two
+rows x vocab float32 tensors, ``SCORE_BYTES`` together at most); the target logit and the rank
+are read from the logits before the next run, so no (rows x vocab) tensor exists for the whole
+request. With ``logprobs_over='candidates'`` nothing runs over the vocabulary at all: the
+target is scored among the row's candidates, from their rows of W.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import numpy as np
+import numpy.typing as npt
+
+from service.errors import InvalidInput
+from service.limits import LOGIT_BYTES
+from service.loaded_version import LoadedVersion
+from service.messages import CandidateScores, HeadInfo, ScoreResult
+from service.runtime import Scored
+from service.vocabulary import Floats, Ids, logsumexp
+
+#: Logits plus log-softmax of one scoring run (measured: 2.1 x rows x vocab x 4 bytes).
+SCORE_BYTES = 48 * 2**20
+
+
+def score_rows(vocab_size: int, rows_per_run: int) -> int:
+    """Rows per scoring run: its logits (and onnxruntime's log-softmax of them) stay small."""
+    return max(1, min(rows_per_run, SCORE_BYTES // (2 * vocab_size * LOGIT_BYTES)))
+
+
+async def score_chunks(model: LoadedVersion, rows: Floats, targets: Ids, k: int) -> Scored:
+    """Target logits, ranks, top-k alternatives and log-sum-exp of any number of rows, in
+    runs of ``score_rows``: peak memory is one run's, whatever the prompt's length."""
+    step = score_rows(model.vocab_size, model.rows_per_run)
+    loop = asyncio.get_running_loop()
+    parts = [
+        await loop.run_in_executor(
+            model.executor, model.session.score, rows[i : i + step], targets[i : i + step], k
+        )
+        for i in range(0, len(rows), step)
+    ]
+    return Scored(*(np.concatenate(arrays) for arrays in zip(*_fields(parts), strict=True)))
+
+
+def _fields(parts: list[Scored]) -> list[tuple[npt.NDArray[np.generic], ...]]:
+    return [(p.topk_logits, p.topk_token_ids, p.logsumexp, p.target_logit, p.rank) for p in parts]
+
+
+def score_within(head: HeadInfo, candidates: CandidateScores, targets: Ids) -> ScoreResult:
+    """Score each row's target among its candidates only (classification with an LM)."""
+    found = candidates.ids == targets[:, None]
+    if not found.any(axis=1).all():
+        raise InvalidInput(
+            "with logprobs_over='candidates' each target_id must be among its row's candidate_ids"
+        )
+    logits = candidates.logits
+    lse = logsumexp(logits)
+    target = logits[np.arange(len(targets)), found.argmax(axis=1)]
+    rank = (logits > target[:, None]).sum(axis=1).astype(np.int64)
+    logprob = target - lse
+    nll = float(-logprob.astype(np.float64).mean())
+    within = CandidateScores(candidates.ids, logits, logits - lse[:, None])
+    return ScoreResult(
+        head, target, logprob, rank, nll, _perplexity(nll), within, logprobs_over="candidates"
+    )
+
+
+def score_result(
+    head: HeadInfo, scored: Scored, candidates: CandidateScores | None, k: int
+) -> ScoreResult:
+    lse = scored.logsumexp
+    logprob = scored.target_logit - lse
+    nll = float(-logprob.astype(np.float64).mean())
+    if candidates is not None:
+        logprobs = candidates.logits - lse[:, None]
+        candidates = CandidateScores(candidates.ids, candidates.logits, logprobs)
+    alternatives = None
+    if k:
+        values = scored.topk_logits[:, :k]
+        alternatives = CandidateScores(scored.topk_token_ids[:, :k], values, values - lse[:, None])
+    return ScoreResult(
+        head,
+        scored.target_logit,
+        logprob,
+        scored.rank,
+        nll,
+        _perplexity(nll),
+        candidates,
+        alternatives,
+    )
+
+
+def _perplexity(nll: float) -> float:
+    return math.exp(nll) if nll < 700 else math.inf

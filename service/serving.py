@@ -1,0 +1,54 @@
+"""The context of one data-plane call: the versions it leases and the metrics it records."""
+
+from __future__ import annotations
+
+from time import perf_counter
+
+from service.errors import ServiceError
+from service.loaded_version import LoadedVersion
+from service.messages import Target
+from service.metrics import Metrics
+from service.registry import Registry
+
+
+class Serving:
+    """The context of one data-plane call: leased versions in, call metrics out.
+
+    A class rather than a generator: it runs twice per request on the hot path.
+    """
+
+    def __init__(
+        self, registry: Registry, metrics: Metrics, verb: str, targets: tuple[Target, ...]
+    ) -> None:
+        self._registry, self._metrics = registry, metrics
+        self._verb, self._targets = verb, targets
+        self._heads: list[LoadedVersion] = []
+        self._started = perf_counter()
+
+    def __enter__(self) -> list[LoadedVersion]:
+        try:
+            for target in self._targets:
+                head = self._registry.get(target.model, target.version)
+                head.acquire()
+                self._heads.append(head)
+        except BaseException as error:
+            self.__exit__(type(error), error, None)
+            raise
+        return self._heads
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, _: object
+    ) -> None:
+        for head in self._heads:
+            head.release()
+        outcome = "ok" if error is None else "internal_error"
+        if isinstance(error, ServiceError):
+            outcome = error.code
+        first = self._heads[0] if self._heads else None
+        self._metrics.observe_call(
+            first.name if first else "",
+            str(first.version) if first else "",
+            self._verb,
+            outcome,
+            perf_counter() - self._started,
+        )

@@ -1,0 +1,235 @@
+"""Allowed tokens, logit bias, bans, sampling, prompt scoring and trimmed heads over real HTTP
+(native and V2), every number checked against the float64 reference of the file served."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from service.heads import HeadWeights, save_head
+from service.reference import log_softmax, logsumexp
+from tests.conftest import D_MODEL, VOCAB, reference_logits
+from tests.server import running_server
+
+HIDDEN = np.random.default_rng(21).standard_normal((6, D_MODEL)).astype(np.float32)
+ALLOWED = [5, 900, 17, 3, 250]
+TOL = {"rtol": 1e-4, "atol": 1e-4}
+
+
+@pytest.fixture(scope="module")
+def repository(
+    tmp_path_factory: pytest.TempPathFactory,
+    table: npt.NDArray[np.float32],
+    output_weight: npt.NDArray[np.float32],
+) -> Path:
+    root = tmp_path_factory.mktemp("models")
+    save_head(HeadWeights.from_arrays(table), root / "tied" / "1")
+    save_head(HeadWeights.from_arrays(table, output_weight), root / "untied" / "1")
+    return root
+
+
+@pytest.fixture(scope="module")
+def url(repository: Path) -> Iterator[str]:
+    with running_server(repository) as base_url:
+        yield base_url
+
+
+def _logits(repository: Path, model: str, hidden: npt.NDArray[np.float32] = HIDDEN) -> Any:
+    return reference_logits(repository / model / "1", hidden)
+
+
+def _topk(url: str, model: str, **body: Any) -> Any:
+    answer = httpx.post(
+        f"{url}/v1/models/{model}/topk", json={"hidden_states": HIDDEN.tolist(), **body}
+    )
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+@pytest.mark.parametrize("model", ["tied", "untied"])
+def test_allowed_tokens_rank_and_normalise_among_themselves(
+    url: str, repository: Path, model: str
+) -> None:
+    answer = _topk(url, model, allowed_token_ids=ALLOWED, k=3, logprobs=True)
+    logits = _logits(repository, model)[:, ALLOWED]
+    assert answer["logprobs_over"] == "candidates"
+    for row, result in enumerate(answer["results"]):
+        order = np.argsort(-logits[row])[:3]
+        assert result["token_ids"] == [ALLOWED[i] for i in order]
+        np.testing.assert_allclose(result["logits"], logits[row, order], **TOL)
+        np.testing.assert_allclose(result["logprobs"], log_softmax(logits[row])[order], **TOL)
+
+
+def test_allowed_tokens_with_vocabulary_logprobs_and_per_row_lists(
+    url: str, repository: Path
+) -> None:
+    per_row = np.random.default_rng(2).integers(0, VOCAB, (len(HIDDEN), 4)).tolist()
+    answer = _topk(
+        url, "untied", allowed_token_ids=per_row, k=2, logprobs=True, logprobs_over="vocabulary"
+    )
+    logits = _logits(repository, "untied")
+    full = log_softmax(logits)
+    for row, result in enumerate(answer["results"]):
+        ids = np.array(per_row[row])
+        order = np.argsort(-logits[row, ids], kind="stable")[:2]
+        assert result["token_ids"] == ids[order].tolist()
+        np.testing.assert_allclose(result["logprobs"], full[row, ids[order]], **TOL)
+
+
+def test_logit_bias_and_bans_reshape_the_whole_distribution(url: str, repository: Path) -> None:
+    logits = _logits(repository, "tied")
+    best = int(np.argmax(logits[0]))
+    lifted = int(np.argsort(logits[1])[VOCAB // 2])
+    answer = _topk(
+        url,
+        "tied",
+        k=4,
+        logprobs=True,
+        logit_bias={str(lifted): 40.0, "7": -5.0},
+        banned_token_ids=[best],
+    )
+    biased = logits.copy()
+    biased[:, lifted] += 40.0
+    biased[:, 7] -= 5.0
+    biased[:, best] = -np.inf
+    for row, result in enumerate(answer["results"]):
+        order = np.argsort(-biased[row], kind="stable")[:4]
+        assert result["token_ids"] == order.tolist()
+        want = biased[row, order] - logsumexp(biased[row : row + 1])[0]
+        np.testing.assert_allclose(result["logprobs"], want, **TOL)
+        assert best not in result["token_ids"]
+    assert answer["results"][1]["token_ids"][0] == lifted
+
+
+def test_sampling_is_seeded_per_position_and_follows_filters(url: str, repository: Path) -> None:
+    sample = {"seed": 11, "top_k": 5, "temperature": 0.7}
+    first = _topk(url, "tied", k=5, sample=sample)
+    again = _topk(url, "tied", k=5, sample=sample)
+    drawn = [result["sampled_token_id"] for result in first["results"]]
+    assert drawn == [result["sampled_token_id"] for result in again["results"]]
+    assert first["seed"] == 11
+    logits = _logits(repository, "tied") / 0.7
+    for row, result in enumerate(first["results"]):
+        assert drawn[row] in np.argsort(-logits[row])[:5]  # top_k=5 keeps these alone
+        want = log_softmax(logits[row])[drawn[row]]
+        np.testing.assert_allclose(result["sampled_logprob"], want, **TOL)
+    # the rows' draws do not depend on the rows after them
+    one = httpx.post(
+        f"{url}/v1/models/tied/topk",
+        json={"hidden_states": HIDDEN[:2].tolist(), "k": 5, "sample": sample},
+    ).json()
+    assert [r["sampled_token_id"] for r in one["results"]] == drawn[:2]
+
+
+def test_greedy_sampling_is_the_argmax_and_npz_carries_draws(url: str, repository: Path) -> None:
+    buffer = io.BytesIO()
+    np.save(buffer, HIDDEN)
+    answer = httpx.post(
+        f"{url}/v1/models/untied/topk",
+        params={"k": "2", "sample": '{"temperature": 0, "seed": 1}'},
+        content=buffer.getvalue(),
+        headers={"content-type": "application/x-npy", "accept": "application/x-npz"},
+    )
+    assert answer.status_code == 200, answer.text
+    arrays = np.load(io.BytesIO(answer.content))
+    expected = np.argmax(_logits(repository, "untied"), axis=1)
+    np.testing.assert_array_equal(arrays["sampled_token_ids"], expected)
+
+
+def test_restricted_logits_are_the_columns_asked_for(url: str, repository: Path) -> None:
+    answer = httpx.post(
+        f"{url}/v1/models/untied/logits",
+        json={"hidden_states": HIDDEN.tolist(), "allowed_token_ids": ALLOWED},
+        headers={"accept": "application/json"},
+    ).json()
+    assert answer["token_ids"][0] == ALLOWED
+    np.testing.assert_allclose(answer["logits"], _logits(repository, "untied")[:, ALLOWED], **TOL)
+
+
+def test_prompt_scoring_of_a_long_prompt(url: str, repository: Path) -> None:
+    """(batch, tokens) positions, more than one scoring run: targets, ranks, alternatives."""
+    hidden = np.random.default_rng(4).standard_normal((2, 300, D_MODEL)).astype(np.float32)
+    targets = np.random.default_rng(5).integers(0, VOCAB, (2, 300))
+    body = {"hidden_states": hidden.tolist(), "target_ids": targets.tolist(), "k": 3}
+    answer = httpx.post(f"{url}/v1/models/tied/score", json=body)
+    assert answer.status_code == 200, answer.text
+    payload = answer.json()
+    logits = _logits(repository, "tied", hidden.reshape(-1, D_MODEL))
+    flat = targets.reshape(-1)
+    logprobs = log_softmax(logits)[np.arange(len(flat)), flat]
+    got = np.array([row["logprob"] for row in payload["results"]])
+    np.testing.assert_allclose(got, logprobs, **TOL)
+    ranks = (logits > logits[np.arange(len(flat)), flat][:, None]).sum(axis=1)
+    assert [row["rank"] for row in payload["results"]] == ranks.tolist()
+    alternatives = [row["ids"] for row in payload["alternatives"]]
+    assert alternatives == np.argsort(-logits, axis=1)[:, :3].tolist()
+    np.testing.assert_allclose(payload["nll"], -logprobs.mean(), rtol=1e-5)
+
+
+def test_scoring_among_candidates_only(url: str, repository: Path) -> None:
+    targets = [ALLOWED[row % len(ALLOWED)] for row in range(len(HIDDEN))]
+    body = {
+        "hidden_states": HIDDEN.tolist(),
+        "target_ids": targets,
+        "candidate_ids": ALLOWED,
+        "logprobs_over": "candidates",
+    }
+    payload = httpx.post(f"{url}/v1/models/untied/score", json=body).json()
+    logits = _logits(repository, "untied")[:, ALLOWED]
+    for row, result in enumerate(payload["results"]):
+        want = log_softmax(logits[row])[ALLOWED.index(targets[row])]
+        np.testing.assert_allclose(result["logprob"], want, **TOL)
+    assert payload["logprobs_over"] == "candidates"
+
+
+def test_v2_parameters_shape_the_distribution(url: str, repository: Path) -> None:
+    body = {
+        "inputs": [
+            {
+                "name": "hidden_states",
+                "datatype": "FP32",
+                "shape": list(HIDDEN.shape),
+                "data": HIDDEN.reshape(-1).tolist(),
+            }
+        ],
+        "parameters": {
+            "k": 2,
+            "allowed_token_ids": "[5, 900, 17, 3, 250]",  # JSON text, as gRPC sends it
+            "sample": {"seed": 3},
+        },
+    }
+    answer = httpx.post(f"{url}/v2/models/tied/infer", json=body)
+    assert answer.status_code == 200, answer.text
+    outputs = {output["name"]: output for output in answer.json()["outputs"]}
+    assert set(outputs) >= {"topk_token_ids", "sampled_token_ids", "sampled_logprobs"}
+    logits = _logits(repository, "tied")[:, ALLOWED]
+    top = np.array(outputs["topk_token_ids"]["data"]).reshape(len(HIDDEN), 2)
+    assert top.tolist() == [[ALLOWED[i] for i in np.argsort(-row)[:2]] for row in logits]
+    assert set(outputs["sampled_token_ids"]["data"]) <= set(ALLOWED)
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"allowed_token_ids": [VOCAB]}, "allowed_token_ids must be in"),
+        ({"logit_bias": {"x": 1.0}}, "logit_bias keys must be token ids"),
+        ({"logit_bias": {"3": 1000.0}}, "logit_bias values must be in"),
+        ({"sample": {"top_p": 1.5}}, "sample.top_p must be in"),
+        ({"sample": {"temperature": 0.5}, "temperature": 2.0}, "give the temperature once"),
+        ({"logprobs_over": "candidates"}, "needs allowed_token_ids"),
+        ({"allowed_token_ids": [3], "banned_token_ids": [3]}, "every allowed token"),
+    ],
+)
+def test_bad_options_are_422_with_a_reason(url: str, body: dict[str, Any], message: str) -> None:
+    answer = httpx.post(
+        f"{url}/v1/models/tied/topk", json={"hidden_states": HIDDEN.tolist(), **body}
+    )
+    assert answer.status_code == 422, answer.text
+    assert message in answer.json()["error"]["message"], answer.json()
