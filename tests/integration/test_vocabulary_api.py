@@ -20,7 +20,7 @@ from tests.server import running_server
 
 HIDDEN = np.random.default_rng(21).standard_normal((6, D_MODEL)).astype(np.float32)
 ALLOWED = [5, 900, 17, 3, 250]
-TOL = {"rtol": 1e-4, "atol": 1e-4}
+RTOL, ATOL = 1e-4, 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +63,10 @@ def test_allowed_tokens_rank_and_normalise_among_themselves(
     for row, result in enumerate(answer["results"]):
         order = np.argsort(-logits[row])[:3]
         assert result["token_ids"] == [ALLOWED[i] for i in order]
-        np.testing.assert_allclose(result["logits"], logits[row, order], **TOL)
-        np.testing.assert_allclose(result["logprobs"], log_softmax(logits[row])[order], **TOL)
+        np.testing.assert_allclose(result["logits"], logits[row, order], rtol=RTOL, atol=ATOL)
+        np.testing.assert_allclose(
+            result["logprobs"], log_softmax(logits[row])[order], rtol=RTOL, atol=ATOL
+        )
 
 
 def test_allowed_tokens_with_vocabulary_logprobs_and_per_row_lists(
@@ -80,7 +82,7 @@ def test_allowed_tokens_with_vocabulary_logprobs_and_per_row_lists(
         ids = np.array(per_row[row])
         order = np.argsort(-logits[row, ids], kind="stable")[:2]
         assert result["token_ids"] == ids[order].tolist()
-        np.testing.assert_allclose(result["logprobs"], full[row, ids[order]], **TOL)
+        np.testing.assert_allclose(result["logprobs"], full[row, ids[order]], rtol=RTOL, atol=ATOL)
 
 
 def test_logit_bias_and_bans_reshape_the_whole_distribution(url: str, repository: Path) -> None:
@@ -103,7 +105,7 @@ def test_logit_bias_and_bans_reshape_the_whole_distribution(url: str, repository
         order = np.argsort(-biased[row], kind="stable")[:4]
         assert result["token_ids"] == order.tolist()
         want = biased[row, order] - logsumexp(biased[row : row + 1])[0]
-        np.testing.assert_allclose(result["logprobs"], want, **TOL)
+        np.testing.assert_allclose(result["logprobs"], want, rtol=RTOL, atol=ATOL)
         assert best not in result["token_ids"]
     assert answer["results"][1]["token_ids"][0] == lifted
 
@@ -119,7 +121,7 @@ def test_sampling_is_seeded_per_position_and_follows_filters(url: str, repositor
     for row, result in enumerate(first["results"]):
         assert drawn[row] in np.argsort(-logits[row])[:5]  # top_k=5 keeps these alone
         want = log_softmax(logits[row])[drawn[row]]
-        np.testing.assert_allclose(result["sampled_logprob"], want, **TOL)
+        np.testing.assert_allclose(result["sampled_logprob"], want, rtol=RTOL, atol=ATOL)
     # the rows' draws do not depend on the rows after them
     one = httpx.post(
         f"{url}/v1/models/tied/topk",
@@ -150,7 +152,9 @@ def test_restricted_logits_are_the_columns_asked_for(url: str, repository: Path)
         headers={"accept": "application/json"},
     ).json()
     assert answer["token_ids"][0] == ALLOWED
-    np.testing.assert_allclose(answer["logits"], _logits(repository, "untied")[:, ALLOWED], **TOL)
+    np.testing.assert_allclose(
+        answer["logits"], _logits(repository, "untied")[:, ALLOWED], rtol=RTOL, atol=ATOL
+    )
 
 
 def test_prompt_scoring_of_a_long_prompt(url: str, repository: Path) -> None:
@@ -165,7 +169,7 @@ def test_prompt_scoring_of_a_long_prompt(url: str, repository: Path) -> None:
     flat = targets.reshape(-1)
     logprobs = log_softmax(logits)[np.arange(len(flat)), flat]
     got = np.array([row["logprob"] for row in payload["results"]])
-    np.testing.assert_allclose(got, logprobs, **TOL)
+    np.testing.assert_allclose(got, logprobs, rtol=RTOL, atol=ATOL)
     ranks = (logits > logits[np.arange(len(flat)), flat][:, None]).sum(axis=1)
     assert [row["rank"] for row in payload["results"]] == ranks.tolist()
     alternatives = [row["ids"] for row in payload["alternatives"]]
@@ -185,7 +189,7 @@ def test_scoring_among_candidates_only(url: str, repository: Path) -> None:
     logits = _logits(repository, "untied")[:, ALLOWED]
     for row, result in enumerate(payload["results"]):
         want = log_softmax(logits[row])[ALLOWED.index(targets[row])]
-        np.testing.assert_allclose(result["logprob"], want, **TOL)
+        np.testing.assert_allclose(result["logprob"], want, rtol=RTOL, atol=ATOL)
     assert payload["logprobs_over"] == "candidates"
 
 
