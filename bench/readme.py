@@ -52,6 +52,7 @@ def headlines() -> str:
     (shadow,) = tables("results-shadow.md")
     (ray,) = tables("results-ray.md")
     (protocols,) = tables("results-protocols.md")
+    options, prompt = tables("results-vocabulary.md")
     ray_1, ray_2 = {"served by": "Ray Serve, 1 replica"}, {"served by": "Ray Serve, 2 replicas"}
     at_64, at_1 = {"rows/req": "64", "clients": "16"}, {"rows/req": "1", "clients": "1"}
     gpu_memory, gpu_time, _, _ = tables("results-gpu.md")
@@ -122,6 +123,20 @@ def headlines() -> str:
             f"{pick(gpu_time, '64 rows', engine='lmhead bfloat16')} / "
             f"{pick(gpu_time, '64 rows', engine='torch bfloat16')}",
             "results-gpu.md",
+        ),
+        (
+            "128256 x 2048, 64 rows, vs the full head: 1000 / 10 allowed tokens; sampling",
+            f"{pick(options, 'speed-up vs full head', run='1000 allowed tokens')} / "
+            f"{pick(options, 'speed-up vs full head', run='10 allowed tokens')}; "
+            f"{pick(options, 'speed-up vs full head', run='top-10 + sampling (top_p 0.9)')}",
+            "results-vocabulary.md",
+        ),
+        (
+            "4096-position prompt log-probs vs plain top-k: time; peak extra MB",
+            f"{pick(prompt, 'time vs plain', run='prompt scoring')}; "
+            f"{pick(prompt, 'peak extra memory MB', run='prompt scoring')} vs "
+            f"{pick(prompt, 'peak extra memory MB', run='plain top-10')}",
+            "results-vocabulary.md",
         ),
         (
             "V2 over gRPC vs native `.npy`: 64 rows, 16 clients; 1-row p50 at 1 client (ms)",
