@@ -73,10 +73,6 @@ class Shaped:
     sampled_logprobs: Floats | None = None
 
 
-#: |logit_bias| values beyond this are a ban or a forced token in all but name (OpenAI's range).
-MAX_BIAS = 100.0
-
-
 def shape_of(
     options: VocabularyOptions, rows: int, vocab: int, limits: Limits, temperature: float
 ) -> tuple[Shape, float]:
@@ -124,8 +120,7 @@ def token_lists(raw: Ids, rows: int, vocab: int, limits: Limits, field: str) -> 
 def _bias_table(raw: dict[object, object] | None, vocab: int, limits: Limits) -> dict[int, float]:
     if not raw:
         return {}
-    if len(raw) > limits.max_k:
-        raise InvalidInput(f"logit_bias has {len(raw)} entries; at most {limits.max_k}")
+    limits.logit_bias(len(raw))
     table: dict[int, float] = {}
     for key, value in raw.items():
         token = _integer(key)
@@ -133,9 +128,7 @@ def _bias_table(raw: dict[object, object] | None, vocab: int, limits: Limits) ->
             raise InvalidInput(f"logit_bias keys must be token ids in [0, {vocab})")
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise InvalidInput("logit_bias values must be numbers")
-        if not -MAX_BIAS <= float(value) <= MAX_BIAS:
-            raise InvalidInput(f"logit_bias values must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}]")
-        table[token] = float(value)
+        table[token] = limits.bias(float(value))
     return table
 
 
@@ -155,11 +148,12 @@ def _sample_spec(
         raise InvalidInput("give the temperature once: sample.temperature or temperature")
     if sampling is not None and sampling != 0:
         temperature = limits.temperature(sampling)  # the range check of every temperature
-    if options.top_k is not None and not 1 <= options.top_k <= limits.max_k:
-        raise InvalidInput(f"sample.top_k must be in [1, {limits.max_k}], got {options.top_k}")
-    for name, value, low in (("top_p", options.top_p, 0.0), ("min_p", options.min_p, 0.0)):
-        if value is not None and not low < value <= 1.0 and not (name == "min_p" and value == 0):
-            raise InvalidInput(f"sample.{name} must be in (0, 1], got {value}")
+    if options.top_k is not None:
+        limits.k(options.top_k, options.top_k, "sample.top_k")
+    if options.top_p is not None and not 0.0 < options.top_p <= 1.0:
+        raise InvalidInput(f"sample.top_p must be in (0, 1], got {options.top_p}")
+    if options.min_p is not None and not 0.0 <= options.min_p <= 1.0:
+        raise InvalidInput(f"sample.min_p must be in [0, 1], got {options.min_p}")
     seed = options.seed if options.seed is not None else secrets.randbits(63)
     if not 0 <= seed < 2**63:
         raise InvalidInput(f"sample.seed must be in [0, 2**63), got {seed}")

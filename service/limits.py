@@ -25,6 +25,8 @@ from service.settings import Settings
 #: Temperatures outside this range overflow or underflow float32 logits (1e-45 made them inf).
 MIN_TEMPERATURE = 1e-4
 MAX_TEMPERATURE = 1e4
+#: |logit_bias| beyond this is a ban or a forced token in all but name (OpenAI's range).
+MAX_BIAS = 100.0
 LOGIT_BYTES = 4  # float32
 #: A decoded body holds about this many times its bytes at its peak (JSON: Python floats).
 BODY_EXPANSION = 3
@@ -98,12 +100,23 @@ class Limits:
             )
         return ids.astype(np.int64, copy=False)
 
-    def k(self, requested: int | None, default: int) -> int:
-        """The request's k, or the model's default, within [1, max_k]."""
+    def k(self, requested: int | None, default: int, field: str = "k") -> int:
+        """The request's k (or sample.top_k), or the model's default, within [1, max_k]."""
         k = default if requested is None else requested
         if not 1 <= k <= self.max_k:
-            raise InvalidInput(f"k must be between 1 and {self.max_k} (max_k), got {k}")
+            raise InvalidInput(f"{field} must be between 1 and {self.max_k} (max_k), got {k}")
         return k
+
+    def logit_bias(self, entries: int) -> None:
+        """Biased tokens widen the top-k run by as many: at most ``max_k`` of them."""
+        if entries > self.max_k:
+            raise InvalidInput(f"logit_bias has {entries} entries; at most {self.max_k} (max_k)")
+
+    @staticmethod
+    def bias(value: float) -> float:
+        if not -MAX_BIAS <= value <= MAX_BIAS:  # NaN fails too
+            raise InvalidInput(f"logit_bias values must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}]")
+        return float(value)
 
     def check_default_k(self, default: int) -> None:
         """At load time: a model whose default k no request could use must not be served."""
