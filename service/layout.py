@@ -142,14 +142,24 @@ def _output_rows(
         return None
     if quantization is None and list(parts[0].dims) != [report.vocab_size, report.d_model]:
         return None
+    return _row_source(parts, report, directory, into)
+
+
+def _row_source(
+    tensors: list[onnx.TensorProto], report: HeadReport, directory: Path, into: Path
+) -> RowSource:
+    """Rows of one matrix (or its codes, scales and zero points) read with ``pread`` from
+    files in ``into``: inline tensors are moved there (the protos then refer to them),
+    external ones linked from ``directory``. The head's own directory is never written to."""
     into.mkdir(parents=True, exist_ok=True)
-    for tensor in parts:
+    for tensor in tensors:
         location = _external_location(tensor)
-        if location is None:
+        if location is None:  # inline: move its bytes to a file (the proto held them once)
             _move_to_file(tensor, into / f"{tensor.name}.data")
         elif not (into / location).exists():
             _link_or_copy(directory / location, into / location)
-    files = tuple(FileRows.of(tensor, into) for tensor in parts)
+    files = tuple(FileRows.of(tensor, into) for tensor in tensors)
+    quantization = report.quantization
     if quantization is None:
         return files[0]
     spec = QuantSpec(quantization["bits"], quantization["block_size"])
@@ -198,24 +208,13 @@ def servable_path(path: Path, dtype: str, providers: tuple[str, ...], into: Path
 def _split(path: Path, report: HeadReport, placement: Placement, into: Path) -> HeadSession:
     """A projection-only session plus the table's rows read from the weight file(s), both
     made in ``into``: the head's own directory is never written to."""
-    into.mkdir(parents=True, exist_ok=True)
     model = onnx.load(str(path), load_external_data=False)
     initializers = {tensor.name: tensor for tensor in model.graph.initializer}
     quantization = report.quantization
     names = quantization["table_tensors"] if quantization else [report.embedding_initializer]
     tensors = [initializers[name] for name in names]
-    for tensor in tensors:
-        location = _external_location(tensor)
-        if location is None:  # inline: move its bytes to a file (the proto held them once)
-            _move_to_file(tensor, into / f"{tensor.name}.data")
-        elif not (into / location).exists():  # the projection refers to that very file
-            _link_or_copy(path.parent / location, into / location)
+    rows = _row_source(tensors, report, path.parent, into)  # the projection refers to them
     onnx.save(without_embedding(model), str(into / PROJECTION_FILE))
-    parts = tuple(FileRows.of(tensor, into) for tensor in tensors)
-    rows: RowSource = parts[0]
-    if quantization:
-        spec = QuantSpec(quantization["bits"], quantization["block_size"])
-        rows = QuantizedRows(parts, spec, report.d_model)
     return HeadSession(
         into / PROJECTION_FILE,
         tied=False,  # the session's weight feeds the projection alone: packed, original freed
