@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -49,6 +49,7 @@ from service.vocabulary import (
 #: Tokens fetched per row for sampling: the kept set of a peaked distribution fits in it.
 SAMPLE_PREFIX = 64
 Over = Literal["candidates", "vocabulary"]
+OVERS: dict[str, Over] = {"candidates": "candidates", "vocabulary": "vocabulary"}
 
 
 @dataclass(frozen=True)
@@ -90,15 +91,16 @@ def shape_of(
         allowed_banned = np.isin(allowed, bias.ids[np.isneginf(bias.values)])
         if allowed_banned.all(axis=-1).any():
             raise InvalidInput("every allowed token of a row is banned; leave at least one")
-    over = options.logprobs_over or ("candidates" if allowed is not None else "vocabulary")
-    if over not in ("candidates", "vocabulary"):
-        raise InvalidInput(f"logprobs_over must be 'candidates' or 'vocabulary', got {over!r}")
+    name = options.logprobs_over or ("candidates" if allowed is not None else "vocabulary")
+    over = OVERS.get(name)
+    if over is None:
+        raise InvalidInput(f"logprobs_over must be 'candidates' or 'vocabulary', got {name!r}")
     if over == "candidates" and allowed is None:
         raise InvalidInput("logprobs_over='candidates' needs allowed_token_ids")
     sample = None
     if options.sample is not None:
         sample, temperature = _sample_spec(options.sample, vocab, limits, temperature)
-    return Shape(allowed, bias, over, sample), temperature  # type: ignore[arg-type]
+    return Shape(allowed, bias, over, sample), temperature
 
 
 def token_lists(raw: Ids, rows: int, vocab: int, limits: Limits, field: str) -> Ids:
@@ -203,7 +205,8 @@ async def _restricted(
     lse = logsumexp(logits)
     sampled = drawn = None
     if shape.sample is not None:
-        index, _ = sample_sorted(ordered, lse, shape.sample, _draws(shape.sample, rows), 0)
+        draws = shape.sample.uniforms(len(rows))
+        index, _ = sample_sorted(ordered, lse, shape.sample, draws, 0)
         sampled = order_ids[np.arange(len(rows)), index]
         drawn = ordered[np.arange(len(rows)), index]
     if shape.over == "vocabulary":
@@ -221,9 +224,8 @@ async def _vocabulary_lse(
         return lse
     raw = await candidate_logits(model, rows, bias.ids, temperature)
     swapped, trusted = swap_lse(lse, raw, bias)
-    for row in np.flatnonzero(~trusted):
-        full = await full_logits(model, rows[row : row + 1], temperature)
-        swapped[row] = logsumexp(apply_bias(full, None, bias))[0]
+    async for row, _, row_lse in _exact_rows(model, rows, ~trusted, temperature, bias):
+        swapped[row] = row_lse[0]
     return swapped
 
 
@@ -243,59 +245,42 @@ async def _whole(
         redo |= ~trusted
     sampled = drawn = None
     if spec is not None:
-        draws = _draws(spec, rows)
-        index, inside = sample_sorted(values, lse, spec, draws, vocab)
+        index, inside = sample_sorted(values, lse, spec, spec.uniforms(len(rows)), vocab)
         picked = np.arange(len(rows)), index
         sampled, drawn = ids[picked], values[picked]
         redo |= ~inside
     values, ids = values[:, :k].copy(), ids[:, :k].copy()
-    for row in np.flatnonzero(redo):  # exact, from the row's full logits
-        exact = await _whole_row(model, rows[row : row + 1], k, temperature, bias, spec, int(row))
-        values[row], ids[row], lse[row] = exact.values[0], exact.ids[0], exact.lse[0]
-        if sampled is not None and drawn is not None and exact.sampled is not None:
-            sampled[row], drawn[row] = exact.sampled[0], exact.drawn
+    async for row, logits, row_lse in _exact_rows(model, rows, redo, temperature, bias):
+        lse[row] = row_lse[0]
+        order = np.argsort(-logits[0], kind="stable")  # the whole row, descending
+        values[row], ids[row] = logits[0, order[:k]], order[:k]
+        if spec is not None and sampled is not None and drawn is not None:
+            draw = spec.uniforms(row + 1)[row:]  # this row's u, as in the batch
+            (chosen,), _ = sample_sorted(logits[:, order], row_lse, spec, draw, vocab)
+            sampled[row], drawn[row] = order[chosen], logits[0, order[chosen]]
     logprobs = None if drawn is None else drawn - lse
     return Shaped(values, ids, lse, sampled, logprobs)
 
 
-@dataclass(frozen=True)
-class _Row:
-    """One row redone from its full logits: top-k, log-sum-exp, and the draw's token/logit."""
-
-    values: Floats
-    ids: Ids
-    lse: Floats
-    sampled: Ids | None = None
-    drawn: float = 0.0
-
-
-async def _whole_row(
+async def _exact_rows(
     model: LoadedVersion,
-    row: Floats,
-    k: int,
+    rows: Floats,
+    chosen: npt.NDArray[np.bool_],
     temperature: float,
     bias: Bias | None,
-    spec: SampleSpec | None,
-    position: int,
-) -> _Row:
-    logits = await full_logits(model, row, temperature)
-    if bias is not None:
-        logits = apply_bias(logits, None, bias)
-    lse = logsumexp(logits)
-    if spec is None:
-        values, ids = top_sorted(logits, np.arange(model.vocab_size), k)
-        return _Row(values, ids, lse)
-    order = np.argsort(-logits[0], kind="stable")  # the whole row, descending
-    ordered, ordered_ids = logits[:, order], order[None, :].astype(np.int64)
-    draw = spec.uniforms(position + 1)[position:]  # this row's u, as in the batch
-    (chosen,), _ = sample_sorted(ordered, lse, spec, draw, model.vocab_size)
-    return _Row(
-        ordered[:, :k], ordered_ids[:, :k], lse, ordered_ids[:, chosen], float(ordered[0, chosen])
-    )
-
-
-def _draws(spec: SampleSpec, rows: Floats) -> npt.NDArray[np.float64]:
-    return spec.uniforms(len(rows))
+) -> AsyncIterator[tuple[int, Floats, Floats]]:
+    """(position, biased full logits (1, vocab), their log-sum-exp) of the chosen rows: the
+    exact fallback, one run per ``rows_per_run`` of them (not one per row: each run reads W)."""
+    positions = np.flatnonzero(chosen)
+    step = model.rows_per_run
+    for start in range(0, len(positions), step):
+        part = positions[start : start + step]
+        logits = await full_logits(model, rows[part], temperature)
+        if bias is not None:
+            logits = apply_bias(logits, None, bias)
+        lse = logsumexp(logits)
+        for offset, row in enumerate(part.tolist()):
+            yield row, logits[offset : offset + 1], lse[offset : offset + 1]
 
 
 async def _off_loop(model: LoadedVersion, function: Callable[..., Floats], *args: object) -> Floats:

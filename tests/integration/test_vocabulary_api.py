@@ -237,3 +237,46 @@ def test_bad_options_are_422_with_a_reason(url: str, body: dict[str, Any], messa
     )
     assert answer.status_code == 422, answer.text
     assert message in answer.json()["error"]["message"], answer.json()
+
+
+def test_rows_past_the_prefix_are_drawn_exactly_from_full_logits(
+    url: str, repository: Path
+) -> None:
+    """No filter on flat rows: the draw may land past the 64 fetched tokens, and those rows run
+    again with full logits. Draws are the inverse CDF of the same u over the whole sorted row."""
+    from service.vocabulary import SampleSpec
+
+    spec = SampleSpec(seed=5)
+    flat = HIDDEN * np.float32(0.02)  # logits spread ~0.15: nearly uniform over 997 tokens
+    body = {"hidden_states": flat.tolist(), "k": 3, "sample": {"seed": 5}}
+    answer = httpx.post(f"{url}/v1/models/untied/topk", json=body).json()
+    logits = _logits(repository, "untied", flat)
+    u = spec.uniforms(len(HIDDEN))
+    for row, result in enumerate(answer["results"]):
+        order = np.argsort(-logits[row], kind="stable")
+        probs = np.exp(log_softmax(logits[row])[order])
+        expected = int(order[np.searchsorted(np.cumsum(probs), u[row], side="right")])
+        assert result["sampled_token_id"] == expected
+        assert result["token_ids"] == order[:3].tolist()
+    places = [
+        int(np.flatnonzero(np.argsort(-logits[r]) == a["sampled_token_id"])[0])
+        for r, a in enumerate(answer["results"])
+    ]
+    assert max(places) >= 64, places  # at least one row needed the exact path
+
+
+def test_banning_a_token_that_held_all_the_mass_is_recomputed_exactly(
+    url: str, repository: Path, table: npt.NDArray[np.float32]
+) -> None:
+    hidden = (table[[4, 8]] * 60).astype(np.float32)  # token 4 / 8 hold ~all the mass
+    logits = _logits(repository, "tied", hidden)
+    best = [int(np.argmax(row)) for row in logits]
+    body = {"hidden_states": hidden.tolist(), "k": 2, "logprobs": True, "banned_token_ids": best}
+    answer = httpx.post(f"{url}/v1/models/tied/topk", json=body).json()
+    biased = logits.copy()
+    biased[:, best] = -np.inf
+    for row, result in enumerate(answer["results"]):
+        order = np.argsort(-biased[row], kind="stable")[:2]
+        assert result["token_ids"] == order.tolist()
+        want = biased[row, order] - logsumexp(biased[row : row + 1])[0]
+        np.testing.assert_allclose(result["logprobs"], want, rtol=RTOL, atol=ATOL)
