@@ -62,10 +62,9 @@ def score_within(head: HeadInfo, candidates: CandidateScores, targets: Ids) -> S
     target = logits[np.arange(len(targets)), found.argmax(axis=1)]
     rank = (logits > target[:, None]).sum(axis=1).astype(np.int64)
     logprob = target - lse
-    nll = float(-logprob.astype(np.float64).mean())
     within = CandidateScores(candidates.ids, logits, logits - lse[:, None])
     return ScoreResult(
-        head, target, logprob, rank, nll, _perplexity(nll), within, logprobs_over="candidates"
+        head, target, logprob, rank, *_nll_perplexity(logprob), within, logprobs_over="candidates"
     )
 
 
@@ -74,7 +73,6 @@ def score_result(
 ) -> ScoreResult:
     lse = scored.logsumexp
     logprob = scored.target_logit - lse
-    nll = float(-logprob.astype(np.float64).mean())
     if candidates is not None:
         logprobs = candidates.logits - lse[:, None]
         candidates = CandidateScores(candidates.ids, candidates.logits, logprobs)
@@ -87,12 +85,13 @@ def score_result(
         scored.target_logit,
         logprob,
         scored.rank,
-        nll,
-        _perplexity(nll),
+        *_nll_perplexity(logprob),
         candidates,
         alternatives,
     )
 
 
-def _perplexity(nll: float) -> float:
-    return math.exp(nll) if nll < 700 else math.inf
+def _nll_perplexity(logprob: Floats) -> tuple[float, float]:
+    """Mean negative log-likelihood (float64) and its exp (inf past float's range)."""
+    nll = float(-logprob.astype(np.float64).mean())
+    return nll, math.exp(nll) if nll < 700 else math.inf

@@ -13,9 +13,8 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from service.heads import HeadWeights, save_head
 from service.reference import log_softmax, logsumexp
-from tests.conftest import D_MODEL, VOCAB, reference_logits
+from tests.conftest import D_MODEL, VOCAB, reference_logits, write_tied_and_untied
 from tests.server import running_server
 
 HIDDEN = np.random.default_rng(21).standard_normal((6, D_MODEL)).astype(np.float32)
@@ -30,8 +29,7 @@ def repository(
     output_weight: npt.NDArray[np.float32],
 ) -> Path:
     root = tmp_path_factory.mktemp("models")
-    save_head(HeadWeights.from_arrays(table), root / "tied" / "1")
-    save_head(HeadWeights.from_arrays(table, output_weight), root / "untied" / "1")
+    write_tied_and_untied(root, table, output_weight)
     return root
 
 
