@@ -1,6 +1,7 @@
 """Benchmark what the request options cost on the engine: allowed tokens (candidates) against
-the full head, sampling against plain top-k, and prompt scoring (memory and time) against a
-plain top-k run over the same rows.
+the full head, sampling against plain top-k, prompt scoring (memory and time) against a plain
+top-k run over the same rows, and a head trimmed to a quarter of its tokens (``lmhead trim``;
+time and resident memory) against the full one.
 
 Timed in one process, interleaved run by run (the ratios hold on a noisy machine); a run is
 ``HeadSession`` plus the numpy the data plane adds, without HTTP. Hidden states are *peaked*
@@ -33,6 +34,7 @@ from service.layout import Placement, open_head
 from service.limits import Limits
 from service.runtime import HeadSession
 from service.scoring import score_rows
+from service.trim import trim_version
 from service.vocabulary import SampleSpec, logsumexp, sample_sorted, top_sorted
 
 REPEATS = 7
@@ -52,21 +54,23 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     vocab, d_model = (int(part) for part in args.size.split("x"))
     with tempfile.TemporaryDirectory(prefix="lmhead-bench-") as directory:
-        path = Path(directory) / "tied"
+        path = Path(directory) / "tied" / "1"
         table = np.random.default_rng(0).standard_normal((vocab, d_model), dtype=np.float32)
         save_head(HeadWeights.from_arrays(table * np.float32(0.02)), path)
         del table
-        report = _report(path, vocab, d_model, args.rows, args.positions)
+        keep = np.random.default_rng(5).choice(vocab, vocab // 4, replace=False)
+        trimmed = trim_version(directory, "tied", 1, keep, "trimmed")
+        report = _report(path, trimmed, vocab, d_model, args.rows, args.positions)
     print(report)
     if args.output:
         args.output.write_text(report + "\n")
     return 0
 
 
-def _report(path: Path, vocab: int, d_model: int, rows: int, positions: int) -> str:
+def _report(path: Path, trimmed: Path, vocab: int, d_model: int, rows: int, positions: int) -> str:
     session = open_head(path / "model.onnx", Placement())
     hidden = _peaked(session, rows)
-    times, fallbacks = _times(session, hidden, vocab)
+    times, fallbacks = _times(session, open_head(trimmed / "model.onnx"), hidden, vocab)
     full = times["full head, top-10"]
     lines = [
         f"{describe_machine()}",
@@ -78,9 +82,19 @@ def _report(path: Path, vocab: int, d_model: int, rows: int, positions: int) -> 
         "|---|---|---|",
     ]
     lines += [f"| {name} | {ms:.2f} | {full / ms:.2f}x |" for name, ms in times.items()]
+    memory = {name: _probe(head, "resident", 0)["resident_mb"] for name, head in
+              (("full", path), ("trimmed", trimmed))}  # fmt: skip
     lines += [
         "",
         f"Sampling: at most {fallbacks} of {rows} rows per run needed the exact full-logits path.",
+        "",
+        "Resident memory added by loading the head and one run (fresh process each):",
+        "",
+        "| head | MB | vs full |",
+        "|---|---|---|",
+        f"| full, {vocab} tokens | {memory['full']:.0f} | 1.00x |",
+        f"| trimmed (`lmhead trim`), {vocab // 4} tokens | {memory['trimmed']:.0f} | "
+        f"{memory['trimmed'] / memory['full']:.2f}x |",
     ]
     plain = _probe(path, "plain", positions)
     scored = _probe(path, "score", positions)
@@ -115,7 +129,7 @@ def _peaked(session: HeadSession, rows: int) -> npt.NDArray[np.float32]:
 
 
 def _times(
-    session: HeadSession, hidden: npt.NDArray[np.float32], vocab: int
+    session: HeadSession, trimmed: HeadSession, hidden: npt.NDArray[np.float32], vocab: int
 ) -> tuple[dict[str, float], int]:
     """Median ms per run, and the most rows one sampling run sent to the full-logits path."""
     rng = np.random.default_rng(2)
@@ -153,6 +167,7 @@ def _times(
         "1000 allowed tokens": restricted(1000),
         "10 allowed tokens": restricted(10),
         "top-10 + sampling (top_p 0.9)": sampled,
+        f"head trimmed to {trimmed.vocab_size} tokens, top-10": lambda: trimmed.project(hidden, K),
     }
     samples: dict[str, list[float]] = {name: [] for name in runs}
     for run in runs.values():
@@ -179,6 +194,11 @@ def _probe(path: Path, kind: str, positions: int) -> dict[str, float]:
 
 
 def _measure(path: Path, kind: str, positions: int) -> dict[str, float]:
+    if kind == "resident":
+        before = _resident()
+        opened = open_head(path / "model.onnx", Placement())
+        opened.project(np.zeros((1, opened.d_model), np.float32), K)
+        return {"resident_mb": (_resident() - before) / 2**20}
     session = open_head(path / "model.onnx", Placement())
     vocab = session.vocab_size
     rng = np.random.default_rng(4)

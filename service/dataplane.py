@@ -144,7 +144,7 @@ class DataPlane:
                 ids = distribution.token_lists(
                     request.allowed_token_ids,
                     len(rows),
-                    model.vocab_size,
+                    model.space,
                     self._limits,
                     "allowed_token_ids",
                 )
@@ -154,15 +154,15 @@ class DataPlane:
                 return LogitsResult(
                     model.info,
                     logits.reshape(*leading, -1),
-                    np.ascontiguousarray(columns).reshape(*leading, -1),
+                    model.space.original(np.ascontiguousarray(columns)).reshape(*leading, -1),
                 )
             projection = await self._project(model, hidden, 1, temperature, full_logits=True)
             assert projection.logits is not None
-            return LogitsResult(model.info, projection.logits)
+            return LogitsResult(model.info, projection.logits, model.space.kept)
 
     async def embed(self, request: EmbedRequest) -> EmbedResult:
         with self._serving("embed", request.target) as (model,):
-            ids = self._limits.token_ids(request.input_ids, model.vocab_size)
+            ids = distribution.token_ids(request.input_ids, model.space, self._limits, "input_ids")
             return EmbedResult(model.info, await model.embed(ids))
 
     async def infer(self, request: InferRequest) -> InferResult:
@@ -170,7 +170,7 @@ class DataPlane:
         with self._serving("infer", request.target) as (model,):
             ids = request.input_ids
             if ids is not None:
-                ids = self._limits.token_ids(ids, model.vocab_size)
+                ids = distribution.token_ids(ids, model.space, self._limits, "input_ids")
             topk, logits = None, None
             if request.hidden_states is not None:
                 hidden = self._limits.hidden_states(request.hidden_states, model.d_model)
@@ -205,11 +205,7 @@ class DataPlane:
             candidates = None
             if request.candidate_ids is not None:
                 ids = distribution.token_lists(
-                    request.candidate_ids,
-                    len(rows),
-                    model.vocab_size,
-                    self._limits,
-                    "candidate_ids",
+                    request.candidate_ids, len(rows), model.space, self._limits, "candidate_ids"
                 )
                 logits = await distribution.candidate_logits(model, rows, ids, 1.0)
                 every = np.broadcast_to(ids, logits.shape) if ids.ndim == 1 else ids
@@ -217,12 +213,12 @@ class DataPlane:
             if request.logprobs_over == "candidates":
                 if candidates is None:
                     raise InvalidInput("logprobs_over='candidates' needs candidate_ids")
-                return scoring.score_within(model.info, candidates, targets)
+                return scoring.score_within(model.info, candidates, targets, model.space)
             if request.logprobs_over not in (None, "vocabulary"):
                 raise InvalidInput("logprobs_over must be 'candidates' or 'vocabulary'")
             k = self._limits.k(request.k, request.k) if request.k else 1
             scored = await scoring.score_chunks(model, rows, targets, k)
-            return scoring.score_result(model.info, scored, candidates, request.k)
+            return scoring.score_result(model.info, scored, candidates, request.k, model.space)
 
     async def compare(self, request: CompareRequest) -> CompareResult:
         """The same rows through two heads: agreement, KL both ways, NLL per head, speed."""
@@ -330,7 +326,7 @@ class DataPlane:
         """Top-k of the distribution the options shape (never shadowed: not the head's own)."""
         rows = hidden.reshape(-1, model.d_model)
         shape, temperature = distribution.shape_of(
-            options, len(rows), model.vocab_size, self._limits, temperature
+            options, len(rows), model.space, self._limits, temperature
         )
         if shape.allowed is not None:
             k = min(k, shape.allowed.shape[-1])
@@ -370,7 +366,7 @@ class DataPlane:
                 f"target_ids must have shape {list(hidden.shape[:-1])} (one per row), "
                 f"got {list(raw.shape)[:8]}"
             )
-        return self._limits.token_ids(raw, model.vocab_size, "target_ids").reshape(-1)
+        return distribution.token_ids(raw, model.space, self._limits, "target_ids").reshape(-1)
 
     def _topk_result(
         self, model: LoadedVersion, projection: Projection, logprobs: bool, tokens: bool
@@ -378,7 +374,7 @@ class DataPlane:
         ids = projection.topk_token_ids
         return TopKResult(
             model.info,
-            ids,
+            model.space.original(ids),
             projection.topk_logits,
             projection.logsumexp,
             projection.topk_logprobs if logprobs else None,

@@ -19,7 +19,7 @@ import asyncio
 import secrets
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -38,6 +38,7 @@ from service.vocabulary import (
     Floats,
     Ids,
     SampleSpec,
+    TokenSpace,
     apply_bias,
     biased_topk,
     logsumexp,
@@ -75,16 +76,18 @@ class Shaped:
 
 
 def shape_of(
-    options: VocabularyOptions, rows: int, vocab: int, limits: Limits, temperature: float
+    options: VocabularyOptions, rows: int, space: TokenSpace, limits: Limits, temperature: float
 ) -> tuple[Shape, float]:
-    """Checked options and the temperature of the run (the sampling one, when given)."""
+    """Checked options, in the head's columns, and the temperature of the run (the sampling
+    one, when given)."""
+    vocab = len(space.kept) if space.kept is not None else space.size
     allowed = None
     if options.allowed_token_ids is not None:
-        allowed = token_lists(options.allowed_token_ids, rows, vocab, limits, "allowed_token_ids")
+        allowed = token_lists(options.allowed_token_ids, rows, space, limits, "allowed_token_ids")
     banned = options.banned_token_ids
     if banned is not None:
-        banned = limits.token_ids(banned, vocab, "banned_token_ids").reshape(-1)
-    bias = Bias.of(_bias_table(options.logit_bias, vocab, limits), banned)
+        banned = token_ids(banned, space, limits, "banned_token_ids").reshape(-1)
+    bias = Bias.of(_bias_table(options.logit_bias, space, limits), banned)
     if bias is not None and allowed is None and bias.banned >= vocab:
         raise InvalidInput(f"banned_token_ids bans all {vocab} tokens; leave at least one")
     if bias is not None and allowed is not None:
@@ -103,14 +106,20 @@ def shape_of(
     return Shape(allowed, bias, over, sample), temperature
 
 
-def token_lists(raw: Ids, rows: int, vocab: int, limits: Limits, field: str) -> Ids:
-    """One list of ids for every row (n,), or one list per row (rows, n)."""
-    if raw.ndim not in (1, 2) or raw.shape[-1] > vocab:
+def token_ids(raw: npt.NDArray[Any], space: TokenSpace, limits: Limits, field: str) -> Ids:
+    """Ids a request names, checked (``Limits.token_ids``) and turned into the head's columns
+    (the same numbers unless the head is trimmed)."""
+    return space.local(limits.token_ids(raw, space.size, field), field)
+
+
+def token_lists(raw: Ids, rows: int, space: TokenSpace, limits: Limits, field: str) -> Ids:
+    """One list of ids for every row (n,), or one list per row (rows, n), as columns."""
+    if raw.ndim not in (1, 2) or raw.shape[-1] > space.size:
         raise InvalidInput(
             f"{field} must be one list of ids for every row, or one list per row, "
-            f"of at most {vocab} ids"
+            f"of at most {space.size} ids"
         )
-    ids = limits.token_ids(raw, vocab, field)
+    ids = token_ids(raw, space, limits, field)
     if ids.ndim == 2 and ids.shape[0] != rows:
         raise InvalidInput(
             f"{field} must be one list for all rows or one per row ({rows}), "
@@ -119,19 +128,23 @@ def token_lists(raw: Ids, rows: int, vocab: int, limits: Limits, field: str) -> 
     return ids
 
 
-def _bias_table(raw: dict[object, object] | None, vocab: int, limits: Limits) -> dict[int, float]:
+def _bias_table(
+    raw: dict[object, object] | None, space: TokenSpace, limits: Limits
+) -> dict[int, float]:
+    """Bias per column: keys are original token ids, values numbers in the bias range."""
     if not raw:
         return {}
     limits.logit_bias(len(raw))
     table: dict[int, float] = {}
     for key, value in raw.items():
         token = _integer(key)
-        if token is None or not 0 <= token < vocab:
-            raise InvalidInput(f"logit_bias keys must be token ids in [0, {vocab})")
+        if token is None or not 0 <= token < space.size:
+            raise InvalidInput(f"logit_bias keys must be token ids in [0, {space.size})")
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise InvalidInput("logit_bias values must be numbers")
         table[token] = limits.bias(float(value))
-    return table
+    columns = space.local(np.fromiter(table, np.int64, len(table)), "logit_bias")
+    return dict(zip(columns.tolist(), table.values(), strict=True))
 
 
 def _integer(key: object) -> int | None:
@@ -294,18 +307,19 @@ def topk_result(
     values, ids = shaped.values.reshape(*leading, -1), shaped.ids.reshape(*leading, -1)
     lse = shaped.lse.reshape(leading)
     sampled = None
+    space = model.space
     if shape.sample is not None and shaped.sampled is not None:
         assert shaped.sampled_logprobs is not None
         labels = model.tokens(shaped.sampled[:, None]) if tokens else None
         sampled = Sampled(
-            shaped.sampled.reshape(leading),
+            space.original(shaped.sampled).reshape(leading),
             shaped.sampled_logprobs.reshape(leading),
             shape.sample.seed,
             None if labels is None else [row[0] for row in labels],
         )
     return TopKResult(
         model.info,
-        ids,
+        space.original(ids),
         values,
         lse,
         values - lse[..., None],

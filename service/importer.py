@@ -7,6 +7,7 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -161,18 +162,10 @@ def quantize_version(
     """Write a block-quantized copy of ``name``'s version (the newest by default) as a new
     version, labels included; it appears complete (renamed into place) or not at all."""
     model_dir = Path(repository) / name
-    versions = sorted(int(p.name) for p in model_dir.glob("*") if p.name.isdigit())
-    if not versions:
-        raise CheckpointError(f"no versions of {name!r} in {repository}")
-    source = model_dir / str(version if version is not None else versions[-1])
-    if not (source / MODEL_FILE).is_file():
-        raise CheckpointError(f"{source} holds no {MODEL_FILE}")
-    try:
-        weights = read_head(source / MODEL_FILE)
-    except ValueError as error:  # already quantized
-        raise CheckpointError(f"{error} (--version picks another)") from None
-    target = _version_dir(model_dir, to_version)
-    with tempfile.TemporaryDirectory(prefix=".quantizing-", dir=model_dir) as staging:
+    source = source_version(model_dir, version)
+    weights = read_float_head(source)
+
+    def write(staging: Path) -> None:
         stored = weights.stored_nbytes(spec, quantize_table)
         external = stored > EXTERNAL_DATA_ABOVE_BYTES
         save_head(
@@ -183,7 +176,36 @@ def quantize_version(
             quantize_table=quantize_table,
         )
         if (source / LABELS_FILE).is_file():
-            shutil.copyfile(source / LABELS_FILE, Path(staging) / LABELS_FILE)
+            shutil.copyfile(source / LABELS_FILE, staging / LABELS_FILE)
+
+    return write_version(model_dir, to_version, write)
+
+
+def source_version(model_dir: Path, version: int | None) -> Path:
+    """A model's version directory (the newest by default) that holds a head file."""
+    versions = sorted(int(p.name) for p in model_dir.glob("*") if p.name.isdigit())
+    if not versions:
+        raise CheckpointError(f"no versions of {model_dir.name!r} in {model_dir.parent}")
+    source = model_dir / str(version if version is not None else versions[-1])
+    if not (source / MODEL_FILE).is_file():
+        raise CheckpointError(f"{source} holds no {MODEL_FILE}")
+    return source
+
+
+def read_float_head(source: Path) -> HeadWeights:
+    try:
+        return read_head(source / MODEL_FILE)
+    except ValueError as error:  # already quantized
+        raise CheckpointError(f"{error} (--version picks another)") from None
+
+
+def write_version(model_dir: Path, to_version: int | None, write: Callable[[Path], None]) -> Path:
+    """``write`` fills a staging directory beside the versions, renamed into place when done:
+    the new version appears complete or not at all (the poller never sees half of it)."""
+    model_dir.mkdir(parents=True, exist_ok=True)
+    target = _version_dir(model_dir, to_version)
+    with tempfile.TemporaryDirectory(prefix=".writing-", dir=model_dir) as staging:
+        write(Path(staging))
         os.chmod(staging, 0o755)  # mkdtemp made it private
         os.rename(staging, target)
         Path(staging).mkdir()  # for the context manager to remove

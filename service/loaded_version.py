@@ -33,9 +33,11 @@ from service.repository import (
     Signature,
     private_copy,
     read_labels,
+    read_space,
 )
 from service.runtime import HeadSession, Projection
 from service.settings import MemoryMode
+from service.vocabulary import TokenSpace
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,8 @@ class LoadedVersion:
     default_k: int
     signature: Signature = ()
     rows_per_run: int = 1 << 30
+    token_space: TokenSpace | None = None
+    """A trimmed head's original ids (``service.trim``); None: columns are token ids."""
     batcher: Batcher | None = field(default=None, repr=False)
     executor: Executor | None = field(default=None, repr=False)
     _inflight: int = field(default=0, repr=False)
@@ -135,6 +139,11 @@ class LoadedVersion:
     @property
     def vocab_size(self) -> int:
         return self.session.vocab_size
+
+    @property
+    def space(self) -> TokenSpace:
+        """The ids requests name and answers return (``TokenSpace``)."""
+        return self.token_space or TokenSpace(self.vocab_size)
 
     def start(
         self,
@@ -238,6 +247,7 @@ class LoadedVersion:
             "providers": self.session.providers,
             "labels": self.labels is not None,
             "default_k": self.default_k,
+            "trimmed_from": None if self.token_space is None else self.token_space.size,
         }
 
     def _run(
@@ -265,6 +275,7 @@ def load_version(source: ModelSource, version: int, options: LoadOptions) -> Loa
                 private / MODEL_FILE, options.placement, report=report, scratch=private
             )
             labels = read_labels(private, config.labels, report.vocab_size)
+            space = read_space(private, report.vocab_size)
         except Exception as error:  # say where, not the private copy's temporary path
             text = str(error).replace(str(private), f"{source.name}/{version}")
             raise VersionLoadError(f"{type(error).__name__}: {text}") from None
@@ -290,6 +301,7 @@ def load_version(source: ModelSource, version: int, options: LoadOptions) -> Loa
         labels=labels,
         default_k=default_k,
         signature=source.signature(version),
+        token_space=space if space.kept is not None else None,
     )
 
 

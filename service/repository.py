@@ -24,6 +24,7 @@ served version changes nothing it answers, and a change is seen as a change (a n
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import stat
@@ -34,9 +35,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from service.errors import describe_validation_errors
+from service.vocabulary import TokenSpace
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 #: The repository's file names, defined here only.
@@ -44,6 +47,8 @@ MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
 CONFIG_FILE = "config.json"
 LABELS_FILE = "vocab.txt"
+#: A trimmed head's original ids (``service.trim``).
+VOCAB_MAP_FILE = "vocab_map.json"
 Signature = tuple[tuple[str, int, int], ...]
 MAX_CONFIG_BYTES = 1 << 20
 
@@ -250,3 +255,20 @@ def read_labels(version_dir: Path, filename: str, vocab_size: int) -> list[str] 
             f"{filename} has {len(labels)} labels but the head has vocab_size {vocab_size}"
         )
     return labels
+
+
+def read_space(version_dir: Path, vocab_size: int) -> TokenSpace:
+    """The version's token space: its own columns, or the original ids of a trimmed head."""
+    path = version_dir / VOCAB_MAP_FILE
+    if not path.is_file():
+        return TokenSpace(vocab_size)
+    try:
+        mapping = json.loads(path.read_text(encoding="utf-8"))
+        size, ids = int(mapping["vocab_size"]), np.array(mapping["token_ids"], np.int64)
+    except (ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"{VOCAB_MAP_FILE} is not a token map: {error}") from None
+    if ids.shape != (vocab_size,):
+        raise ValueError(f"{VOCAB_MAP_FILE} maps {ids.size} ids; the head has {vocab_size} rows")
+    if (np.diff(ids) <= 0).any() or ids[0] < 0 or ids[-1] >= size:
+        raise ValueError(f"{VOCAB_MAP_FILE} token_ids must ascend within [0, {size})")
+    return TokenSpace(size, ids)

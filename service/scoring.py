@@ -21,7 +21,7 @@ from service.limits import LOGIT_BYTES
 from service.loaded_version import LoadedVersion
 from service.messages import CandidateScores, HeadInfo, ScoreResult
 from service.runtime import Scored
-from service.vocabulary import Floats, Ids, logsumexp
+from service.vocabulary import Floats, Ids, TokenSpace, logsumexp
 
 #: Logits plus log-softmax of one scoring run (measured: 2.1 x rows x vocab x 4 bytes).
 SCORE_BYTES = 48 * 2**20
@@ -50,7 +50,9 @@ def _fields(parts: list[Scored]) -> list[tuple[npt.NDArray[np.generic], ...]]:
     return [(p.topk_logits, p.topk_token_ids, p.logsumexp, p.target_logit, p.rank) for p in parts]
 
 
-def score_within(head: HeadInfo, candidates: CandidateScores, targets: Ids) -> ScoreResult:
+def score_within(
+    head: HeadInfo, candidates: CandidateScores, targets: Ids, space: TokenSpace
+) -> ScoreResult:
     """Score each row's target among its candidates only (classification with an LM)."""
     found = candidates.ids == targets[:, None]
     if not found.any(axis=1).all():
@@ -62,24 +64,26 @@ def score_within(head: HeadInfo, candidates: CandidateScores, targets: Ids) -> S
     target = logits[np.arange(len(targets)), found.argmax(axis=1)]
     rank = (logits > target[:, None]).sum(axis=1).astype(np.int64)
     logprob = target - lse
-    within = CandidateScores(candidates.ids, logits, logits - lse[:, None])
+    within = CandidateScores(space.original(candidates.ids), logits, logits - lse[:, None])
     return ScoreResult(
         head, target, logprob, rank, *_nll_perplexity(logprob), within, logprobs_over="candidates"
     )
 
 
 def score_result(
-    head: HeadInfo, scored: Scored, candidates: CandidateScores | None, k: int
+    head: HeadInfo, scored: Scored, candidates: CandidateScores | None, k: int, space: TokenSpace
 ) -> ScoreResult:
+    """The answer, ids as requests name them (``space``: a trimmed head's original ids)."""
     lse = scored.logsumexp
     logprob = scored.target_logit - lse
     if candidates is not None:
         logprobs = candidates.logits - lse[:, None]
-        candidates = CandidateScores(candidates.ids, candidates.logits, logprobs)
+        candidates = CandidateScores(space.original(candidates.ids), candidates.logits, logprobs)
     alternatives = None
     if k:
         values = scored.topk_logits[:, :k]
-        alternatives = CandidateScores(scored.topk_token_ids[:, :k], values, values - lse[:, None])
+        ids = space.original(scored.topk_token_ids[:, :k])
+        alternatives = CandidateScores(ids, values, values - lse[:, None])
     return ScoreResult(
         head,
         scored.target_logit,

@@ -26,12 +26,44 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from service.errors import InvalidInput
 from service.rows import RowSource
 
 Floats = npt.NDArray[np.float32]
 Ids = npt.NDArray[np.int64]
 #: Below this share of probability left outside B, swapping B's terms loses float64 digits.
 CANCELLATION = 1e-6
+
+
+@dataclass(frozen=True)
+class TokenSpace:
+    """The token ids a request names and an answer returns, against the head's own columns.
+
+    A head trimmed to part of a vocabulary (``service.trim``) keeps ``kept`` (column ->
+    original id, ascending, so lower ids still win ties); everything inside the service works
+    in columns, and ids cross this map once on the way in and once on the way out.
+    """
+
+    size: int
+    """Ids a request may name: [0, size)."""
+    kept: Ids | None = None
+
+    def local(self, ids: Ids, field: str) -> Ids:
+        """Columns of already range-checked original ids; 422 for an id that was trimmed."""
+        if self.kept is None:
+            return ids
+        position = np.searchsorted(self.kept, ids)
+        found = self.kept[np.minimum(position, len(self.kept) - 1)] == ids
+        if not found.all():
+            missing = int(np.asarray(ids)[~found].reshape(-1)[0])
+            raise InvalidInput(
+                f"{field}: token {missing} is not in this trimmed head's vocabulary "
+                f"({len(self.kept)} of {self.size} tokens kept)"
+            )
+        return position.astype(np.int64)
+
+    def original(self, columns: Ids) -> Ids:
+        return columns if self.kept is None else self.kept[columns]
 
 
 @dataclass(frozen=True)

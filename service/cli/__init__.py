@@ -1,4 +1,4 @@
-"""``lmhead`` command line: serve, demo, import, quantize, inspect, retie, compare, health.
+"""``lmhead`` command line: serve, demo, import, quantize, trim, inspect, retie, compare, health.
 
 Every command takes the repository and port from ``LMHEAD_REPOSITORY`` and ``LMHEAD_PORT``
 when not given (so ``demo`` and ``import`` write where ``serve`` serves); ``serve`` reads every
@@ -154,6 +154,17 @@ def _parser(place: PlaceSettings) -> argparse.ArgumentParser:
     quantize.add_argument("--to-version", type=int, help="default: the next free version")
     quantization(quantize, required=True)
     quantize.set_defaults(handler=commands.quantize)
+
+    trimming = subcommands.add_parser(
+        "trim", help="write a head that keeps only some tokens (answers in original ids)"
+    )
+    trimming.add_argument("model", help="model name in the repository")
+    trimming.add_argument("--keep", required=True, help="ids: FILE (.npy or text) or 0-31999,7")
+    trimming.add_argument("--name", required=True, help="model name for the trimmed head")
+    repository(trimming)
+    trimming.add_argument("--version", type=int, help="version to read (default: the newest)")
+    trimming.add_argument("--to-version", type=int, help="default: the next free version")
+    trimming.set_defaults(handler=commands.trim)
 
     versus = subcommands.add_parser(
         "compare", help="contrast two served heads on your hidden states"

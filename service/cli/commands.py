@@ -7,6 +7,9 @@ import json
 import logging
 from pathlib import Path
 
+import numpy as np
+import numpy.typing as npt
+
 from service.cli.errors import CommandError
 from service.demo import TIED_NAME, UNTIED_NAME, DemoSpec, write_demo_models
 from service.graph import FORMAT
@@ -15,6 +18,7 @@ from service.inspect import HeadReport, inspect_head
 from service.quantize import QuantSpec
 from service.repository import MODEL_FILE
 from service.retie import retie
+from service.trim import trim_version
 
 
 def demo(args: argparse.Namespace) -> int:
@@ -109,6 +113,40 @@ def quantize(args: argparse.Namespace) -> int:
         f"({'one tensor set shared by both sides' if quantized.get('shared') else 'untied'})"
     )
     return 0
+
+
+def trim(args: argparse.Namespace) -> int:
+    written = trim_version(
+        args.repository, args.model, args.version, _token_ids(args.keep), args.name, args.to_version
+    )
+    report = inspect_head(written / MODEL_FILE)
+    print(
+        f"wrote {written}: {report.vocab_size:,} tokens kept, {report.weight_bytes:,} bytes of "
+        f"weights ({'tied: one matrix' if report.tied else 'untied'}); answers use original ids"
+    )
+    return 0
+
+
+#: Larger than any vocabulary; keeps a typo'd range from filling memory.
+MAX_TOKEN_ID = 1 << 24
+
+
+def _token_ids(keep: str) -> npt.NDArray[np.int64]:
+    """``--keep``: a .npy of ids, a text file of ids, or ``0-31999,50256`` inline."""
+    path = Path(keep)
+    if path.suffix == ".npy" and path.is_file():
+        return np.asarray(np.load(path, allow_pickle=False)).reshape(-1).astype(np.int64)
+    text = path.read_text(encoding="utf-8") if path.is_file() else keep
+    parts: list[npt.NDArray[np.int64]] = []
+    for part in text.replace(",", " ").split():
+        low, _, high = part.partition("-")
+        if not low.isdigit() or (high and not high.isdigit()):
+            raise CommandError(f"--keep: {part[:32]!r} is neither an id nor a range like 0-31999")
+        first, last = int(low), int(high or low)
+        if last >= MAX_TOKEN_ID:
+            raise CommandError(f"--keep: {last} is beyond any vocabulary (< {MAX_TOKEN_ID})")
+        parts.append(np.arange(first, last + 1, dtype=np.int64))
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
 
 def compare(args: argparse.Namespace) -> int:
