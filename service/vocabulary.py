@@ -27,6 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from service.errors import InvalidInput
+from service.gemm import matmul_transposed
 from service.rows import RowSource
 
 Floats = npt.NDArray[np.float32]
@@ -84,7 +85,7 @@ class CandidateLogits:
         """(rows, n) logits for ids shared by every row (n,) or given per row (rows, n)."""
         unique, inverse = np.unique(ids, return_inverse=True)
         weights = self.rows.rows(unique)
-        raw = (hidden * np.float32(self.input_scale)) @ weights.T  # (rows, unique)
+        raw = matmul_transposed(hidden * np.float32(self.input_scale), weights)  # rows x unique
         if ids.ndim == 1:
             logits = raw[:, inverse.reshape(-1)]
         else:
