@@ -32,8 +32,11 @@ from service.rows import RowSource
 
 Floats = npt.NDArray[np.float32]
 Ids = npt.NDArray[np.int64]
-#: Below this share of probability left outside B, swapping B's terms loses float64 digits.
-CANCELLATION = 1e-6
+#: How far B's logits from their rows of W may sit from the graph's own (relative; float32
+#: products by two kernels, on two devices); it bounds what the swap below may trust.
+LOGIT_RTOL = 1e-5
+#: The swapped log-sum-exp is trusted when its error bound is below this (absolute).
+LSE_TOLERANCE = 1e-4
 
 
 @dataclass(frozen=True)
@@ -156,13 +159,20 @@ def biased_topk(values: Floats, ids: Ids, raw_b: Floats, bias: Bias, k: int) -> 
 
 
 def swap_lse(lse: Floats, raw_b: Floats, bias: Bias) -> tuple[Floats, npt.NDArray[np.bool_]]:
-    """The log-sum-exp with B's terms biased, and which rows kept enough digits to trust."""
+    """The log-sum-exp with B's terms biased, and which rows to trust: B's share of the mass
+    is computed from logits that may differ from the graph's by ``LOGIT_RTOL`` of the row's
+    scale, an error the subtraction from 1 keeps while the true remainder may be far smaller
+    (a row whose mass all sat in B, at large logits, measured on CUDA). A row whose bound on
+    the swapped value passes ``LSE_TOLERANCE`` is recomputed from full logits."""
     shifted = raw_b.astype(np.float64) - lse.astype(np.float64)[:, None]
-    outside = 1.0 - np.exp(shifted).sum(axis=1)
+    share = np.exp(shifted).sum(axis=1)
+    outside = 1.0 - share
     inside = np.exp(shifted + bias.values.astype(np.float64)).sum(axis=1)
+    total = np.maximum(outside, 0.0) + inside
     with np.errstate(divide="ignore", invalid="ignore"):
-        swapped = lse + np.log(np.maximum(outside, 0.0) + inside)
-    return swapped.astype(np.float32), outside > CANCELLATION
+        swapped = lse + np.log(total)
+        error = share * LOGIT_RTOL * np.maximum(1.0, np.abs(lse)) / total
+    return swapped.astype(np.float32), error < LSE_TOLERANCE
 
 
 def apply_bias(logits: Floats, ids: Ids | None, bias: Bias) -> Floats:

@@ -105,6 +105,10 @@ def test_swap_lse_flags_rows_whose_mass_was_all_in_the_bias() -> None:
     assert bias is not None
     _, trusted = swap_lse(logsumexp(logits), logits[:, :1], bias)
     assert not trusted[0]
+    # as on CUDA: B's logit from its row of W a hair off the graph's, at a large scale
+    large = np.array([[1778.0, 0.0, 0.0]], np.float32)
+    _, trusted = swap_lse(logsumexp(large), large[:, :1] * np.float32(1 - 1e-6), bias)
+    assert not trusted[0]
 
 
 def _sorted_row(logits: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
