@@ -34,12 +34,12 @@ from starlette.types import Message, Receive, Scope, Send
 from service import __version__
 from service.dataplane import DataPlane
 from service.demo import write_demo_models
-from service.errors import error_response, install_error_handlers
 from service.metrics import Metrics
 from service.poller import RepositoryPoller
 from service.registry import Registry
 from service.repository import model_names
 from service.routes import health, native, repository, v2
+from service.routes.errors import error_response, install_error_handlers
 from service.routes.openapi import body_components
 from service.settings import Settings
 

@@ -105,6 +105,13 @@ def running_server(repository: Path, **settings: str) -> Iterator[str]:
 
 
 @contextmanager
+def running_server_on(port: int, repository: Path) -> Iterator[str]:
+    """``running_server`` on a port chosen beforehand (for clients started before it)."""
+    with _serving(repository, None, {}, port=port) as (url, _):
+        yield url
+
+
+@contextmanager
 def live_server(repository: Path, **settings: str) -> Iterator[tuple[str, Callable[[], str]]]:
     """The service once it is *live* (for start-ups that never get ready), and its log."""
     with _serving(repository, None, settings, "/health/live") as served:
@@ -124,8 +131,9 @@ def _serving(
     source: Path | None,
     settings: dict[str, str],
     probe: str = "/health/ready",
+    port: int | None = None,
 ) -> Iterator[tuple[str, Callable[[], str]]]:
-    port = free_port()
+    port = port or free_port()
     env = {**os.environ, **{f"LMHEAD_{key.upper()}": value for key, value in settings.items()}}
     if source is not None:
         env["PYTHONPATH"] = str(source)

@@ -1,0 +1,238 @@
+"""A Python client for lmhead: numpy in, typed answers of numpy arrays out, sync and async.
+
+It imports httpx and numpy only (and ``service.errors``, the standard library), so a trunk's
+process can use it without onnxruntime or the server's packages. Hidden states go as ``.npy``
+and top-k answers come back as ``.npz`` (``binary=False``, or ``tokens=True``, speaks JSON);
+anything with ``__array__`` is accepted, so CPU torch tensors work without importing torch.
+Inference calls are pure functions of their input, so they are retried, with backoff, on 503
+(after the service's ``Retry-After``) and on connection errors; control calls on 503 only. A
+service error is raised as its class from ``service.errors`` (``QueueFull``, ``InvalidInput``,
+...) with the service's message. Every answer says which model, version and tie answered.
+
+    with Client("http://127.0.0.1:8000") as client:
+        top = client.topk("demo-tied", hidden, k=5, logprobs=True)
+        print(top.token_ids, top.version, top.tied)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import httpx
+
+from service.client.calls import Arrays, Call, Calls, Retry, TopK, checked, retry_after
+
+__all__ = ["Arrays", "AsyncClient", "Client", "TopK"]
+RETRY_STATUS = 503
+
+
+class Client:
+    """Synchronous client (one pooled ``httpx.Client``; use it as a context manager)."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout: float = 30.0,
+        retries: int = 3,
+        backoff_s: float = 0.1,
+        binary: bool = True,
+        token: str | None = None,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self._http = httpx.Client(base_url=url, timeout=timeout, transport=transport)
+        self._calls = Calls(binary, token)
+        self._retry = Retry(retries, backoff_s)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def topk(
+        self,
+        model: str,
+        hidden: Any,
+        k: int | None = None,
+        *,
+        logprobs: bool = False,
+        temperature: float = 1.0,
+        tokens: bool = False,
+        version: int | None = None,
+        **options: Any,
+    ) -> TopK:
+        """``options``: allowed_token_ids, logit_bias, banned_token_ids, logprobs_over, sample."""
+        call = self._calls.topk(model, hidden, k, logprobs, temperature, tokens, version, options)
+        return self._calls.read_topk(self._send(call))
+
+    def logits(
+        self, model: str, hidden: Any, *, temperature: float = 1.0, version: int | None = None
+    ) -> Arrays:
+        return self._calls.read_array(
+            self._send(self._calls.logits(model, hidden, temperature, version))
+        )
+
+    def embed(self, model: str, ids: Any, *, version: int | None = None) -> Arrays:
+        return self._calls.read_array(self._send(self._calls.embed(model, ids, version)))
+
+    def score(
+        self,
+        model: str,
+        hidden: Any,
+        target_ids: Any,
+        *,
+        version: int | None = None,
+        **options: Any,
+    ) -> dict[str, Any]:
+        """``options``: candidate_ids, k, logprobs_over. The answer as the service sends it."""
+        answer: dict[str, Any] = self._send(
+            self._calls.score(model, hidden, target_ids, version, **options)
+        ).json()
+        return answer
+
+    def compare(self, model_a: str, model_b: str, hidden: Any, **options: Any) -> dict[str, Any]:
+        """``options``: target_ids, k, measure_speed."""
+        answer: dict[str, Any] = self._send(
+            self._calls.compare((model_a, model_b), hidden, **options)
+        ).json()
+        return answer
+
+    def models(self) -> list[dict[str, Any]]:
+        answer: list[dict[str, Any]] = self._send(Call("GET", "/v1/models")).json()["models"]
+        return answer
+
+    def model(self, name: str) -> dict[str, Any]:
+        answer: dict[str, Any] = self._send(Call("GET", f"/v1/models/{name}")).json()
+        return answer
+
+    def ready(self) -> bool:
+        """Whether the service is ready (every model found at start loaded or failed)."""
+        return self._http.get("/health/ready").status_code == 200
+
+    def load(self, name: str, version: int | None = None) -> dict[str, Any]:
+        answer: dict[str, Any] = self._send(self._calls.control("load", name, version)).json()
+        return answer
+
+    def unload(self, name: str) -> dict[str, Any]:
+        answer: dict[str, Any] = self._send(self._calls.control("unload", name, None)).json()
+        return answer
+
+    def _send(self, call: Call) -> httpx.Response:
+        for wait in self._retry.waits():
+            try:
+                answer = self._http.request(
+                    call.method,
+                    call.path,
+                    content=call.content,
+                    headers=call.headers,
+                    params=call.params,
+                )
+            except httpx.TransportError:
+                if not call.idempotent or wait is None:
+                    raise
+                time.sleep(wait)
+                continue
+            if answer.status_code != RETRY_STATUS or wait is None:
+                return checked(answer)
+            time.sleep(retry_after(answer, wait))
+        raise AssertionError("unreachable: the last wait is None")
+
+
+class AsyncClient:
+    """The same calls as ``Client``, awaited (one pooled ``httpx.AsyncClient``)."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout: float = 30.0,
+        retries: int = 3,
+        backoff_s: float = 0.1,
+        binary: bool = True,
+        token: str | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self._http = httpx.AsyncClient(base_url=url, timeout=timeout, transport=transport)
+        self._calls = Calls(binary, token)
+        self._retry = Retry(retries, backoff_s)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def topk(
+        self,
+        model: str,
+        hidden: Any,
+        k: int | None = None,
+        *,
+        logprobs: bool = False,
+        temperature: float = 1.0,
+        tokens: bool = False,
+        version: int | None = None,
+        **options: Any,
+    ) -> TopK:
+        call = self._calls.topk(model, hidden, k, logprobs, temperature, tokens, version, options)
+        return self._calls.read_topk(await self._send(call))
+
+    async def logits(
+        self, model: str, hidden: Any, *, temperature: float = 1.0, version: int | None = None
+    ) -> Arrays:
+        call = self._calls.logits(model, hidden, temperature, version)
+        return self._calls.read_array(await self._send(call))
+
+    async def embed(self, model: str, ids: Any, *, version: int | None = None) -> Arrays:
+        return self._calls.read_array(await self._send(self._calls.embed(model, ids, version)))
+
+    async def score(
+        self,
+        model: str,
+        hidden: Any,
+        target_ids: Any,
+        *,
+        version: int | None = None,
+        **options: Any,
+    ) -> dict[str, Any]:
+        call = self._calls.score(model, hidden, target_ids, version, **options)
+        answer: dict[str, Any] = (await self._send(call)).json()
+        return answer
+
+    async def models(self) -> list[dict[str, Any]]:
+        answer: list[dict[str, Any]] = (await self._send(Call("GET", "/v1/models"))).json()[
+            "models"
+        ]
+        return answer
+
+    async def ready(self) -> bool:
+        return (await self._http.get("/health/ready")).status_code == 200
+
+    async def _send(self, call: Call) -> httpx.Response:
+        for wait in self._retry.waits():
+            try:
+                answer = await self._http.request(
+                    call.method,
+                    call.path,
+                    content=call.content,
+                    headers=call.headers,
+                    params=call.params,
+                )
+            except httpx.TransportError:
+                if not call.idempotent or wait is None:
+                    raise
+                await asyncio.sleep(wait)
+                continue
+            if answer.status_code != RETRY_STATUS or wait is None:
+                return checked(answer)
+            await asyncio.sleep(retry_after(answer, wait))
+        raise AssertionError("unreachable: the last wait is None")

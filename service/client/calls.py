@@ -1,0 +1,254 @@
+"""The client's requests and answers without I/O: what each method sends, how its answer is
+read, when to retry. ``Client`` and ``AsyncClient`` only send."""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import numpy as np
+import numpy.typing as npt
+
+from service.errors import (
+    Forbidden,
+    InvalidInput,
+    ModelNotFound,
+    PayloadTooLarge,
+    ServiceError,
+    Unauthorized,
+    by_code,
+)
+
+NPY, NPZ, JSON = "application/x-npy", "application/x-npz", "application/json"
+#: V2 errors carry a message and no code (the protocol's ``{"error": "..."}``): by status.
+V2_ERRORS: dict[int, type[ServiceError]] = {
+    400: InvalidInput,
+    401: Unauthorized,
+    403: Forbidden,
+    404: ModelNotFound,
+    413: PayloadTooLarge,
+}
+
+
+@dataclass(frozen=True)
+class TopK:
+    """Top-k per row, leading dims as sent; ``logprobs`` when asked, ``tokens`` over JSON."""
+
+    model: str
+    version: int
+    tied: bool
+    token_ids: npt.NDArray[np.int64]
+    logits: npt.NDArray[np.float32]
+    logprobs: npt.NDArray[np.float32] | None = None
+    logsumexp: npt.NDArray[np.float32] | None = None
+    tokens: list[list[str | None]] | None = None
+    sampled_token_ids: npt.NDArray[np.int64] | None = None
+    sampled_logprobs: npt.NDArray[np.float32] | None = None
+
+
+@dataclass(frozen=True)
+class Arrays:
+    """Logits or embeddings, and who answered."""
+
+    model: str
+    version: int
+    tied: bool
+    array: npt.NDArray[np.float32]
+
+
+@dataclass(frozen=True)
+class Call:
+    """One HTTP request, built once and sent by either client (sans I/O)."""
+
+    method: str
+    path: str
+    content: bytes | None = None
+    headers: dict[str, str] | None = None
+    params: dict[str, str] | None = None
+    idempotent: bool = True
+
+
+class Calls:
+    """What each method sends, and how its answer is read: shared by both clients."""
+
+    def __init__(self, binary: bool, token: str | None) -> None:
+        self.binary = binary
+        self.token = token
+
+    def topk(
+        self,
+        model: str,
+        hidden: Any,
+        k: int | None,
+        logprobs: bool,
+        temperature: float,
+        tokens: bool,
+        version: int | None,
+        options: dict[str, Any],
+    ) -> Call:
+        values = {"logprobs": logprobs, "temperature": temperature, **options}
+        if k is not None:
+            values["k"] = k
+        if self.binary and not tokens:
+            params = {name: _query(value) for name, value in values.items()}
+            return self._npy("POST", _path(model, "topk", version), hidden, params, NPZ)
+        return self._json(_path(model, "topk", version), {"hidden_states": hidden, **values})
+
+    def read_topk(self, answer: httpx.Response) -> TopK:
+        model, version, tied = _identity(answer)
+        if answer.headers.get("content-type", "").startswith(NPZ):
+            arrays = dict(np.load(io.BytesIO(answer.content), allow_pickle=False))
+            return TopK(
+                model,
+                version,
+                tied,
+                arrays["token_ids"],
+                arrays["logits"],
+                arrays.get("logprobs"),
+                arrays.get("logsumexp"),
+                None,
+                arrays.get("sampled_token_ids"),
+                arrays.get("sampled_logprobs"),
+            )
+        payload = answer.json()
+        rows, shape = payload["results"], tuple(payload["shape"])
+
+        def field(name: str, dtype: Any) -> Any:
+            if not rows or name not in rows[0]:
+                return None
+            return np.array([row[name] for row in rows], dtype).reshape(*shape, -1)
+
+        sampled = field("sampled_token_id", np.int64)
+        drawn = field("sampled_logprob", np.float32)
+        return TopK(
+            model,
+            version,
+            tied,
+            field("token_ids", np.int64),
+            field("logits", np.float32),
+            field("logprobs", np.float32),
+            None,
+            [row["tokens"] for row in rows] if rows and "tokens" in rows[0] else None,
+            None if sampled is None else sampled.reshape(shape),
+            None if drawn is None else drawn.reshape(shape),
+        )
+
+    def logits(self, model: str, hidden: Any, temperature: float, version: int | None) -> Call:
+        params = {"temperature": _query(temperature)}
+        return self._npy("POST", _path(model, "logits", version), hidden, params, NPY)
+
+    def embed(self, model: str, ids: Any, version: int | None) -> Call:
+        body = np.asarray(ids).astype(np.int64, copy=False)
+        return self._npy("POST", _path(model, "embed", version), body, {}, NPY)
+
+    def read_array(self, answer: httpx.Response) -> Arrays:
+        array = np.load(io.BytesIO(answer.content), allow_pickle=False)
+        return Arrays(*_identity(answer), array)
+
+    def score(
+        self, model: str, hidden: Any, targets: Any, version: int | None, **options: Any
+    ) -> Call:
+        body = {"hidden_states": hidden, "target_ids": targets, **options}
+        return self._json(_path(model, "score", version), body)
+
+    def compare(self, models: tuple[str, str], hidden: Any, **options: Any) -> Call:
+        return self._json(
+            "/v1/compare", {"models": list(models), "hidden_states": hidden, **options}
+        )
+
+    def control(self, verb: str, model: str | None, version: int | None) -> Call:
+        path = "/v2/repository/index" if model is None else f"/v2/repository/models/{model}/{verb}"
+        body = json.dumps({} if version is None else {"version": version}).encode()
+        headers = {"content-type": JSON}
+        if self.token is not None:
+            headers["authorization"] = f"Bearer {self.token}"
+        return Call("POST", path, body, headers, idempotent=False)
+
+    def _npy(self, method: str, path: str, array: Any, params: dict[str, str], accept: str) -> Call:
+        headers = {"content-type": NPY, "accept": accept}
+        return Call(method, path, _npy_bytes(array), headers, params)
+
+    def _json(self, path: str, body: dict[str, Any]) -> Call:
+        content = json.dumps(body, default=_jsonable).encode()
+        return Call("POST", path, content, {"content-type": JSON, "accept": JSON})
+
+
+class Retry:
+    """Waits before each try: ``None`` marks the last one (exponential backoff)."""
+
+    def __init__(self, retries: int, backoff_s: float) -> None:
+        self.retries = retries
+        self.backoff_s = backoff_s
+
+    def waits(self) -> Iterator[float | None]:
+        for attempt in range(self.retries):
+            yield self.backoff_s * 2**attempt
+        yield None
+
+
+def retry_after(answer: httpx.Response, backoff_s: float) -> float:
+    """The service's ``Retry-After`` (seconds), never longer than 10 x the backoff."""
+    try:
+        asked = float(answer.headers.get("retry-after", backoff_s))
+    except ValueError:
+        asked = backoff_s
+    return min(max(asked, backoff_s), 10 * backoff_s)
+
+
+def checked(answer: httpx.Response) -> httpx.Response:
+    """The answer, or the service's error raised as its ``service.errors`` class."""
+    if answer.is_success:
+        return answer
+    code, message = "", answer.text[:500]
+    try:
+        error = answer.json()["error"]
+        code, message = (
+            (error["code"], error["message"]) if isinstance(error, dict) else ("", error)
+        )
+    except (ValueError, KeyError, TypeError):
+        pass
+    kind = by_code(code) if code else V2_ERRORS.get(answer.status_code, ServiceError)
+    raised = kind(message)
+    raised.status = answer.status_code  # an unknown code keeps what the service said
+    raise raised
+
+
+def _path(model: str, verb: str, version: int | None) -> str:
+    where = f"/v1/models/{model}" + ("" if version is None else f"/versions/{version}")
+    return f"{where}/{verb}"
+
+
+def _identity(answer: httpx.Response) -> tuple[str, int, bool]:
+    headers = answer.headers
+    return (
+        headers.get("x-lmhead-model", ""),
+        int(headers.get("x-lmhead-version", "0")),
+        headers.get("x-lmhead-tied") == "true",
+    )
+
+
+def _query(value: Any) -> str:
+    """A query parameter: JSON for lists, objects and booleans, text for numbers."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return str(value)
+    return json.dumps(value, default=_jsonable)
+
+
+def _npy_bytes(array: Any) -> bytes:
+    values = np.asarray(array)
+    if values.dtype.kind == "f" and values.dtype not in (np.float16, np.float32):
+        values = values.astype(np.float32)
+    buffer = io.BytesIO()
+    np.save(buffer, np.ascontiguousarray(values), allow_pickle=False)
+    return buffer.getvalue()
+
+
+def _jsonable(value: Any) -> Any:
+    """Arrays (and anything with ``__array__``) as nested lists in JSON bodies."""
+    return np.asarray(value).tolist()

@@ -1,0 +1,163 @@
+"""``service.client`` against a real server: every call equals the float64 reference, errors come
+back as their classes, retries ride out a full queue and a server that is still starting."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from service.client import AsyncClient, Client
+from service.demo import demo_tokens
+from service.errors import InvalidInput, ModelNotFound, QueueFull, Unauthorized
+from service.reference import log_softmax, top_k
+from tests.conftest import D_MODEL, VOCAB, reference_logits, write_tied_and_untied
+from tests.server import free_port, running_server, running_server_on
+
+HIDDEN = np.random.default_rng(41).standard_normal((2, 3, D_MODEL)).astype(np.float32)
+RTOL, ATOL = 1e-4, 1e-4
+TOKEN = "client-test-token"
+
+
+@pytest.fixture(scope="module")
+def repository(
+    tmp_path_factory: pytest.TempPathFactory,
+    table: npt.NDArray[np.float32],
+    output_weight: npt.NDArray[np.float32],
+) -> Path:
+    root = tmp_path_factory.mktemp("models")
+    write_tied_and_untied(root, table, output_weight)
+    return root
+
+
+@pytest.fixture(scope="module")
+def url(repository: Path) -> Iterator[str]:
+    with running_server(repository, admin_token=TOKEN) as base_url:
+        yield base_url
+
+
+@pytest.mark.parametrize("binary", [True, False])
+@pytest.mark.parametrize("model", ["tied", "untied"])
+def test_topk_equals_the_reference(url: str, repository: Path, model: str, binary: bool) -> None:
+    with Client(url, binary=binary) as client:
+        top = client.topk(model, HIDDEN, k=4, logprobs=True)
+    logits = reference_logits(repository / model / "1", HIDDEN.reshape(-1, D_MODEL))
+    values, ids = top_k(logits, 4)
+    assert (top.model, top.version, top.tied) == (model, 1, model == "tied")
+    assert top.token_ids.shape == (2, 3, 4)
+    np.testing.assert_array_equal(top.token_ids.reshape(-1, 4), ids)
+    np.testing.assert_allclose(top.logits.reshape(-1, 4), values, rtol=RTOL, atol=ATOL)
+    assert top.logprobs is not None
+    want = np.take_along_axis(log_softmax(logits), ids, axis=1)
+    np.testing.assert_allclose(top.logprobs.reshape(-1, 4), want, rtol=RTOL, atol=ATOL)
+
+
+def test_tokens_sampling_and_options_pass_through(url: str) -> None:
+    with Client(url) as client:
+        top = client.topk("tied", HIDDEN[0], k=2, tokens=True)
+        sampled = client.topk("tied", HIDDEN[0], k=2, allowed_token_ids=[5, 9], sample={"seed": 1})
+    labels = demo_tokens(VOCAB)
+    assert top.tokens == [[labels[i] for i in row] for row in top.token_ids.tolist()]
+    assert sampled.sampled_token_ids is not None
+    assert set(sampled.sampled_token_ids.tolist()) <= {5, 9}
+
+
+def test_logits_embed_score_compare_and_metadata(
+    url: str, repository: Path, table: npt.NDArray[np.float32]
+) -> None:
+    rows = HIDDEN.reshape(-1, D_MODEL)
+    targets = np.arange(len(rows)) * 7
+    with Client(url) as client:
+        logits = client.logits("untied", rows)
+        embedded = client.embed("tied", np.array([[3, 4]]))
+        scored = client.score("untied", rows, targets, k=2)
+        compared = client.compare("tied", "untied", rows, k=3)
+        names = {entry["name"] for entry in client.models()}
+        described = client.model("tied")
+        ready = client.ready()
+    expected = reference_logits(repository / "untied" / "1", rows)
+    np.testing.assert_allclose(logits.array, expected, rtol=RTOL, atol=ATOL)
+    assert (logits.model, logits.tied) == ("untied", False)
+    np.testing.assert_array_equal(embedded.array, table[[[3, 4]]])
+    want = log_softmax(expected)[np.arange(len(rows)), targets]
+    got = [row["logprob"] for row in scored["results"]]
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+    assert compared["rows"] == len(rows)
+    assert names >= {"tied", "untied"}
+    assert described["name"] == "tied"
+    assert ready
+
+
+def test_service_errors_come_back_as_their_classes(url: str) -> None:
+    with Client(url) as client:
+        with pytest.raises(InvalidInput, match=f"d_model={D_MODEL}"):
+            client.topk("tied", np.zeros((1, D_MODEL + 1), np.float32))
+        with pytest.raises(ModelNotFound, match="nope"):
+            client.topk("nope", HIDDEN)
+        with pytest.raises(Unauthorized):
+            client.load("tied")
+    with Client(url, token=TOKEN) as admin:
+        assert admin.load("tied")["state"] == "READY"
+
+
+def test_a_full_queue_is_retried_then_raised(repository: Path) -> None:
+    """Two rows never fit a one-row queue: the client tries 1 + 2 times, then raises."""
+    with (
+        running_server(repository, max_queue_rows="1") as base_url,
+        Client(base_url, retries=2, backoff_s=0.01) as client,
+    ):
+        with pytest.raises(QueueFull, match="limit 1"):
+            client.topk("tied", HIDDEN[0, :2])
+        metrics = httpx.get(f"{base_url}/metrics").text
+    rejected = [
+        line for line in metrics.splitlines() if line.startswith("lmhead_queue_full_total{")
+    ]
+    assert sum(float(line.split()[-1]) for line in rejected) == 3
+
+
+def test_calls_ride_out_a_server_that_is_still_starting(repository: Path) -> None:
+    """The client is called before the server exists: refused connections, then 503 while the
+    models load, then the answer, all within its retries."""
+    port = free_port()
+    answers: list[object] = []
+
+    def call() -> None:
+        with Client(f"http://127.0.0.1:{port}", retries=9, backoff_s=0.05) as client:
+            answers.append(client.topk("untied", HIDDEN[0], k=1))
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    with running_server_on(port, repository):
+        caller.join(timeout=60)
+    (answer,) = answers
+    assert answer.token_ids.shape == (3, 1)  # type: ignore[attr-defined]
+
+
+def test_the_async_client_under_concurrency(url: str, repository: Path) -> None:
+    rows = np.random.default_rng(3).standard_normal((32, D_MODEL)).astype(np.float32)
+
+    async def scenario() -> list[npt.NDArray[np.int64]]:
+        async with AsyncClient(url) as client:
+            answers = await asyncio.gather(*(client.topk("tied", row[None], k=3) for row in rows))
+            assert await client.ready()
+        return [answer.token_ids[0] for answer in answers]
+
+    got = np.array(asyncio.run(scenario()))
+    np.testing.assert_array_equal(
+        got, top_k(reference_logits(repository / "tied" / "1", rows), 3)[1]
+    )
+
+
+def test_the_client_imports_no_onnxruntime_and_no_server() -> None:
+    heavy = "('onnxruntime', 'fastapi', 'uvicorn', 'onnx')"
+    code = f"import sys, service.client; print(sorted(m for m in {heavy} if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
