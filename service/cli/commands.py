@@ -174,13 +174,16 @@ def health(args: argparse.Namespace) -> int:
     """For container health checks: GET /health/ready; exit 0 when ready."""
     import httpx
 
+    from service.client import Client
+
     url = args.url.rstrip("/")
     try:
-        response = httpx.get(f"{url}/health/ready", timeout=3)
+        with Client(url, timeout=3, retries=0) as client:
+            ready = client.ready()
     except httpx.TransportError as error:
         raise CommandError(f"{url} is not reachable: {error}") from None
-    print(response.text)
-    return 0 if response.status_code == 200 else 1
+    print(f"{url}: {'ready' if ready else 'not ready'}")
+    return 0 if ready else 1
 
 
 def inspect(args: argparse.Namespace) -> int:

@@ -13,6 +13,8 @@ import httpx
 import numpy as np
 
 from service.cli.errors import CommandError
+from service.client import Client
+from service.errors import ServiceError
 from service.repository import MODEL_FILE
 
 
@@ -25,21 +27,16 @@ def compare_served(
     k: int,
     repository: Path,
 ) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "models": [model_a, model_b],
-        "hidden_states": np.load(hidden_path).tolist(),
-        "k": k,
-        "measure_speed": True,
-    }
+    options: dict[str, Any] = {"k": k, "measure_speed": True}
     if targets_path is not None:
-        body["target_ids"] = np.load(targets_path).tolist()
+        options["target_ids"] = np.load(targets_path)
     try:
-        response = httpx.post(f"{url.rstrip('/')}/v1/compare", json=body, timeout=300)
+        with Client(url.rstrip("/"), timeout=300) as client:
+            report = client.compare(model_a, model_b, np.load(hidden_path), **options)
     except httpx.TransportError as error:
         raise CommandError(f"{url} is not reachable: {error}") from None
-    if response.status_code != 200:
-        raise CommandError(f"the service answered {response.status_code}: {response.text[:500]}")
-    report: dict[str, Any] = response.json()
+    except ServiceError as error:
+        raise CommandError(f"the service answered {error.status}: {error.message}") from None
     for block in report["models"]:
         block["resident_bytes"] = _resident(repository, block)
     return report
