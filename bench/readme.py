@@ -38,7 +38,7 @@ def machine(name: str) -> str:
     return first.removeprefix("Machine: ").rstrip(".") if first.startswith("Machine") else ""
 
 
-def pick(rows: list[Row], column: str, **match: str) -> str:
+def pick(rows: list[Row], column: str, /, **match: str) -> str:
     for row in rows:
         if all(row.get(key) == value for key, value in match.items()):
             return row[column]
@@ -53,6 +53,7 @@ def headlines() -> str:
     (ray,) = tables("results-ray.md")
     (protocols,) = tables("results-protocols.md")
     options, memory, prompt = tables("results-vocabulary.md")
+    (client,) = tables("results-client.md")
     (trimmed,) = [row["run"] for row in options if row["run"].startswith("head trimmed")]
     ray_1, ray_2 = {"served by": "Ray Serve, 1 replica"}, {"served by": "Ray Serve, 2 replicas"}
     at_64, at_1 = {"rows/req": "64", "clients": "16"}, {"rows/req": "1", "clients": "1"}
@@ -144,6 +145,12 @@ def headlines() -> str:
             f"{pick(prompt, 'peak extra memory MB', run='prompt scoring')} vs "
             f"{pick(prompt, 'peak extra memory MB', run='plain top-10')}",
             "results-vocabulary.md",
+        ),
+        (
+            "`service.client` vs a hand-built `.npy` request: 64 rows; overhead at 1 row (ms)",
+            f"{pick(client, 'client / hand-built', rows='64')}; "
+            f"{pick(client, 'overhead ms', rows='1')}",
+            "results-client.md",
         ),
         (
             "V2 over gRPC vs native `.npy`: 64 rows, 16 clients; 1-row p50 at 1 client (ms)",

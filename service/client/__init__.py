@@ -208,6 +208,29 @@ class AsyncClient:
         answer: dict[str, Any] = (await self._send(call)).json()
         return answer
 
+    async def compare(
+        self, model_a: str, model_b: str, hidden: Any, **options: Any
+    ) -> dict[str, Any]:
+        call = self._calls.compare((model_a, model_b), hidden, **options)
+        answer: dict[str, Any] = (await self._send(call)).json()
+        return answer
+
+    async def model(self, name: str) -> dict[str, Any]:
+        answer: dict[str, Any] = (await self._send(Call("GET", f"/v1/models/{name}"))).json()
+        return answer
+
+    async def load(self, name: str, version: int | None = None) -> dict[str, Any]:
+        answer: dict[str, Any] = (
+            await self._send(self._calls.control("load", name, version))
+        ).json()
+        return answer
+
+    async def unload(self, name: str) -> dict[str, Any]:
+        answer: dict[str, Any] = (
+            await self._send(self._calls.control("unload", name, None))
+        ).json()
+        return answer
+
     async def models(self) -> list[dict[str, Any]]:
         answer: list[dict[str, Any]] = (await self._send(Call("GET", "/v1/models"))).json()[
             "models"

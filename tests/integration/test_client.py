@@ -161,3 +161,17 @@ def test_the_client_imports_no_onnxruntime_and_no_server() -> None:
     code = f"import sys, service.client; print(sorted(m for m in {heavy} if m in sys.modules))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+def test_the_async_client_speaks_metadata_compare_and_control(url: str) -> None:
+    rows = HIDDEN.reshape(-1, D_MODEL)
+
+    async def scenario() -> tuple[dict[str, object], dict[str, object], dict[str, object]]:
+        async with AsyncClient(url, token=TOKEN) as client:
+            described = await client.model("untied")
+            compared = await client.compare("tied", "untied", rows, k=2)
+            loaded = await client.load("untied")
+        return described, compared, loaded
+
+    described, compared, loaded = asyncio.run(scenario())
+    assert (described["name"], compared["rows"], loaded["state"]) == ("untied", 6, "READY")
