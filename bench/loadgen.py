@@ -6,7 +6,9 @@ The benchmark's clients share this machine's two cores with the server. aiohttp 
 sends one pre-built request per connection and parses only the status line and
 ``Content-Length`` of the answer (the service always sends it), so nearly all CPU goes to the
 server. It speaks plain HTTP/1.1 over real TCP; it is a measuring instrument, not a general
-client (no chunked bodies, no redirects, no TLS).
+client (no chunked bodies, no redirects, no TLS). Benchmarks that check answers or drive the
+control API (``bench.soak``, ``bench.swap``, ``bench.client``) use ``service.client``; only the
+throughput generators, where client CPU is taken from the server measured, use this one.
 """
 
 from __future__ import annotations

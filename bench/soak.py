@@ -13,7 +13,6 @@ liveness p99. Everything is bounded in time and in count.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import shutil
 import statistics
@@ -29,6 +28,8 @@ import numpy as np
 import numpy.typing as npt
 
 from bench.machine import describe_machine
+from service.client import Client
+from service.errors import ServiceError
 from service.heads import HeadWeights, save_head
 from service.limits import worst_case_extra_bytes
 from service.reference import top_k
@@ -158,7 +159,7 @@ def _swapper(
 ) -> None:
     deadline = time.monotonic() + seconds
     version = 1
-    with httpx.Client(base_url=url, timeout=60) as admin:
+    with Client(url, timeout=60, retries=0) as admin:
         while time.monotonic() < deadline and not stop.is_set():
             if stop.wait(min(SWAP_EVERY_S, max(0.0, deadline - time.monotonic()))):
                 return
@@ -166,9 +167,7 @@ def _swapper(
                 return
             version += 1
             expected[version] = _publish(root, version)
-            answer = admin.post("/v2/repository/models/head/load")
-            if answer.status_code != 200:
-                raise RuntimeError(f"swap to {version} failed: {answer.text}")
+            admin.load("head")  # a failed load raises ModelLoadFailed: the soak stops
             report.swaps += 1
             shutil.rmtree(root / "head" / str(version - 1))
 
@@ -182,12 +181,13 @@ def _valid(
     seed: int,
 ) -> None:
     rng = np.random.default_rng(seed)
-    with httpx.Client(base_url=url, timeout=60) as client:
+    clients = [Client(url, timeout=60, retries=0, binary=binary) for binary in (False, True)]
+    try:
         for _ in range(MAX_REQUESTS_PER_CLIENT):
             if stop.is_set():
                 return
             rows = rng.choice(len(HIDDEN), size=int(rng.integers(1, 9)), replace=False)
-            answer = _topk(client, HIDDEN[rows], binary=bool(rng.integers(2)))
+            answer = _topk(clients[int(rng.integers(2))], HIDDEN[rows])
             with lock:
                 report.valid += 1
                 if answer is None:
@@ -197,28 +197,20 @@ def _valid(
                 report.versions_seen.add(version)
                 if not np.array_equal(ids, expected[version][rows]):
                     report.wrong += 1
+    finally:
+        for client in clients:
+            client.close()
 
 
 def _topk(
-    client: httpx.Client, hidden: npt.NDArray[np.float32], binary: bool
+    client: Client, hidden: npt.NDArray[np.float32]
 ) -> tuple[int, npt.NDArray[np.int64]] | None:
-    if binary:
-        stream = io.BytesIO()
-        np.save(stream, hidden)
-        answer = client.post(
-            f"/v1/models/head/topk?k={K}",
-            content=stream.getvalue(),
-            headers={"content-type": "application/x-npy", "accept": "application/x-npy"},
-        )
-        if answer.status_code != 200:
-            return None
-        ids = np.load(io.BytesIO(answer.content))["token_ids"]
-    else:
-        answer = client.post("/v1/models/head/topk", json={"hidden_states": hidden.tolist()})
-        if answer.status_code != 200:
-            return None
-        ids = np.array([row["token_ids"] for row in answer.json()["results"]])
-    return int(answer.headers["x-lmhead-version"]), ids
+    """The version that answered and its top-k ids (the client's .npy or JSON wire)."""
+    try:
+        answer = client.topk("head", hidden, K)
+    except (ServiceError, httpx.TransportError):
+        return None
+    return answer.version, answer.token_ids
 
 
 def _hostile(url: str, report: SoakReport, lock: threading.Lock, stop: threading.Event) -> None:

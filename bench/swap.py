@@ -19,11 +19,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import aiohttp
 import numpy as np
-import orjson
+import numpy.typing as npt
 import psutil
 
+from service.client import AsyncClient
+from service.errors import ServiceError
 from service.heads import HeadWeights, save_head
 from tests.server import running_server
 
@@ -104,22 +105,21 @@ async def _bench(root: Path, size: str) -> list[str]:
         )
         traffic = Traffic()
         stop = asyncio.Event()
-        body = orjson.dumps({"hidden_states": [[0.01] * d_model], "k": 5})
-        clients = [asyncio.create_task(_client(url, body, traffic, stop)) for _ in range(CLIENTS)]
+        hidden = np.full((1, d_model), 0.01, np.float32)
+        clients = [asyncio.create_task(_client(url, hidden, traffic, stop)) for _ in range(CLIENTS)]
         warm_until = time.monotonic() + 0.5
         steady_until = warm_until + 3
         while time.monotonic() < steady_until:
             await asyncio.sleep(0.1)
         windows = []
-        async with aiohttp.ClientSession() as admin:
+        async with AsyncClient(url, timeout=120, retries=0) as admin:
             for version in (2, 3):
                 # Made off this event loop: a blocked client loop would look like a server stall.
                 await asyncio.to_thread(_write_version, root, size, version, external)
                 before = server.memory_info().rss
                 start = time.monotonic()
                 with PeakSampler(server.pid) as sampler:
-                    async with admin.post(f"{url}/v2/repository/models/head/load") as response:
-                        assert response.status == 200, await response.text()
+                    await admin.load("head")
                     swap = time.monotonic() - start
                     await asyncio.sleep(1.0)  # the replaced version drains and is released
                 windows.append((start, start + swap + 1.0))
@@ -142,17 +142,19 @@ async def _bench(root: Path, size: str) -> list[str]:
     return lines
 
 
-async def _client(url: str, body: bytes, traffic: Traffic, stop: asyncio.Event) -> None:
-    headers = {"content-type": "application/json"}
-    async with aiohttp.ClientSession() as session:
+async def _client(
+    url: str, hidden: npt.NDArray[np.float32], traffic: Traffic, stop: asyncio.Event
+) -> None:
+    """One-row JSON top-k through the client, no retries: a failure is counted, not hidden."""
+    async with AsyncClient(url, timeout=60, retries=0, binary=False) as client:
         for _ in range(5000):  # bounded; the swaps end well before
             if stop.is_set():
                 return
             start = time.monotonic()
-            async with session.post(f"{url}/v1/models/head/topk", data=body, headers=headers) as r:
-                await r.read()
-                if r.status != 200:
-                    traffic.failures += 1
+            try:
+                await client.topk("head", hidden, 5)
+            except ServiceError:
+                traffic.failures += 1
             traffic.latencies.append((start, time.monotonic() - start))
 
 
