@@ -1,7 +1,8 @@
 """App factory: ``create_app(settings)`` wires settings, metrics, registry, data plane and routes.
 
-Nothing happens at import. The lifespan creates the inference executor, the registry and the
-data plane, and starts loading the repository in the background, so ``/health/live`` answers
+Nothing happens at import. The lifespan starts the engine (``service.engine``: executor,
+registry, data plane) and its loading in the background, or, in a front process of
+``LMHEAD_WORKERS`` > 1, connects to the engine process instead; so ``/health/live`` answers
 at once and ``/health/ready`` turns 200 when every model found at start-up has been loaded and
 warmed (or has failed, with its reason in ``/v1/models``). Run it with
 ``uvicorn --factory service.app:create_app`` or ``lmhead serve``.
@@ -15,11 +16,9 @@ time. Those routes answer exactly as through FastAPI (same handlers, same error 
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from itertools import chain
 from time import perf_counter
 from typing import Any
@@ -32,12 +31,8 @@ from starlette.routing import Match
 from starlette.types import Message, Receive, Scope, Send
 
 from service import __version__
-from service.dataplane import DataPlane
-from service.demo import write_demo_models
 from service.metrics import Metrics
-from service.poller import RepositoryPoller
-from service.registry import Registry
-from service.repository import model_names
+from service.plane import Plane
 from service.routes import health, native, repository, v2
 from service.routes.errors import error_response, install_error_handlers
 from service.routes.openapi import body_components
@@ -48,43 +43,36 @@ MATCH_CACHE_SIZE = 4096
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client gone before the answer (metrics only)
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
-    """Build the service; ``Settings()`` reads ``LMHEAD_*`` from the environment when omitted."""
+def create_app(settings: Settings | None = None, *, engine_socket: str | None = None) -> FastAPI:
+    """Build the service; ``Settings()`` reads ``LMHEAD_*`` from the environment when omitted.
+
+    With ``engine_socket`` the app is a front: its data plane forwards every call to the
+    engine process listening there (``service.split``); without, the engine runs in-process.
+    """
     settings = settings or Settings()
     logging.getLogger("lmhead").setLevel(settings.log_level.upper())
-    metrics = Metrics()
+    metrics = Metrics(multiprocess=engine_socket is not None)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        executor = ThreadPoolExecutor(settings.inference_threads, thread_name_prefix="lmhead-infer")
-        registry = Registry(settings, executor, metrics)
-        plane = DataPlane(registry, settings, metrics)
-        app.state.registry, app.state.plane = registry, plane
-        rpc = None if settings.grpc_port is None else await _serve_grpc(plane, settings, metrics)
-        loading = asyncio.create_task(_start(settings, registry), name="lmhead-startup-load")
-        app.state.loading = loading  # awaitable by embedders and in-process tests
-        background = [loading]
-        if settings.control_mode == "poll":
-            poller = RepositoryPoller(
-                registry,
-                settings.repository,
-                settings.poll_interval_s,
-                metrics,
-                settings.model_name,
-                lazy=not settings.load_at_start,
-            )
-            background.append(asyncio.create_task(_follow(loading, poller), name="lmhead-poll"))
-        try:
+        async with AsyncExitStack() as stack:
+            if engine_socket is None:
+                from service.engine import running_engine  # a front never imports onnxruntime
+
+                engine = await stack.enter_async_context(running_engine(settings, metrics))
+                app.state.registry, app.state.plane = engine.registry, engine.plane
+                app.state.loading = engine.loading  # awaitable by embedders and tests
+            else:
+                from service.split.front import connected_plane
+
+                app.state.plane = await stack.enter_async_context(
+                    connected_plane(engine_socket, settings, metrics)
+                )
+            if settings.grpc_port is not None:
+                rpc = await _serve_grpc(app.state.plane, settings, metrics)
+                # HTTP has drained (uvicorn); now gRPC's calls in flight, before the engine
+                stack.push_async_callback(rpc.stop, grace=settings.drain_timeout_s)
             yield
-        finally:
-            if rpc is not None:  # HTTP has drained (uvicorn); now gRPC's calls in flight
-                await rpc.stop(grace=settings.drain_timeout_s)
-            for task in background:
-                task.cancel()
-            await asyncio.gather(*background, return_exceptions=True)
-            await plane.close()
-            await registry.close()
-            executor.shutdown(wait=True, cancel_futures=True)
 
     app = LMHeadApp(
         metrics,
@@ -101,7 +89,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     return app
 
 
-async def _serve_grpc(plane: DataPlane, settings: Settings, metrics: Metrics) -> Any:
+async def _serve_grpc(plane: Plane, settings: Settings, metrics: Metrics) -> Any:
     """The gRPC front end (the grpc extra), imported only when a port is set."""
     try:
         from service import grpcserver
@@ -110,28 +98,6 @@ async def _serve_grpc(plane: DataPlane, settings: Settings, metrics: Metrics) ->
             f"LMHEAD_GRPC_PORT needs the grpc extra (pip install '.[grpc]'): {error}"
         ) from None
     return await grpcserver.start(plane, settings, metrics)
-
-
-async def _start(settings: Settings, registry: Registry) -> None:
-    """Write the demo heads into an empty repository when asked, then load everything."""
-    try:
-        demo = (
-            settings.create_demo_models and settings.model_name is None and settings.load_at_start
-        )
-        if demo and not model_names(settings.repository):
-            written = await asyncio.to_thread(write_demo_models, settings.repository)
-            logger.info("repository was empty: wrote the demo heads %s", written)
-        await registry.load_all()
-    except Exception as error:  # readiness must say why, not "still loading" forever
-        logger.exception("start-up failed")
-        registry.fail_startup(f"{type(error).__name__}: {error}")
-
-
-async def _follow(loading: asyncio.Task[None], poller: RepositoryPoller) -> None:
-    """Poll mode: once start-up loading is done, follow the repository until shutdown."""
-    await loading
-    await poller.prime()
-    await poller.run()
 
 
 class LMHeadApp(FastAPI):

@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import math
-import secrets
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import numpy as np
@@ -33,7 +32,6 @@ from service.errors import (
     InvalidInput,
     ModelLoadFailed,
     ModelNotReady,
-    Unauthorized,
 )
 from service.limits import LOGIT_BYTES, Limits, MemoryBudget, Reservation, charge
 from service.loaded_version import LoadedVersion
@@ -56,6 +54,7 @@ from service.messages import (
     VocabularyOptions,
 )
 from service.metrics import Metrics
+from service.plane import check_token
 from service.registry import ModelRecord, ModelState, Registry
 from service.runtime import Projection
 from service.serving import Serving
@@ -98,26 +97,31 @@ class DataPlane:
         with self._metrics.requests_in_flight.track_inprogress(), self._budget.request() as held:
             yield held
 
+    def reserve(self) -> AbstractContextManager[Reservation]:
+        """The engine process, per forwarded call: the memory its logits and answer hold (the
+        front that forwarded it holds the body, and counts the request in flight)."""
+        return self._budget.request()
+
     # -- metadata ---------------------------------------------------------------------------
 
-    def check_ready(self) -> None:
+    async def check_ready(self) -> None:
         """503 until start-up loading is done (or for good, with the reason, if it failed)."""
         if self._registry.startup_error is not None:
             raise ModelNotReady(f"start-up failed: {self._registry.startup_error}")
         if not self._registry.ready:
             raise ModelNotReady("models are still loading")
 
-    def models(self) -> list[dict[str, Any]]:
+    async def models(self) -> list[dict[str, Any]]:
         return [record.describe() for record in self._registry.records()]
 
-    def model(self, name: str) -> dict[str, Any]:
+    async def model(self, name: str) -> dict[str, Any]:
         return self._registry.record(name).describe()
 
-    def head(self, target: Target) -> HeadInfo:
+    async def head(self, target: Target) -> HeadInfo:
         """The version a target resolves to (404 unknown, 503 not ready)."""
         return self._registry.get(target.model, target.version).info
 
-    def versions(self, name: str) -> list[int]:
+    async def versions(self, name: str) -> list[int]:
         """The loaded versions of a model."""
         return sorted(self._registry.record(name).versions)
 
@@ -252,13 +256,9 @@ class DataPlane:
     def authorize(self, presented: str | None) -> None:
         """The control API needs the admin token when one is set (constant-time compare)."""
         token = self._settings.admin_token
-        if token is None:
-            return
-        expected = token.get_secret_value().encode()
-        if presented is None or not secrets.compare_digest(presented.encode(), expected):
-            raise Unauthorized("the repository API needs 'Authorization: Bearer <admin token>'")
+        check_token(None if token is None else token.get_secret_value(), presented)
 
-    def index(self) -> list[dict[str, Any]]:
+    async def index(self) -> list[dict[str, Any]]:
         return self._registry.index()
 
     async def load(self, name: str, version: int | None = None) -> dict[str, Any]:

@@ -25,7 +25,6 @@ from tritonclient.grpc import service_pb2_grpc
 from service import __version__
 from service.codec import grpc as codec
 from service.codec.wire import off_loop
-from service.dataplane import DataPlane
 from service.errors import (
     InvalidInput,
     ModelNotReady,
@@ -37,6 +36,7 @@ from service.errors import (
 )
 from service.limits import BODY_EXPANSION, charge
 from service.metrics import Metrics
+from service.plane import Plane
 from service.settings import Settings
 
 logger = logging.getLogger("lmhead")
@@ -64,7 +64,7 @@ def status_of(error: ServiceError) -> grpc.StatusCode:
 class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
     """The servicer: each RPC is one data-plane call between decode and encode."""
 
-    def __init__(self, plane: DataPlane, metrics: Metrics) -> None:
+    def __init__(self, plane: Plane, metrics: Metrics) -> None:
         self._plane = plane
         self._metrics = metrics
 
@@ -95,7 +95,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: 
 
     async def ServerReady(self, request: Any, context: Any) -> Any:
         try:
-            self._plane.check_ready()
+            await self._plane.check_ready()
         except ModelNotReady:
             return pb.ServerReadyResponse(ready=False)
         return pb.ServerReadyResponse(ready=True)
@@ -103,7 +103,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: 
     async def ModelReady(self, request: Any, context: Any) -> Any:
         async def ready() -> Any:
             try:
-                self._plane.head(codec.target(request.name, request.version))
+                await self._plane.head(codec.target(request.name, request.version))
             except ModelNotReady:
                 return pb.ModelReadyResponse(ready=False)
             return pb.ModelReadyResponse(ready=True)
@@ -115,8 +115,8 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: 
 
     async def ModelMetadata(self, request: Any, context: Any) -> Any:
         async def metadata() -> Any:
-            head = self._plane.head(codec.target(request.name, request.version))
-            return codec.model_metadata(head, self._plane.versions(head.name))
+            head = await self._plane.head(codec.target(request.name, request.version))
+            return codec.model_metadata(head, await self._plane.versions(head.name))
 
         return await self._answer("ModelMetadata", context, metadata)
 
@@ -138,7 +138,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: 
     async def RepositoryIndex(self, request: Any, context: Any) -> Any:
         async def index() -> Any:
             self._authorize(context)
-            rows = self._plane.index()
+            rows = await self._plane.index()
             if request.ready:
                 rows = [row for row in rows if row["state"] == "READY"]
             models = [
@@ -202,7 +202,7 @@ for _method in pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods_by
         setattr(InferenceService, _method, _unimplemented(_method))
 
 
-async def start(plane: DataPlane, settings: Settings, metrics: Metrics) -> grpc.aio.Server:
+async def start(plane: Plane, settings: Settings, metrics: Metrics) -> grpc.aio.Server:
     """Serve gRPC on ``LMHEAD_HOST:LMHEAD_GRPC_PORT`` (messages up to the body limit)."""
     assert settings.grpc_port is not None
     server = grpc.aio.server(

@@ -20,11 +20,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from service.allocator import trim_heap
 from service.batching import Batcher, BatchLimits, BatchStats
 from service.inspect import HeadReport, inspect_head
 from service.layout import Placement, open_head
 from service.limits import Limits
-from service.memory import trim_heap
 from service.messages import HeadInfo
 from service.repository import (
     MODEL_FILE,

@@ -8,7 +8,6 @@ subprocess and read the one JSON line it prints.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import json
 import resource
@@ -19,6 +18,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import psutil
 
+from service.allocator import settle_allocator, trim_heap
 from service.heads import HeadWeights, save_head
 from service.inspect import inspect_head
 from service.layout import Placement, open_head
@@ -53,40 +53,6 @@ class LoadFootprint:
 def resident_bytes() -> int:
     """Resident set size of this process (anonymous and file-backed pages)."""
     return int(psutil.Process().memory_info().rss)
-
-
-def trim_heap() -> None:
-    """Hand freed heap pages back to the OS (glibc keeps them otherwise); no-op elsewhere."""
-    gc.collect()
-    libc = _glibc()
-    if libc is not None:
-        libc.malloc_trim(0)
-
-
-#: glibc's M_MMAP_THRESHOLD: allocations from this size up get their own mapping.
-M_MMAP_THRESHOLD = -3
-MMAP_THRESHOLD_BYTES = 1 << 20
-
-
-def settle_allocator() -> None:
-    """Fix glibc's mmap threshold at 1 MiB (no-op elsewhere).
-
-    By default glibc raises the threshold each time a large block is freed (up to 32 MB), so
-    after a model's file passed through the heap, later request buffers of a few MB land in
-    the heap too and stay resident once freed (+14 MB measured after one 4096-id embedding
-    request). Fixed, every buffer from 1 MiB up is mapped alone and unmapped when freed.
-    """
-    libc = _glibc()
-    if libc is not None:
-        libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
-
-
-def _glibc() -> ctypes.CDLL | None:
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return None
-    return libc if hasattr(libc, "mallopt") else None
 
 
 def start_runtime() -> int:

@@ -2,6 +2,12 @@
 
 Names follow Triton's split where it helps operators: request counts by status, queue time
 vs compute time, and the batch-size histogram (mean batch = rows / batches).
+
+With several processes (``LMHEAD_WORKERS`` > 1) every process writes its samples to files in
+``PROMETHEUS_MULTIPROC_DIR`` (prometheus_client's multiprocess mode, set by the supervisor
+before any process starts) and ``/metrics`` on any front sums them: the engine's inference,
+batch and model metrics and every front's HTTP and gRPC metrics. Per-process collectors
+(``process_*``) are left out there, as prometheus_client does in that mode.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from prometheus_client import (
     Histogram,
     ProcessCollector,
     generate_latest,
+    multiprocess,
 )
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -22,9 +29,11 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 class Metrics:
     """All collectors of one service instance."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, multiprocess: bool = False) -> None:
+        self.multiprocess = multiprocess
         self.registry = CollectorRegistry()
-        ProcessCollector(registry=self.registry)  # process_resident_memory_bytes and friends
+        if not multiprocess:
+            ProcessCollector(registry=self.registry)  # process_resident_memory_bytes and friends
         model_version = ["model", "version"]
         self.requests = Counter(
             "lmhead_requests",
@@ -57,6 +66,7 @@ class Metrics:
             "lmhead_requests_in_flight",
             "Inference requests admitted and not yet answered (REST and gRPC).",
             registry=self.registry,
+            multiprocess_mode="livesum",
         )
         self.grpc_requests = Counter(
             "lmhead_grpc_requests",
@@ -116,6 +126,7 @@ class Metrics:
             "1 for each loaded model version.",
             ["model", "version", "tied"],
             registry=self.registry,
+            multiprocess_mode="livemax",
         )
         self.load_failures = Counter(
             "lmhead_model_load_failures",
@@ -209,5 +220,17 @@ class Metrics:
         children[0].inc()
         children[1].observe(seconds)
 
+    def model_released(self, model: str, version: str, tied: str) -> None:
+        """A version left memory: its ``lmhead_model_loaded`` series goes (0 in multiprocess
+        mode, whose files keep every series written)."""
+        if self.multiprocess:
+            self.models_loaded.labels(model, version, tied).set(0)
+        else:
+            self.models_loaded.remove(model, version, tied)
+
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if not self.multiprocess:
+            return generate_latest(self.registry)
+        summed = CollectorRegistry()
+        multiprocess.MultiProcessCollector(summed)  # type: ignore[no-untyped-call]
+        return generate_latest(summed)

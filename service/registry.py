@@ -21,11 +21,11 @@ from enum import StrEnum
 from functools import cached_property
 from typing import Any
 
+from service.allocator import trim_heap
 from service.batching import BatchLimits, BatchStats
 from service.errors import InvalidModelName, ModelNotFound, ModelNotReady, VersionNotFound
 from service.limits import Limits
 from service.loaded_version import LoadedVersion, LoadOptions, VersionLoadError, load_version
-from service.memory import trim_heap
 from service.metrics import Metrics
 from service.repository import (
     ModelSource,
@@ -337,9 +337,7 @@ class Registry:
         if not drained:
             logger.warning("%s released with requests still running", version.label)
         self._metrics.unloads.labels(version.name).inc()
-        self._metrics.models_loaded.remove(
-            version.name, str(version.version), str(version.tied).lower()
-        )
+        self._metrics.model_released(version.name, str(version.version), str(version.tied).lower())
         trim_heap()
 
     def _observer(self, model: LoadedVersion) -> Callable[[BatchStats], None]:

@@ -19,13 +19,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
+import socket
 from typing import Any
 
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from service.allocator import settle_allocator
 from service.app import create_app
-from service.memory import settle_allocator
 from service.settings import Settings
 
 logger = logging.getLogger("lmhead")
@@ -33,22 +34,36 @@ FD_MARGIN = 64  # descriptors for model files, the log, the event loop itself
 
 
 def run(settings: Settings) -> None:
-    """Serve ``create_app(settings)`` until SIGINT/SIGTERM (graceful: requests drain)."""
+    """Serve ``create_app(settings)`` until SIGINT/SIGTERM (graceful: requests drain); with
+    ``LMHEAD_WORKERS`` > 1, fronts and one engine under ``service.split.supervisor``."""
+    if settings.workers > 1:
+        from service.split.supervisor import supervise
+
+        raise SystemExit(supervise(settings))
     _raise_descriptor_limit(settings.max_connections + FD_MARGIN)
     settle_allocator()
-    uvicorn.run(
-        create_app(settings),
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
-        access_log=settings.access_log,
-        timeout_graceful_shutdown=10,
-        timeout_keep_alive=int(settings.keep_alive_s),
-        http=limited_protocol(settings),
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, **_options(settings))
+
+
+def run_front(settings: Settings, engine_socket: str, listener: socket.socket) -> None:
+    """One front process: HTTP (and gRPC) on the shared port, the engine behind the socket."""
+    _raise_descriptor_limit(settings.max_connections + FD_MARGIN)
+    settle_allocator()
+    app = create_app(settings, engine_socket=engine_socket)
+    uvicorn.Server(uvicorn.Config(app, **_options(settings))).run(sockets=[listener])
+
+
+def _options(settings: Settings) -> dict[str, Any]:
+    return {
+        "log_level": settings.log_level,
+        "access_log": settings.access_log,
+        "timeout_graceful_shutdown": 10,
+        "timeout_keep_alive": int(settings.keep_alive_s),
+        "http": limited_protocol(settings),
         # X-Forwarded-* would only rewrite the client address that access logs show; the
         # middleware that reads them wraps every request (~3% of a one-row request's CPU).
-        proxy_headers=settings.access_log,
-    )
+        "proxy_headers": settings.access_log,
+    }
 
 
 def limited_protocol(settings: Settings) -> type[HttpToolsProtocol]:

@@ -71,7 +71,8 @@ class ShadowTraffic:
         shadow = primary.config.shadow
         if shadow is None:
             return
-        rows = hidden.reshape(-1, primary.d_model)
+        # A copy: the caller's rows may be a view of a front's shared memory, reused once answered.
+        rows = np.array(hidden.reshape(-1, primary.d_model))
         flat = logits.reshape(-1, primary.vocab_size)
         task = asyncio.get_running_loop().create_task(
             self._run(primary, shadow.model, rows, flat, temperature)

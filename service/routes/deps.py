@@ -12,13 +12,13 @@ from typing import Annotated
 from fastapi import Depends, Request
 from starlette.requests import Request as StarletteRequest
 
-from service.dataplane import DataPlane
 from service.metrics import Metrics
+from service.plane import Plane
 from service.settings import Settings
 
 
-def plane_of(request: StarletteRequest) -> DataPlane:
-    plane: DataPlane = request.app.state.plane
+def plane_of(request: StarletteRequest) -> Plane:
+    plane: Plane = request.app.state.plane
     return plane
 
 
@@ -27,7 +27,7 @@ def body_limit(request: StarletteRequest) -> int:
     return settings.max_body_bytes
 
 
-async def _plane(request: Request) -> DataPlane:
+async def _plane(request: Request) -> Plane:
     return plane_of(request)
 
 
@@ -36,5 +36,5 @@ async def _metrics(request: Request) -> Metrics:
     return metrics
 
 
-PlaneDep = Annotated[DataPlane, Depends(_plane)]
+PlaneDep = Annotated[Plane, Depends(_plane)]
 MetricsDep = Annotated[Metrics, Depends(_metrics)]

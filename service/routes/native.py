@@ -73,7 +73,7 @@ def _inference(
 @router.get("/models", response_model=ModelList)
 async def list_models(plane: PlaneDep) -> dict[str, Any]:
     """Every model: state (READY/FAILED with a reason), versions, tie, sizes, provider."""
-    return {"models": plane.models()}
+    return {"models": await plane.models()}
 
 
 @router.get(
@@ -84,7 +84,7 @@ async def list_models(plane: PlaneDep) -> dict[str, Any]:
 )
 async def get_model(request: Request) -> dict[str, Any]:
     """One model, as in the list."""
-    return plane_of(request).model(request.path_params["name"])
+    return await plane_of(request).model(request.path_params["name"])
 
 
 @_inference(

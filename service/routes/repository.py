@@ -63,7 +63,7 @@ LOAD_BODY = {
 @router.post("/v1/repository/index", response_model=list[RepositoryIndexRow], responses=errors(401))
 async def index(plane: PlaneDep) -> list[dict[str, Any]]:
     """Every model in memory or on disk: ``[{name, version, state, reason}]``."""
-    return plane.index()
+    return await plane.index()
 
 
 def _control(action: str, v2: bool) -> dict[str, Any]:

@@ -51,7 +51,7 @@ async def live() -> dict[str, bool]:
 
 @router.get("/health/ready", responses=errors(503, v2=True))
 async def ready(plane: PlaneDep) -> dict[str, bool]:
-    plane.check_ready()
+    await plane.check_ready()
     return {"ready": True}
 
 
@@ -69,15 +69,15 @@ def _metadata_route(path: str, answer: type[Any] | None = None) -> dict[str, Any
 async def model_metadata(request: Request) -> dict[str, Any]:
     """Inputs, outputs and versions of a model, as the protocol describes them."""
     plane = plane_of(request)
-    head = plane.head(target(request))
-    return v2.model_metadata(head, plane.versions(head.name))
+    head = await plane.head(target(request))
+    return v2.model_metadata(head, await plane.versions(head.name))
 
 
 @router.get(**_metadata_route("/models/{name}/ready"))
 @router.get(**_metadata_route("/models/{name}/versions/{version}/ready"))
 async def model_ready(request: Request) -> dict[str, bool]:
     """200 when the model (version) can serve; 404 unknown, 503 loading or failed."""
-    plane_of(request).head(target(request))  # 404 unknown, 503 not ready
+    await plane_of(request).head(target(request))  # 404 unknown, 503 not ready
     return {"ready": True}
 
 

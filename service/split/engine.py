@@ -1,0 +1,207 @@
+"""The engine process: one registry, batchers and sessions, serving every front over a socket.
+
+Each front connects to the Unix socket, hands over the descriptor of its request arena and
+gets one for an answer arena the engine makes for it (``_handshake``). A forwarded call is a
+frame: the engine rebuilds the request around views of the front's arena, runs the data-plane
+method under its own memory reservation, and answers with the result's arrays in the answer
+arena (or with the error's code, message and headers). Requests from all fronts reach the same
+``DataPlane``, so dynamic batching merges them. The engine never keeps a view of a front's
+arena after answering (the shadow copies the rows it replays later).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import pickle
+import signal
+import socket
+import struct
+from multiprocessing.synchronize import Event
+from typing import Any
+
+from service.dataplane import DataPlane
+from service.engine import running_engine
+from service.errors import ServiceError
+from service.metrics import Metrics
+from service.plane import REMOTE_CALLS
+from service.settings import Settings
+from service.split.arena import Arena, attach
+from service.split.channel import (
+    HANDSHAKE_S,
+    HELLO_BYTES,
+    FrameProtocol,
+    arena_bytes,
+    pack,
+    unpack,
+)
+from service.split.processes import name_process
+
+logger = logging.getLogger("lmhead")
+INTERNAL: tuple[str, str, dict[str, str]] = (
+    "internal_error",
+    "the engine failed on this request (see its log)",
+    {},
+)
+
+
+class FrontConnection(FrameProtocol):
+    """One front: its calls run as tasks; its releases free blocks of its answer arena."""
+
+    def __init__(self, plane: DataPlane, requests: Arena, answers: Arena) -> None:
+        super().__init__()
+        self._plane = plane
+        self._requests = requests
+        self._answers = answers
+        self.calls: set[asyncio.Task[None]] = set()
+
+    def on_frame(self, meta: tuple[Any, ...], body: bytes) -> None:
+        if meta[0] == "free":
+            for offset, _ in meta[-1]:
+                self._answers.free(offset)
+            return
+        _, call_id, method, blocks = meta
+        task = asyncio.get_running_loop().create_task(self._answer(call_id, method, body, blocks))
+        self.calls.add(task)
+        task.add_done_callback(self.calls.discard)
+
+    async def _answer(self, call_id: int, method: str, body: bytes, blocks: Any) -> None:
+        try:
+            if method not in REMOTE_CALLS:
+                raise ServiceError(f"the engine has no call {method!r}")
+            arguments = unpack(body, blocks, self._requests)
+            with self._plane.reserve():
+                result = await getattr(self._plane, method)(*arguments)
+            kind, message = "ok", result
+        except ServiceError as error:
+            kind, message = "error", (error.code, error.message, error.headers)
+        except Exception:
+            logger.exception("engine call %s failed", method)
+            kind, message = "error", INTERNAL
+        if self.transport is None or self.transport.is_closing():
+            return  # the front is gone; its arenas go with this connection
+        frame, _ = pack((kind, call_id), message, self._answers)  # the front frees them
+        self.send(frame)
+
+
+class EngineServer:
+    """Accepts fronts on ``path`` and keeps their connections until ``close``."""
+
+    def __init__(self, plane: DataPlane, path: str, arena_bytes: int) -> None:
+        self._plane = plane
+        self._path = path
+        self._arena_bytes = arena_bytes
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._accepting: asyncio.Task[None] | None = None
+        self._fronts: set[FrontConnection] = set()
+
+    def start(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._path)
+        self._listener.bind(self._path)
+        os.chmod(self._path, 0o600)
+        self._listener.listen(64)
+        self._listener.setblocking(False)
+        self._accepting = asyncio.get_running_loop().create_task(self._accept())
+
+    async def close(self, drain_s: float) -> None:
+        """Stop accepting; give the fronts up to ``drain_s`` to finish and disconnect (a
+        SIGTERM sent to the whole process group reaches the engine as early as the fronts
+        that are still draining), then let the calls in flight answer, and close."""
+        if self._accepting is not None:
+            self._accepting.cancel()
+        self._listener.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._path)
+        connected = [front.closed for front in self._fronts]
+        if connected:
+            await asyncio.wait(connected, timeout=drain_s)
+        calls = {task for front in self._fronts for task in front.calls}
+        if calls:
+            await asyncio.wait(calls, timeout=drain_s)
+        for front in self._fronts:
+            if front.transport is not None:
+                front.transport.close()
+
+    async def _accept(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            connection, _ = await loop.sock_accept(self._listener)
+            loop.create_task(self._open(connection))
+
+    async def _open(self, connection: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            requests, answers = await asyncio.to_thread(_handshake, connection, self._arena_bytes)
+        except (OSError, ValueError, pickle.UnpicklingError) as error:
+            logger.warning("a front's handshake failed: %s", error)
+            connection.close()
+            return
+        _, front = await loop.connect_accepted_socket(
+            lambda: FrontConnection(self._plane, requests, answers), connection
+        )
+        self._fronts.add(front)
+        front.closed.add_done_callback(lambda _: self._fronts.discard(front))
+
+
+def _handshake(connection: socket.socket, arena_bytes: int) -> tuple[Arena, Arena]:
+    """Check the peer is this user, map its request arena, send it a new answer arena."""
+    connection.setblocking(True)
+    connection.settimeout(HANDSHAKE_S)
+    _check_peer(connection)
+    hello, fds, _, _ = socket.recv_fds(connection, HELLO_BYTES, 1)
+    kind, pid, size = pickle.loads(hello)
+    if kind != "hello" or len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        raise ValueError("a connection that is not a front")
+    requests = attach(fds[0], size)
+    answers, fd = Arena.create(arena_bytes, f"lmhead-answers-{pid}")
+    try:
+        socket.send_fds(connection, [pickle.dumps(("welcome", os.getpid(), arena_bytes))], [fd])
+    finally:
+        os.close(fd)
+    connection.setblocking(False)
+    return requests, answers
+
+
+def _check_peer(connection: socket.socket) -> None:
+    """Only processes of this user may feed the engine (the socket is 0600 too)."""
+    option = getattr(socket, "SO_PEERCRED", None)
+    if option is None:
+        return
+    credentials = connection.getsockopt(socket.SOL_SOCKET, option, struct.calcsize("3i"))
+    _, uid, _ = struct.unpack("3i", credentials)
+    if uid != os.getuid():
+        raise ValueError(f"a connection from user {uid}, not this service's user")
+
+
+def engine_main(settings: Settings, path: str, listening: Event) -> None:
+    """The engine process's entry (spawned by the supervisor); runs until SIGTERM."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every process: the
+    # supervisor stops the fronts first, then this one, so no front loses its engine early
+    name_process("lmhead-engine")
+    logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s engine %(message)s")
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        runner.run(_serve(settings, path, listening))
+
+
+async def _serve(settings: Settings, path: str, listening: Event) -> None:
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    async with running_engine(settings, Metrics(multiprocess=True)) as engine:
+        server = EngineServer(engine.plane, path, arena_bytes(settings))
+        server.start()
+        listening.set()
+        await stop.wait()
+        await server.close(settings.drain_timeout_s)
+
+
+def _loop_factory() -> Any:
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop

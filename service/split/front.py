@@ -1,0 +1,312 @@
+"""A front's data plane: the ``Plane`` calls, answered by the engine process.
+
+``RemotePlane`` keeps one connection (``EngineLink``) to the engine and reconnects when it is
+lost (an engine restarted by the supervisor). Requests are packed into this front's arena
+(``service.split.channel``); answers come back as read-only views of the engine's answer
+arena, valid until the request that asked is done (``admit`` releases them then, so encoders
+read the engine's memory directly). A call outside a request copies its answer out instead.
+
+While no engine is connected every call is a 503 ``model_not_ready`` (readiness fails, never
+an answer from nothing); calls in flight when the engine dies get the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import pickle
+import socket
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from contextvars import ContextVar
+from typing import Any
+
+from service.errors import ModelNotReady, ServiceError, by_code
+from service.limits import MemoryBudget, Reservation
+from service.messages import (
+    CompareRequest,
+    CompareResult,
+    EmbedRequest,
+    EmbedResult,
+    HeadInfo,
+    InferRequest,
+    InferResult,
+    LogitsRequest,
+    LogitsResult,
+    ScoreRequest,
+    ScoreResult,
+    Target,
+    TopKRequest,
+    TopKResult,
+)
+from service.metrics import Metrics
+from service.plane import check_token
+from service.settings import Settings
+from service.split.arena import Arena, attach
+from service.split.channel import (
+    HANDSHAKE_S,
+    HELLO_BYTES,
+    FrameProtocol,
+    arena_bytes,
+    coalesce,
+    pack,
+    unpack,
+)
+
+logger = logging.getLogger("lmhead")
+RECONNECT_S = (0.02, 1.0)  # first and longest pause between attempts
+CONNECT_S = 60.0  # the engine listens before its front starts: this is a bound, not a wait
+NOT_CONNECTED = "the engine process is not connected (starting or restarting); retry shortly"
+
+_answers: ContextVar[list[tuple[EngineLink, list[int]]] | None] = ContextVar(
+    "lmhead_answer_blocks", default=None
+)
+
+
+class EngineLink(FrameProtocol):
+    """One connection to the engine: calls by id, answers matched back, blocks released."""
+
+    def __init__(self, requests: Arena, answers: Arena) -> None:
+        super().__init__()
+        self._requests = requests
+        self._answers = answers
+        self._ids = itertools.count()
+        self._pending: dict[int, tuple[asyncio.Future[Any], list[int]]] = {}
+        self.release = coalesce(self._send_free)
+
+    async def call(self, method: str, arguments: tuple[Any, ...]) -> Any:
+        call_id = next(self._ids)
+        frame, blocks = pack(("call", call_id, method), arguments, self._requests)
+        future = asyncio.get_running_loop().create_future()
+        self._pending[call_id] = (future, blocks)
+        try:
+            self.send(frame)
+        except ConnectionError:
+            self._forget(call_id)
+            raise ModelNotReady(NOT_CONNECTED, headers={"Retry-After": "1"}) from None
+        try:
+            kind, body, answer_blocks = await future
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled():  # answered as the caller went away
+                self.release([offset for offset, _ in future.result()[2]])
+            raise
+        return self._read(kind, body, answer_blocks)
+
+    def _read(self, kind: str, body: bytes, blocks: list[tuple[int, int]]) -> Any:
+        held = _answers.get()
+        message = unpack(body, blocks, self._answers, copy=held is None)
+        offsets = [offset for offset, _ in blocks]
+        if held is None:
+            self.release(offsets)
+        elif offsets:
+            held.append((self, offsets))
+        if kind == "error":
+            code, text, headers = message
+            error = by_code(code).__new__(by_code(code))
+            ServiceError.__init__(error, text, headers=headers)
+            raise error
+        return message
+
+    def on_frame(self, meta: tuple[Any, ...], body: bytes) -> None:
+        kind, call_id, blocks = meta
+        entry = self._pending.pop(call_id, None)
+        if entry is None:
+            return
+        future, request_blocks = entry
+        for offset in request_blocks:
+            self._requests.free(offset)
+        if future.cancelled():  # the client went away: nobody reads these
+            self.release([offset for offset, _ in blocks])
+        else:
+            future.set_result((kind, body, blocks))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        for call_id in list(self._pending):
+            future = self._forget(call_id)
+            if not future.done():
+                future.set_exception(
+                    ModelNotReady(
+                        "the engine process stopped before answering; retry shortly",
+                        headers={"Retry-After": "1"},
+                    )
+                )
+
+    def _forget(self, call_id: int) -> asyncio.Future[Any]:
+        future, blocks = self._pending.pop(call_id)
+        for offset in blocks:
+            self._requests.free(offset)
+        return future
+
+    def _send_free(self, offsets: list[int]) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            frame, _ = pack(("free", [(offset, 0) for offset in offsets]), None, None)
+            self.send(frame)
+
+
+class RemotePlane:
+    """The ``Plane`` of a front process (see the module docstring)."""
+
+    def __init__(self, path: str, settings: Settings, metrics: Metrics) -> None:
+        self._path = path
+        self._settings = settings
+        self._metrics = metrics
+        self._budget = MemoryBudget(settings.max_inflight_bytes)
+        self._arena, self._arena_fd = Arena.create(arena_bytes(settings), "lmhead-requests")
+        self._link: EngineLink | None = None
+        self._keeper: asyncio.Task[None] | None = None
+        self._connected = asyncio.Event()
+
+    async def start(self, timeout_s: float) -> None:
+        """Connect in the background, keep connected; return once connected (a front serves
+        no request before it can reach the engine), or after ``timeout_s`` regardless."""
+        self._keeper = asyncio.get_running_loop().create_task(self._keep_connected())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._connected.wait(), timeout_s)
+
+    async def close(self) -> None:
+        if self._keeper is not None:
+            self._keeper.cancel()
+            await asyncio.gather(self._keeper, return_exceptions=True)
+        if self._link is not None and self._link.transport is not None:
+            self._link.transport.close()
+        os.close(self._arena_fd)
+
+    @contextmanager
+    def admit(self) -> Iterator[Reservation]:
+        """Hold the request's memory (its body) and the engine's answer blocks until answered."""
+        held: list[tuple[EngineLink, list[int]]] = []
+        token = _answers.set(held)
+        try:
+            with self._metrics.requests_in_flight.track_inprogress(), self._budget.request() as r:
+                yield r
+        finally:
+            _answers.reset(token)
+            for link, offsets in held:
+                link.release(offsets)
+
+    def authorize(self, presented: str | None) -> None:
+        token = self._settings.admin_token
+        check_token(None if token is None else token.get_secret_value(), presented)
+
+    async def check_ready(self) -> None:
+        await self._call("check_ready")
+
+    async def models(self) -> list[dict[str, Any]]:
+        result: list[dict[str, Any]] = await self._call("models")
+        return result
+
+    async def model(self, name: str) -> dict[str, Any]:
+        result: dict[str, Any] = await self._call("model", name)
+        return result
+
+    async def head(self, target: Target) -> HeadInfo:
+        result: HeadInfo = await self._call("head", target)
+        return result
+
+    async def versions(self, name: str) -> list[int]:
+        result: list[int] = await self._call("versions", name)
+        return result
+
+    async def index(self) -> list[dict[str, Any]]:
+        result: list[dict[str, Any]] = await self._call("index")
+        return result
+
+    async def topk(self, request: TopKRequest) -> TopKResult:
+        result: TopKResult = await self._call("topk", request)
+        return result
+
+    async def logits(self, request: LogitsRequest) -> LogitsResult:
+        result: LogitsResult = await self._call("logits", request)
+        return result
+
+    async def embed(self, request: EmbedRequest) -> EmbedResult:
+        result: EmbedResult = await self._call("embed", request)
+        return result
+
+    async def infer(self, request: InferRequest) -> InferResult:
+        result: InferResult = await self._call("infer", request)
+        return result
+
+    async def score(self, request: ScoreRequest) -> ScoreResult:
+        result: ScoreResult = await self._call("score", request)
+        return result
+
+    async def compare(self, request: CompareRequest) -> CompareResult:
+        result: CompareResult = await self._call("compare", request)
+        return result
+
+    async def load(self, name: str, version: int | None = None) -> dict[str, Any]:
+        result: dict[str, Any] = await self._call("load", name, version)
+        return result
+
+    async def unload(self, name: str) -> dict[str, Any]:
+        result: dict[str, Any] = await self._call("unload", name)
+        return result
+
+    async def _call(self, method: str, *arguments: Any) -> Any:
+        link = self._link
+        if link is None:
+            raise ModelNotReady(NOT_CONNECTED, headers={"Retry-After": "1"})
+        return await link.call(method, arguments)
+
+    async def _keep_connected(self) -> None:
+        pause = RECONNECT_S[0]
+        while True:
+            try:
+                link = await self._connect()
+            except OSError as error:
+                logger.debug("engine not reachable yet: %s", error)
+                await asyncio.sleep(pause)  # a backoff between attempts, not a readiness wait
+                pause = min(2 * pause, RECONNECT_S[1])
+                continue
+            pause = RECONNECT_S[0]
+            self._link = link
+            self._connected.set()
+            logger.info("connected to the engine process")
+            await link.closed
+            self._link = None
+            logger.error("lost the engine process; reconnecting (readiness fails until then)")
+
+    async def _connect(self) -> EngineLink:
+        connection, size, fd = await asyncio.to_thread(self._handshake)
+        loop = asyncio.get_running_loop()
+        answers = attach(fd, size)
+        _, link = await loop.create_unix_connection(
+            lambda: EngineLink(self._arena, answers), sock=connection
+        )
+        return link
+
+    def _handshake(self) -> tuple[socket.socket, int, int]:
+        """Connect, send this front's arena, receive the engine's answer arena."""
+        connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            connection.settimeout(HANDSHAKE_S)
+            connection.connect(self._path)
+            hello = pickle.dumps(("hello", os.getpid(), self._arena.size))
+            socket.send_fds(connection, [hello], [self._arena_fd])
+            welcome, fds, _, _ = socket.recv_fds(connection, HELLO_BYTES, 1)
+            if not welcome or len(fds) != 1:
+                raise ConnectionError("the engine closed the handshake")
+            kind, _, size = pickle.loads(welcome)
+            if kind != "welcome":
+                raise ConnectionError("not an lmhead engine")
+            connection.setblocking(False)
+            return connection, size, fds[0]
+        except BaseException:
+            connection.close()
+            raise
+
+
+@asynccontextmanager
+async def connected_plane(path: str, settings: Settings, metrics: Metrics) -> AsyncIterator[Any]:
+    """A started ``RemotePlane`` (it connects in the background), closed on exit."""
+    plane = RemotePlane(path, settings, metrics)
+    await plane.start(CONNECT_S)
+    try:
+        yield plane
+    finally:
+        await plane.close()

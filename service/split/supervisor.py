@@ -1,0 +1,198 @@
+"""The supervisor of ``LMHEAD_WORKERS`` > 1: one engine process, N front processes.
+
+It makes a private directory (0700) for the engine's socket and the metrics files, checks the
+ports are free, starts the engine, waits until it listens, then starts the fronts. Each front
+binds the HTTP port with ``SO_REUSEPORT`` (and gRPC's, which grpc does on Linux), so the
+kernel spreads connections over the fronts. Then it watches:
+
+* a front that exits is started again; the engine and its loaded heads are untouched;
+* an engine that exits is reported and started again; meanwhile the fronts answer 503 and
+  fail readiness (never an answer from nothing), and reconnect by themselves;
+* SIGTERM or SIGINT stops the fronts first (each drains its requests, as uvicorn does), then
+  the engine, then removes the directory.
+
+Restarts back off (doubling, up to ``MAX_BACKOFF_S``) while a process keeps dying young.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import time
+from multiprocessing.connection import wait
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from types import FrameType
+
+from prometheus_client import multiprocess
+
+from service.settings import Settings
+
+logger = logging.getLogger("lmhead")
+ENGINE_LISTEN_S = 120.0  # the engine listens before it loads anything; this is import time
+STOP_MARGIN_S = 15.0
+YOUNG_S = 5.0  # a process that dies younger than this is restarted after a backoff
+MAX_BACKOFF_S = 5.0
+
+
+def supervise(settings: Settings) -> int:
+    """Run the processes until SIGTERM/SIGINT; the exit status of the service."""
+    logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s %(message)s")
+    runtime = Path(tempfile.mkdtemp(prefix="lmhead-"))
+    try:
+        metrics_dir = runtime / "metrics"
+        metrics_dir.mkdir()
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)  # inherited by every child
+        _check_free(settings.host, settings.port)
+        if settings.grpc_port is not None:
+            _check_free(settings.host, settings.grpc_port)
+        return Group(settings, str(runtime / "engine.sock")).run()
+    finally:
+        shutil.rmtree(runtime, ignore_errors=True)
+
+
+class Group:
+    """The engine and the fronts, and what to do when one of them exits."""
+
+    def __init__(self, settings: Settings, path: str) -> None:
+        self._settings = settings
+        self._path = path
+        self._spawn = multiprocessing.get_context("spawn")
+        self._engine: BaseProcess | None = None
+        self._fronts: dict[int, BaseProcess] = {}
+        self._started: dict[int | None, float] = {}
+        self._backoff: dict[int | None, float] = {}
+        self._stopping = False
+        self._wake_r, self._wake_w = socket.socketpair()
+
+    def run(self) -> int:
+        for number in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(number, self._stop)
+        self._wake_w.setblocking(False)
+        signal.set_wakeup_fd(self._wake_w.fileno())
+        try:
+            if not self._start_engine():
+                return 1
+            for index in range(self._settings.workers):
+                self._start_front(index)
+            logger.info(
+                "serving on %s:%d with %d front processes and one engine",
+                self._settings.host,
+                self._settings.port,
+                self._settings.workers,
+            )
+            self._watch()
+            return 0
+        finally:
+            self._shutdown()
+
+    def _stop(self, signum: int, frame: FrameType | None) -> None:
+        self._stopping = True
+
+    def _start_engine(self) -> bool:
+        from service.split.engine import engine_main
+
+        listening = self._spawn.Event()
+        engine = self._spawn.Process(
+            target=engine_main,
+            args=(self._settings, self._path, listening),
+            name="lmhead-engine",
+        )
+        engine.start()
+        self._engine, self._started[None] = engine, time.monotonic()
+        deadline = time.monotonic() + ENGINE_LISTEN_S
+        while not listening.wait(0.1):  # the engine's own event; its death is checked too
+            if not engine.is_alive() or time.monotonic() > deadline or self._stopping:
+                logger.error("the engine process did not start (exit code %s)", engine.exitcode)
+                return False
+        return True
+
+    def _start_front(self, index: int) -> None:
+        from service.split.processes import front_main
+
+        front = self._spawn.Process(
+            target=front_main, args=(self._settings, self._path), name=f"lmhead-front-{index}"
+        )
+        front.start()
+        self._fronts[index], self._started[index] = front, time.monotonic()
+
+    def _watch(self) -> None:
+        while not self._stopping:
+            processes = [self._engine, *self._fronts.values()]
+            sentinels = [p.sentinel for p in processes if p is not None]
+            wait([*sentinels, self._wake_r], timeout=None)
+            self._drain_wakeups()
+            if self._stopping:
+                return
+            for index, front in list(self._fronts.items()):
+                if not front.is_alive():
+                    self._restart(index, front)
+            if self._engine is not None and not self._engine.is_alive():
+                self._restart(None, self._engine)
+
+    def _restart(self, index: int | None, process: BaseProcess) -> None:
+        what = "the engine" if index is None else f"front {index}"
+        logger.error(
+            "%s (pid %s) exited with code %s; restarting", what, process.pid, process.exitcode
+        )
+        if process.pid is not None:
+            multiprocess.mark_process_dead(process.pid)  # type: ignore[no-untyped-call]
+        young = time.monotonic() - self._started.get(index, 0.0) < YOUNG_S
+        pause = min(2 * self._backoff.get(index, 0.05), MAX_BACKOFF_S) if young else 0.0
+        self._backoff[index] = pause or 0.05
+        if pause and wait([self._wake_r], timeout=pause):  # a stop may come meanwhile
+            self._drain_wakeups()
+        if self._stopping:
+            return
+        if index is None:
+            self._start_engine()
+        else:
+            self._start_front(index)
+
+    def _drain_wakeups(self) -> None:
+        self._wake_r.setblocking(False)
+        try:
+            while self._wake_r.recv(64):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _shutdown(self) -> None:
+        """Fronts first (they drain), then the engine; anything left after the grace is killed."""
+        grace = self._settings.drain_timeout_s + STOP_MARGIN_S
+        _terminate(list(self._fronts.values()), grace)
+        if self._engine is not None:
+            _terminate([self._engine], grace)
+        for process in [*self._fronts.values(), self._engine]:
+            if process is not None and process.pid is not None:
+                multiprocess.mark_process_dead(process.pid)  # type: ignore[no-untyped-call]
+        signal.set_wakeup_fd(-1)
+
+
+def _terminate(processes: list[BaseProcess], grace_s: float) -> None:
+    for process in processes:
+        if process.is_alive() and process.pid is not None:
+            os.kill(process.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            logger.error("%s did not stop within %.0f s; killing it", process.name, grace_s)
+            process.kill()
+            process.join()
+
+
+def _check_free(host: str, port: int) -> None:
+    """Fail at once on a port in use (fronts share theirs with SO_REUSEPORT, which would
+    otherwise quietly share it with another server of this user too)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            raise SystemExit(f"cannot serve on {host}:{port}: {error}") from None

@@ -1,0 +1,424 @@
+"""``LMHEAD_WORKERS`` > 1: front processes feeding one engine, against real servers.
+
+Answers equal the numpy reference through 1, 2 and 3 fronts (native, V2 binary and gRPC);
+only the engine holds onnxruntime and the heads, and it maps one request arena per front; the
+limits answer exactly as one process does; metrics sum over the processes; swaps under load
+fail nothing; a killed front is replaced without touching the engine; a killed engine fails
+readiness, then comes back; SIGTERM drains every front and leaves no process and no shared
+memory behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+import numpy.typing as npt
+import psutil
+import pytest
+
+from service.client import Client
+from service.errors import ServiceError
+from service.heads import HeadWeights, save_head
+from service.reference import log_softmax, top_k
+from tests.conftest import D_MODEL, VOCAB, reference_logits, write_tied_and_untied
+from tests.server import free_port, poll, running_server, server_process
+
+HIDDEN = np.random.default_rng(20).standard_normal((5, D_MODEL)).astype(np.float32)
+RTOL, ATOL = 1e-4, 1e-4
+TOKEN = "workers-admin-token"
+LIMITS = {  # one run takes 8 rows (logits and log-softmax within the byte limit)
+    "max_rows": "40",
+    "max_queue_rows": "6",
+    "max_body_bytes": str(64 * 1024),
+    "max_logits_bytes": str(16 * VOCAB * 4),
+}
+
+
+@pytest.fixture(scope="module")
+def repository(
+    tmp_path_factory: pytest.TempPathFactory,
+    table: npt.NDArray[np.float32],
+    output_weight: npt.NDArray[np.float32],
+) -> Path:
+    root = tmp_path_factory.mktemp("models")
+    write_tied_and_untied(root, table, output_weight)
+    return root
+
+
+@pytest.fixture(scope="module")
+def two(repository: Path) -> Iterator[str]:
+    """Two fronts, the limits above and an admin token."""
+    with running_server(repository, workers="2", admin_token=TOKEN, **LIMITS) as url:
+        yield url
+
+
+@dataclass
+class Tree:
+    supervisor: psutil.Process
+    engine: psutil.Process
+    fronts: list[psutil.Process]
+
+
+def tree(url: str) -> Tree:
+    supervisor = server_process(url)
+    children = supervisor.children(recursive=True)
+    (engine,) = [p for p in children if p.name() == "lmhead-engine"]
+    fronts = [p for p in children if p.name() == "lmhead-front"]
+    return Tree(supervisor, engine, fronts)
+
+
+def memfds(process: psutil.Process, name: str) -> set[str]:
+    """The inodes of the shared-memory files named ``name`` that a process maps."""
+    maps = Path(f"/proc/{process.pid}/maps").read_text().splitlines()
+    return {line.split()[4] for line in maps if f"memfd:{name}" in line}
+
+
+def maps_onnxruntime(process: psutil.Process) -> bool:
+    return "onnxruntime" in Path(f"/proc/{process.pid}/maps").read_text()
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """The sum of a metric's samples whose labels include ``labels``."""
+    total = 0.0
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def check_answers(url: str, repository: Path) -> None:
+    """Top-k (npy and JSON), logits and embeddings of both heads equal the reference."""
+    for model in ("tied", "untied"):
+        logits = reference_logits(repository / model / "1", HIDDEN)
+        values, ids = top_k(logits, 4)
+        for binary in (True, False):
+            with Client(url, binary=binary) as client:
+                top = client.topk(model, HIDDEN, k=4, logprobs=True)
+            assert (top.model, top.version, top.tied) == (model, 1, model == "tied")
+            np.testing.assert_array_equal(top.token_ids, ids)
+            np.testing.assert_allclose(top.logits, values, rtol=RTOL, atol=ATOL)
+            assert top.logprobs is not None
+            want = np.take_along_axis(log_softmax(logits), ids, axis=1)
+            np.testing.assert_allclose(top.logprobs, want, rtol=RTOL, atol=ATOL)
+        with Client(url) as client:
+            full = client.logits(model, HIDDEN).array
+            embedded = client.embed(model, np.array([0, 7, VOCAB - 1])).array
+        np.testing.assert_allclose(full, logits, rtol=RTOL, atol=ATOL)
+        assert embedded.shape == (3, D_MODEL)
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_answers_equal_the_reference(repository: Path, workers: int) -> None:
+    with running_server(repository, workers=str(workers)) as url:
+        check_answers(url, repository)
+        if workers > 1:
+            processes = tree(url)
+            assert len(processes.fronts) == workers
+
+
+def test_two_fronts_one_engine_holding_the_heads(two: str, repository: Path) -> None:
+    """Only the engine loads onnxruntime; it maps each front's request arena, and each front
+    maps its own and the answer arena the engine made for it."""
+    check_answers(two, repository)
+    processes = tree(two)
+    assert len(processes.fronts) == 2
+    assert maps_onnxruntime(processes.engine)
+    assert not any(maps_onnxruntime(front) for front in processes.fronts)
+    front_arenas = set().union(*(memfds(f, "lmhead-requests") for f in processes.fronts))
+    assert memfds(processes.engine, "lmhead-requests") == front_arenas
+    assert len(front_arenas) == 2
+    for front in processes.fronts:
+        assert len(memfds(front, "lmhead-answers")) == 1
+    assert metric(two, "lmhead_model_loads_total", model="tied", outcome="published") == 1
+
+
+def test_v2_binary_over_two_fronts(two: str, repository: Path) -> None:
+    header = b'{"inputs":[{"name":"hidden_states","shape":[5,%d],"datatype":"FP32",' % D_MODEL
+    header += b'"parameters":{"binary_data_size":%d}}],' % HIDDEN.nbytes
+    header += b'"outputs":[{"name":"topk_token_ids","parameters":{"binary_data":true}}],'
+    header += b'"parameters":{"k":3}}'
+    answer = httpx.post(
+        f"{two}/v2/models/untied/infer",
+        content=header + HIDDEN.tobytes(),
+        headers={"Inference-Header-Content-Length": str(len(header))},
+    )
+    assert answer.status_code == 200, answer.text
+    length = int(answer.headers["Inference-Header-Content-Length"])
+    ids = np.frombuffer(answer.content[length:], dtype=np.int64).reshape(5, 3)
+    want = top_k(reference_logits(repository / "untied" / "1", HIDDEN), 3)[1]
+    np.testing.assert_array_equal(ids, want)
+
+
+def _bad_requests(url: str) -> list[tuple[int, object, str | None]]:
+    """Requests each limit refuses; status, JSON body and Retry-After of each answer."""
+    rows = np.zeros((41, D_MODEL), np.float32).tolist()
+    v2_hidden = {
+        "name": "hidden_states",
+        "shape": [1, D_MODEL],
+        "datatype": "FP32",
+        "data": rows[0],
+    }
+    sent = [
+        ("/v1/models/tied/topk", {"hidden_states": rows}),  # rows
+        ("/v1/models/tied/topk", {"hidden_states": rows[:7]}),  # queue (6 rows)
+        ("/v1/models/tied/logits", {"hidden_states": rows[:20]}),  # logits bytes
+        ("/v1/models/tied/topk", {"hidden_states": [[0.5] * 20000]}),  # body bytes
+        ("/v1/models/tied/topk", {"hidden_states": [[1.0] * 3]}),  # shape
+        ("/v1/models/tied/topk", {"hidden_states": rows[:1], "temperature": 1e-9}),
+        ("/v1/models/nope/topk", {"hidden_states": rows[:1]}),
+        ("/v1/models/tied/embed", {"input_ids": [VOCAB]}),
+        ("/v2/models/tied/versions/7/infer", {"inputs": [v2_hidden]}),
+        ("/v2/models/tied/infer", {"inputs": []}),
+    ]
+    answers = []
+    for path, body in sent:
+        answer = httpx.post(url + path, json=body)
+        answers.append((answer.status_code, answer.json(), answer.headers.get("retry-after")))
+    return answers
+
+
+def test_limits_answer_as_one_process(two: str, repository: Path) -> None:
+    with running_server(repository, admin_token=TOKEN, **LIMITS) as one:
+        expected = _bad_requests(one)
+    answers = _bad_requests(two)
+    assert [status for status, _, _ in answers] == [
+        413,
+        503,
+        413,
+        413,
+        422,
+        422,
+        404,
+        422,
+        404,
+        400,
+    ]
+    assert answers == expected
+
+
+def test_metrics_sum_over_every_process(two: str) -> None:
+    before = metric(two, "lmhead_requests_total", model="untied", verb="topk", outcome="ok")
+    http_before = metric(two, "lmhead_http_requests_total", endpoint="/v1/models/{name}/topk")
+    for _ in range(12):  # a fresh connection each: they land on both fronts
+        with Client(two) as client:
+            client.topk("untied", HIDDEN[:1])
+    after = metric(two, "lmhead_requests_total", model="untied", verb="topk", outcome="ok")
+    http_after = metric(two, "lmhead_http_requests_total", endpoint="/v1/models/{name}/topk")
+    assert (after - before, http_after - http_before) == (12, 12)
+    assert metric(two, "lmhead_model_loaded", model="tied") == 1
+    assert metric(two, "lmhead_requests_in_flight") == 0
+
+
+def test_control_api_and_its_token_through_the_fronts(two: str) -> None:
+    with Client(two) as anonymous, pytest.raises(ServiceError, match="admin token"):
+        anonymous.load("untied")
+    with Client(two, token=TOKEN) as admin:
+        assert admin.load("untied")["state"] == "READY"
+        versions = {admin.topk("untied", HIDDEN[:1]).version for _ in range(6)}
+    assert versions == {1}
+
+
+@dataclass
+class Traffic:
+    answers: list[tuple[int, npt.NDArray[np.int64]]] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    refused: list[str] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+
+def _send(url: str, traffic: Traffic, rows: npt.NDArray[np.float32], retries: int) -> None:
+    with Client(url, retries=retries, backoff_s=0.05) as client:
+        for _ in range(2000):  # bounded; the test stops it well before
+            if traffic.stop.is_set():
+                return
+            try:
+                top = client.topk("head", rows, k=3)
+            except (ServiceError, httpx.TransportError) as error:
+                traffic.failures.append(f"{type(error).__name__}: {error}")
+                continue
+            traffic.answers.append((top.version, top.token_ids))
+
+
+def _publish(root: Path, version: int, tied: bool) -> npt.NDArray[np.int64]:
+    rng = np.random.default_rng(version)
+    table = rng.standard_normal((VOCAB, D_MODEL)).astype(np.float32)
+    output = None if tied else rng.standard_normal((VOCAB, D_MODEL)).astype(np.float32)
+    save_head(HeadWeights.from_arrays(table, output), root / "head" / ".incoming")
+    (root / "head" / ".incoming").rename(root / "head" / str(version))
+    return np.asarray(top_k(reference_logits(root / "head" / str(version), HIDDEN), 3)[1])
+
+
+@pytest.fixture
+def head(tmp_path: Path) -> tuple[Path, dict[int, npt.NDArray[np.int64]]]:
+    return tmp_path, {1: _publish(tmp_path, 1, tied=True)}
+
+
+def test_swaps_under_load_fail_nothing(
+    head: tuple[Path, dict[int, npt.NDArray[np.int64]]],
+) -> None:
+    root, expected = head
+    traffic = Traffic()
+    with running_server(root, workers="2") as url:
+        clients = [threading.Thread(target=_send, args=(url, traffic, HIDDEN, 0)) for _ in range(4)]
+        for thread in clients:
+            thread.start()
+        with Client(url) as admin:
+            for version, tied in ((2, False), (3, True)):
+                poll(lambda: len(traffic.answers) > 20 * version or None, "traffic")
+                expected[version] = _publish(root, version, tied)
+                assert admin.load("head")["versions"] == [version]
+            seen = len(traffic.answers)
+            poll(lambda: len(traffic.answers) > seen + 20 or None, "traffic after the swaps")
+        traffic.stop.set()
+        for thread in clients:
+            thread.join()
+    assert traffic.failures == []
+    assert {version for version, _ in traffic.answers} == {1, 2, 3}
+    for version, ids in traffic.answers:
+        np.testing.assert_array_equal(ids, expected[version])
+    assert traffic.answers[-1][0] == 3
+
+
+def test_a_killed_front_is_replaced_and_the_engine_untouched(
+    head: tuple[Path, dict[int, npt.NDArray[np.int64]]],
+) -> None:
+    root, expected = head
+    traffic = Traffic()
+    with running_server(root, workers="2") as url:
+        before = tree(url)
+        clients = [threading.Thread(target=_send, args=(url, traffic, HIDDEN, 5)) for _ in range(4)]
+        for thread in clients:
+            thread.start()
+        poll(lambda: len(traffic.answers) > 50 or None, "traffic")
+        victim = before.fronts[0]
+        victim.kill()
+        victim.wait(10)
+        replaced = poll(lambda: _replaced(url, victim.pid), "a new front")
+        count = len(traffic.answers)
+        poll(lambda: len(traffic.answers) > count + 50 or None, "traffic after the restart")
+        traffic.stop.set()
+        for thread in clients:
+            thread.join()
+        assert replaced.engine.pid == before.engine.pid
+        assert replaced.engine.create_time() == before.engine.create_time()
+        assert metric(url, "lmhead_model_loads_total", model="head") == 1
+        live = set().union(*(memfds(front, "lmhead-requests") for front in replaced.fronts))
+        poll(lambda: memfds(replaced.engine, "lmhead-requests") == live or None, "unmapped")
+    assert traffic.failures == []
+    for version, ids in traffic.answers:
+        np.testing.assert_array_equal(ids, expected[version])
+
+
+def _replaced(url: str, dead: int) -> Tree | None:
+    processes = tree(url)
+    pids = [front.pid for front in processes.fronts]
+    return processes if len(pids) == 2 and dead not in pids else None
+
+
+def test_a_killed_engine_fails_readiness_then_comes_back(
+    head: tuple[Path, dict[int, npt.NDArray[np.int64]]],
+) -> None:
+    root, expected = head
+    with running_server(root, workers="2") as url:
+        engine = tree(url).engine
+        engine.kill()
+        engine.wait(10)
+        refused = poll(lambda: _not_ready(url), "readiness failing")
+        assert refused["error"]["code"] == "model_not_ready"
+        assert "engine" in refused["error"]["message"]
+        poll(lambda: httpx.get(f"{url}/health/ready").status_code == 200 or None, "ready again")
+        assert tree(url).engine.pid != engine.pid
+        with Client(url) as client:
+            np.testing.assert_array_equal(client.topk("head", HIDDEN, k=3).token_ids, expected[1])
+
+
+def _not_ready(url: str) -> dict[str, dict[str, str]] | None:
+    answer = httpx.get(f"{url}/health/ready")
+    return answer.json() if answer.status_code == 503 else None
+
+
+def test_sigterm_drains_every_front_and_leaves_nothing(repository: Path) -> None:
+    """Requests in flight on both fronts are answered; then every process is gone, and no
+    shared memory or runtime directory is left."""
+    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    port = free_port()
+    env = {**os.environ, "LMHEAD_WORKERS": "2", "LMHEAD_REPOSITORY": str(repository)}
+    command = [sys.executable, "-m", "service", "serve", "--port", str(port)]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        poll(lambda: _ready(url), "ready", timeout_s=60)
+        processes = tree(url)
+        (socket_path,) = {c.laddr for c in processes.engine.net_connections("unix") if c.laddr}
+        runtime = Path(socket_path).parent
+        assert runtime.is_dir()
+        traffic = Traffic()
+        clients = [threading.Thread(target=_send_models, args=(url, traffic)) for _ in range(4)]
+        for thread in clients:
+            thread.start()
+        poll(lambda: len(traffic.answers) > 20 or None, "traffic")
+        process.send_signal(signal.SIGTERM)
+        _, errors = process.communicate(timeout=60)
+        traffic.stop.set()
+        for thread in clients:
+            thread.join()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 0, errors.decode()[-2000:]
+    everyone = [processes.supervisor, processes.engine, *processes.fronts]
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in everyone)
+    shm_after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    assert shm_after <= shm_before
+    assert not runtime.exists()
+    assert traffic.answers
+    # Once a front has drained it refuses connections (a transport error); never a 5xx or 503.
+    assert traffic.failures == []
+
+
+def _ready(url: str) -> bool | None:
+    try:
+        return httpx.get(f"{url}/health/ready").status_code == 200 or None
+    except httpx.TransportError:
+        return None
+
+
+def _send_models(url: str, traffic: Traffic) -> None:
+    """Top-k until the service stops: answers, or a refused connection once it is gone."""
+    with Client(url, retries=0) as client:
+        for _ in range(2000):
+            if traffic.stop.is_set():
+                return
+            try:
+                traffic.answers.append((1, client.topk("tied", HIDDEN, k=2).token_ids))
+            except httpx.TransportError as error:
+                traffic.refused.append(f"{type(error).__name__}: {error}")
+                return
+            except ServiceError as error:
+                traffic.failures.append(f"{type(error).__name__}: {error}")
+
+
+def test_grpc_on_every_front(repository: Path) -> None:
+    """Each front serves V2 over gRPC on the shared port too (grpc binds with SO_REUSEPORT)."""
+    triton = pytest.importorskip("tritonclient.grpc")
+    port = free_port()
+    with running_server(repository, workers="2", grpc_port=str(port)):
+        for _ in range(4):  # a connection each: both fronts answer
+            client = triton.InferenceServerClient(f"127.0.0.1:{port}")
+            hidden = triton.InferInput("hidden_states", list(HIDDEN.shape), "FP32")
+            hidden.set_data_from_numpy(HIDDEN)
+            outputs = [triton.InferRequestedOutput("topk_token_ids")]
+            result = client.infer("tied", [hidden], outputs=outputs, parameters={"k": 3})
+            client.close()
+            want = top_k(reference_logits(repository / "tied" / "1", HIDDEN), 3)[1]
+            np.testing.assert_array_equal(result.as_numpy("topk_token_ids"), want)
