@@ -209,7 +209,9 @@ async def start(plane: Plane, settings: Settings, metrics: Metrics) -> grpc.aio.
         options=[
             ("grpc.max_receive_message_length", settings.max_body_bytes),
             ("grpc.max_send_message_length", -1),  # answers are bounded by the logits limit
-            ("grpc.so_reuseport", 0),  # a port already taken is an error, not shared
+            # A port already taken is an error, not shared; fronts of LMHEAD_WORKERS share
+            # theirs (the supervisor checked it was free before any of them started).
+            ("grpc.so_reuseport", int(settings.workers > 1)),
         ]
     )
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(

@@ -1,14 +1,17 @@
-"""Frames between a front and the engine: a small pickled header, tensors in shared memory.
+"""Frames between a front and the engine: a pickled message, its tensors in shared memory.
 
-A frame is ``<meta bytes><body bytes>`` after an 8-byte length prefix. The body is the
-message (a ``service.messages`` request or result, or a plain value) pickled with protocol 5
-and every array buffer *out of band*: the sender copies each buffer into its arena and the
-header lists ``(offset, bytes)``; the receiver rebuilds the arrays as views of that memory
-(no copy, nothing through the socket). Only when the arena has no room does a buffer travel
-in the frame. Both ends are processes of one service, on a Unix socket in a private
-directory, with the peer's user checked, so unpickling trusts its input.
+A frame is a fixed prefix (body bytes, buffer count, arena offset), the byte size of each
+out-of-band buffer, and the body: the message (a tuple holding a ``service.messages``
+request or result, or a plain value) pickled with protocol 5 and every array buffer *out of
+band*. The sender copies the buffers into one block of its arena; the receiver rebuilds the
+arrays as views of that memory (no copy, nothing through the socket). Only when the arena
+has no room do the buffers travel in the frame instead. Both ends are processes of one
+service, on a Unix socket in a private directory, with the peer's user checked, so
+unpickling trusts its input.
 
-The receiver owns nothing it reads: it says when the blocks may be reused (``free``).
+The receiver owns nothing it reads: it says when the block may be reused (``free``), in its
+next frame or, when none follows soon, in a frame of its own. Frames written in one
+event-loop turn go out in one system call.
 """
 
 from __future__ import annotations
@@ -17,19 +20,19 @@ import asyncio
 import logging
 import pickle
 import struct
-from collections.abc import Callable
 from typing import Any, cast
 
 from service.settings import Settings
-from service.split.arena import Arena, ArenaFull
+from service.split.arena import ALIGN, Arena, ArenaFull
 
 logger = logging.getLogger("lmhead")
-PREFIX = struct.Struct("<II")  # meta bytes, body bytes
+PREFIX = struct.Struct("<IIq")  # body bytes, out-of-band buffers, arena offset (-1: in frame)
+SIZE = struct.Struct("<Q")
 #: A frame larger than this is a bug or a hostile peer: the connection is dropped.
 MAX_FRAME = 1 << 31
-
 HANDSHAKE_S = 10.0
 HELLO_BYTES = 4096
+IN_FRAME = -1
 
 
 def arena_bytes(settings: Settings) -> int:
@@ -37,55 +40,81 @@ def arena_bytes(settings: Settings) -> int:
     return max(2 * settings.max_inflight_bytes, 2 * settings.max_body_bytes, 64 * 2**20)
 
 
-Blocks = list[tuple[int, int]]
-"""(offset, bytes) of each out-of-band buffer, in pickling order."""
+def pack(message: Any, arena: Arena | None) -> tuple[bytes, int | None]:
+    """A frame, and the arena block it holds (free it once the peer is done), if any."""
+    raws: list[memoryview] = []
 
+    def collect(buffer: pickle.PickleBuffer) -> bool:
+        raws.append(buffer.raw())
+        return False  # out of band
 
-def pack(meta: tuple[Any, ...], message: Any, arena: Arena | None) -> tuple[bytes, list[int]]:
-    """A frame, and the arena offsets it holds (free them once the peer is done)."""
-    blocks: Blocks = []
-
-    def place(buffer: pickle.PickleBuffer) -> bool:
-        raw = buffer.raw()
-        if arena is None or raw.nbytes == 0:
-            return True  # in band
-        try:
-            offset = arena.allocate(raw.nbytes)
-        except ArenaFull:
-            logger.debug("arena full: %d bytes go in the frame", raw.nbytes)
-            return True
-        arena.view[offset : offset + raw.nbytes] = raw
-        blocks.append((offset, raw.nbytes))
-        return False
-
-    try:
-        body = pickle.dumps(message, protocol=5, buffer_callback=place)
-        head = pickle.dumps((*meta, blocks), protocol=5)
-    except BaseException:
-        for offset, _ in blocks:
-            if arena is not None:
-                arena.free(offset)
-        raise
-    return PREFIX.pack(len(head), len(body)) + head + body, [offset for offset, _ in blocks]
-
-
-def unpack(body: bytes, blocks: Blocks, arena: Arena, *, copy: bool = False) -> Any:
-    """The message, its arrays read-only views of ``arena`` (or copies, with ``copy``)."""
-    memory = arena.readonly
-    if copy:
-        buffers: list[Any] = [bytearray(memory[o : o + n]) for o, n in blocks]
+    body = pickle.dumps(message, protocol=5, buffer_callback=collect)
+    sizes = [raw.nbytes for raw in raws]
+    spans = [-(-size // ALIGN) * ALIGN for size in sizes]
+    offset = _allocate(arena, sum(spans)) if raws else None
+    parts = [PREFIX.pack(len(body), len(raws), IN_FRAME if offset is None else offset)]
+    parts += [SIZE.pack(size) for size in sizes]
+    parts.append(body)
+    if offset is None:
+        parts += [raw.tobytes() for raw in raws]
     else:
-        buffers = [memory[o : o + n] for o, n in blocks]
+        assert arena is not None
+        place = offset
+        for raw, span in zip(raws, spans, strict=True):
+            arena.view[place : place + raw.nbytes] = raw
+            place += span
+    return b"".join(parts), offset
+
+
+def _allocate(arena: Arena | None, nbytes: int) -> int | None:
+    if arena is None:
+        return None
+    try:
+        return arena.allocate(nbytes)
+    except ArenaFull:
+        logger.debug("arena full: %d bytes go in the frame", nbytes)
+        return None
+
+
+def unpack(frame: memoryview, arena: Arena) -> Any:
+    """The message of a whole frame, its arrays read-only views of ``arena`` (or of the frame)."""
+    size, count, offset = PREFIX.unpack_from(frame)
+    sizes = [SIZE.unpack_from(frame, PREFIX.size + i * SIZE.size)[0] for i in range(count)]
+    start = PREFIX.size + count * SIZE.size
+    body = frame[start : start + size]
+    if offset == IN_FRAME:
+        memory, place = frame, start + size
+    else:
+        memory, place = arena.readonly, offset
+    buffers = []
+    for nbytes in sizes:
+        buffers.append(memory[place : place + nbytes])
+        place += nbytes if offset == IN_FRAME else -(-nbytes // ALIGN) * ALIGN
     return pickle.loads(body, buffers=buffers)
 
 
-class FrameProtocol(asyncio.Protocol):
-    """Splits the byte stream into frames: ``on_frame(meta, body)`` for each."""
+def frame_bytes(head: bytes | bytearray) -> int | None:
+    """The whole frame's length, once its prefix and size table have arrived."""
+    size, count, offset = PREFIX.unpack_from(head)
+    table = PREFIX.size + count * SIZE.size
+    if len(head) < table:
+        return None
+    if offset != IN_FRAME:
+        return int(table + size)
+    buffers = sum(SIZE.unpack_from(head, PREFIX.size + i * SIZE.size)[0] for i in range(count))
+    return int(table + size + buffers)
 
-    def __init__(self) -> None:
+
+class FrameProtocol(asyncio.Protocol):
+    """Splits the byte stream into frames, each read as ``on_message(message, block)`` (the
+    sender's arena block the message's arrays are views of, or None); batches writes per
+    loop turn."""
+
+    def __init__(self, incoming: Arena) -> None:
+        self.incoming = incoming
         self.transport: asyncio.Transport | None = None
         self._buffer = bytearray()
-        self._need: tuple[int, int] | None = None
+        self._outgoing: list[bytes] = []
         self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -94,53 +123,37 @@ class FrameProtocol(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         buffer = self._buffer
         buffer += data
-        while True:
-            if self._need is None:
-                if len(buffer) < PREFIX.size:
-                    return
-                self._need = PREFIX.unpack_from(buffer)
-                if sum(self._need) > MAX_FRAME:
-                    logger.error("a frame of %d bytes: dropping the connection", sum(self._need))
-                    assert self.transport is not None
-                    self.transport.close()
-                    return
-            head, size = self._need
-            end = PREFIX.size + head + size
-            if len(buffer) < end:
+        while len(buffer) >= PREFIX.size:
+            length = frame_bytes(buffer)
+            if length is None:
                 return
-            meta = pickle.loads(buffer[PREFIX.size : PREFIX.size + head])
-            body = bytes(buffer[PREFIX.size + head : end])
-            del buffer[:end]
-            self._need = None
-            self.on_frame(meta, body)
+            if length > MAX_FRAME:
+                logger.error("a frame of %d bytes: dropping the connection", length)
+                assert self.transport is not None
+                self.transport.close()
+                return
+            if len(buffer) < length:
+                return
+            frame = memoryview(bytes(buffer[:length]))
+            del buffer[:length]
+            offset = PREFIX.unpack_from(frame)[2]
+            self.on_message(unpack(frame, self.incoming), None if offset == IN_FRAME else offset)
 
-    def on_frame(self, meta: tuple[Any, ...], body: bytes) -> None:
+    def on_message(self, message: Any, block: int | None) -> None:
         raise NotImplementedError
 
     def send(self, frame: bytes) -> None:
         if self.transport is None or self.transport.is_closing():
             raise ConnectionError("the connection is closed")
-        self.transport.write(frame)
+        if not self._outgoing:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._outgoing.append(frame)
+
+    def _flush(self) -> None:
+        frames, self._outgoing = self._outgoing, []
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.writelines(frames)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if not self.closed.done():
             self.closed.set_result(None)
-
-
-def coalesce(send: Callable[[list[int]], None]) -> Callable[[list[int]], None]:
-    """Batch releases made in one event-loop turn into one frame."""
-    pending: list[int] = []
-
-    def flush() -> None:
-        offsets = pending[:]
-        pending.clear()
-        send(offsets)
-
-    def release(offsets: list[int]) -> None:
-        if not offsets:
-            return
-        if not pending:
-            asyncio.get_running_loop().call_soon(flush)
-        pending.extend(offsets)
-
-    return release

@@ -2,9 +2,10 @@
 
 Each front connects to the Unix socket, hands over the descriptor of its request arena and
 gets one for an answer arena the engine makes for it (``_handshake``). A forwarded call is a
-frame: the engine rebuilds the request around views of the front's arena, runs the data-plane
-method under its own memory reservation, and answers with the result's arrays in the answer
-arena (or with the error's code, message and headers). Requests from all fronts reach the same
+frame: the engine reads the request as views of the front's arena, runs the data-plane method
+under its own memory reservation, and answers with the result's arrays in the answer arena (or
+with the error's code, message and headers); the front's next call says which answer blocks
+it is done with. Requests from all fronts reach the same
 ``DataPlane``, so dynamic batching merges them. The engine never keeps a view of a front's
 arena after answering (the shadow copies the rows it replays later).
 """
@@ -35,9 +36,8 @@ from service.split.channel import (
     FrameProtocol,
     arena_bytes,
     pack,
-    unpack,
 )
-from service.split.processes import name_process
+from service.split.processes import become
 
 logger = logging.getLogger("lmhead")
 INTERNAL: tuple[str, str, dict[str, str]] = (
@@ -48,41 +48,43 @@ INTERNAL: tuple[str, str, dict[str, str]] = (
 
 
 class FrontConnection(FrameProtocol):
-    """One front: its calls run as tasks; its releases free blocks of its answer arena."""
+    """One front: its calls run as tasks; the blocks it has read are freed in its arena."""
 
     def __init__(self, plane: DataPlane, requests: Arena, answers: Arena) -> None:
-        super().__init__()
+        super().__init__(requests)
         self._plane = plane
-        self._requests = requests
         self._answers = answers
         self.calls: set[asyncio.Task[None]] = set()
 
-    def on_frame(self, meta: tuple[Any, ...], body: bytes) -> None:
-        if meta[0] == "free":
-            for offset, _ in meta[-1]:
-                self._answers.free(offset)
+    def on_message(self, message: Any, block: int | None) -> None:
+        if message[0] == "free":
+            self._free(message[1])
             return
-        _, call_id, method, blocks = meta
-        task = asyncio.get_running_loop().create_task(self._answer(call_id, method, body, blocks))
+        _, call_id, method, arguments, released = message
+        self._free(released)
+        task = asyncio.get_running_loop().create_task(self._answer(call_id, method, arguments))
         self.calls.add(task)
         task.add_done_callback(self.calls.discard)
 
-    async def _answer(self, call_id: int, method: str, body: bytes, blocks: Any) -> None:
+    def _free(self, blocks: list[int]) -> None:
+        for offset in blocks:
+            self._answers.free(offset)
+
+    async def _answer(self, call_id: int, method: str, arguments: tuple[Any, ...]) -> None:
         try:
             if method not in REMOTE_CALLS:
                 raise ServiceError(f"the engine has no call {method!r}")
-            arguments = unpack(body, blocks, self._requests)
             with self._plane.reserve():
                 result = await getattr(self._plane, method)(*arguments)
-            kind, message = "ok", result
+            message: tuple[Any, ...] = ("ok", call_id, result)
         except ServiceError as error:
-            kind, message = "error", (error.code, error.message, error.headers)
+            message = ("error", call_id, (error.code, error.message, error.headers))
         except Exception:
             logger.exception("engine call %s failed", method)
-            kind, message = "error", INTERNAL
+            message = ("error", call_id, INTERNAL)
         if self.transport is None or self.transport.is_closing():
             return  # the front is gone; its arenas go with this connection
-        frame, _ = pack((kind, call_id), message, self._answers)  # the front frees them
+        frame, _ = pack(message, self._answers)  # the front says when its block is free
         self.send(frame)
 
 
@@ -182,7 +184,7 @@ def engine_main(settings: Settings, path: str, listening: Event) -> None:
     """The engine process's entry (spawned by the supervisor); runs until SIGTERM."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every process: the
     # supervisor stops the fronts first, then this one, so no front loses its engine early
-    name_process("lmhead-engine")
+    become("lmhead-engine")
     logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s engine %(message)s")
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         runner.run(_serve(settings, path, listening))

@@ -5,6 +5,7 @@ lost (an engine restarted by the supervisor). Requests are packed into this fron
 (``service.split.channel``); answers come back as read-only views of the engine's answer
 arena, valid until the request that asked is done (``admit`` releases them then, so encoders
 read the engine's memory directly). A call outside a request copies its answer out instead.
+Released blocks ride on the next call to the engine (or go alone after ``FREE_AFTER_S``).
 
 While no engine is connected every call is a 503 ``model_not_ready`` (readiness fails, never
 an answer from nothing); calls in flight when the engine dies get the same.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import itertools
 import logging
 import os
@@ -46,22 +48,16 @@ from service.metrics import Metrics
 from service.plane import check_token
 from service.settings import Settings
 from service.split.arena import Arena, attach
-from service.split.channel import (
-    HANDSHAKE_S,
-    HELLO_BYTES,
-    FrameProtocol,
-    arena_bytes,
-    coalesce,
-    pack,
-    unpack,
-)
+from service.split.channel import HANDSHAKE_S, HELLO_BYTES, FrameProtocol, arena_bytes, pack
 
 logger = logging.getLogger("lmhead")
 RECONNECT_S = (0.02, 1.0)  # first and longest pause between attempts
 CONNECT_S = 60.0  # the engine listens before its front starts: this is a bound, not a wait
 NOT_CONNECTED = "the engine process is not connected (starting or restarting); retry shortly"
 
-_answers: ContextVar[list[tuple[EngineLink, list[int]]] | None] = ContextVar(
+FREE_AFTER_S = 0.01  # released blocks ride on the next call, or go alone after this
+
+_answers: ContextVar[list[tuple[EngineLink, int]] | None] = ContextVar(
     "lmhead_answer_blocks", default=None
 )
 
@@ -70,61 +66,71 @@ class EngineLink(FrameProtocol):
     """One connection to the engine: calls by id, answers matched back, blocks released."""
 
     def __init__(self, requests: Arena, answers: Arena) -> None:
-        super().__init__()
+        super().__init__(answers)
         self._requests = requests
-        self._answers = answers
         self._ids = itertools.count()
-        self._pending: dict[int, tuple[asyncio.Future[Any], list[int]]] = {}
-        self.release = coalesce(self._send_free)
+        self._pending: dict[int, tuple[asyncio.Future[Any], int | None]] = {}
+        self._released: list[int] = []
+        self._flush_timer: asyncio.TimerHandle | None = None
 
     async def call(self, method: str, arguments: tuple[Any, ...]) -> Any:
         call_id = next(self._ids)
-        frame, blocks = pack(("call", call_id, method), arguments, self._requests)
+        released, self._released = self._released, []
+        frame, block = pack(("call", call_id, method, arguments, released), self._requests)
         future = asyncio.get_running_loop().create_future()
-        self._pending[call_id] = (future, blocks)
+        self._pending[call_id] = (future, block)
         try:
             self.send(frame)
         except ConnectionError:
             self._forget(call_id)
             raise ModelNotReady(NOT_CONNECTED, headers={"Retry-After": "1"}) from None
         try:
-            kind, body, answer_blocks = await future
+            kind, payload, answer_block = await future
         except asyncio.CancelledError:
             if future.done() and not future.cancelled():  # answered as the caller went away
-                self.release([offset for offset, _ in future.result()[2]])
+                self.release(future.result()[2])
             raise
-        return self._read(kind, body, answer_blocks)
-
-    def _read(self, kind: str, body: bytes, blocks: list[tuple[int, int]]) -> Any:
         held = _answers.get()
-        message = unpack(body, blocks, self._answers, copy=held is None)
-        offsets = [offset for offset, _ in blocks]
-        if held is None:
-            self.release(offsets)
-        elif offsets:
-            held.append((self, offsets))
+        if answer_block is not None:
+            if held is None:  # nobody to release it after encoding: copy out, release now
+                payload = copy.deepcopy(payload)
+                self.release(answer_block)
+            else:
+                held.append((self, answer_block))
         if kind == "error":
-            code, text, headers = message
+            code, text, headers = payload
             error = by_code(code).__new__(by_code(code))
             ServiceError.__init__(error, text, headers=headers)
             raise error
-        return message
+        return payload
 
-    def on_frame(self, meta: tuple[Any, ...], body: bytes) -> None:
-        kind, call_id, blocks = meta
+    def release(self, block: int | None) -> None:
+        """The engine may reuse an answer block (told with the next call, or soon alone)."""
+        if block is None:
+            return
+        self._released.append(block)
+        if self._flush_timer is None:
+            loop = asyncio.get_running_loop()
+            self._flush_timer = loop.call_later(FREE_AFTER_S, self._send_released)
+
+    def on_message(self, message: Any, block: int | None) -> None:
+        kind, call_id, payload = message
         entry = self._pending.pop(call_id, None)
         if entry is None:
+            self.release(block)
             return
-        future, request_blocks = entry
-        for offset in request_blocks:
-            self._requests.free(offset)
-        if future.cancelled():  # the client went away: nobody reads these
-            self.release([offset for offset, _ in blocks])
+        future, request_block = entry
+        if request_block is not None:
+            self._requests.free(request_block)
+        if future.cancelled():  # the client went away: nobody reads it
+            self.release(block)
         else:
-            future.set_result((kind, body, blocks))
+            future.set_result((kind, payload, block))
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
         for call_id in list(self._pending):
             future = self._forget(call_id)
             if not future.done():
@@ -136,14 +142,16 @@ class EngineLink(FrameProtocol):
                 )
 
     def _forget(self, call_id: int) -> asyncio.Future[Any]:
-        future, blocks = self._pending.pop(call_id)
-        for offset in blocks:
-            self._requests.free(offset)
+        future, block = self._pending.pop(call_id)
+        if block is not None:
+            self._requests.free(block)
         return future
 
-    def _send_free(self, offsets: list[int]) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            frame, _ = pack(("free", [(offset, 0) for offset in offsets]), None, None)
+    def _send_released(self) -> None:
+        self._flush_timer = None
+        released, self._released = self._released, []
+        if released and self.transport is not None and not self.transport.is_closing():
+            frame, _ = pack(("free", released), None)
             self.send(frame)
 
 
@@ -178,15 +186,15 @@ class RemotePlane:
     @contextmanager
     def admit(self) -> Iterator[Reservation]:
         """Hold the request's memory (its body) and the engine's answer blocks until answered."""
-        held: list[tuple[EngineLink, list[int]]] = []
+        held: list[tuple[EngineLink, int]] = []
         token = _answers.set(held)
         try:
             with self._metrics.requests_in_flight.track_inprogress(), self._budget.request() as r:
                 yield r
         finally:
             _answers.reset(token)
-            for link, offsets in held:
-                link.release(offsets)
+            for link, block in held:
+                link.release(block)
 
     def authorize(self, presented: str | None) -> None:
         token = self._settings.admin_token

@@ -1,5 +1,6 @@
 """Process entries' helpers: a front's main (its own ``SO_REUSEPORT`` listener, then uvicorn),
-and the name each process shows in ``ps``/``top`` (``lmhead-engine``, ``lmhead-front``)."""
+and ``become``: the name each shows in ``ps`` (``lmhead-engine``, ``lmhead-front``), and its
+end with the supervisor's."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from service.settings import Settings
 def front_main(settings: Settings, engine_socket: str) -> None:
     """Spawned by the supervisor; SIGTERM drains this front's requests, then it exits."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor turns Ctrl-C into SIGTERM
-    name_process("lmhead-front")
+    become("lmhead-front")
     from service.server import run_front
 
     run_front(settings, engine_socket, listener(settings.host, settings.port))
@@ -31,13 +32,17 @@ def listener(host: str, port: int) -> socket.socket:
     return sock
 
 
+PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15
 
 
-def name_process(name: str) -> None:
-    """Set the process's name (Linux ``comm``, 15 bytes); spawned children are all "python"."""
+def become(name: str) -> None:
+    """Name this child process (Linux ``comm``, shown by ``ps``; spawned children are all
+    "python" otherwise) and have the kernel send it SIGTERM if the supervisor dies without
+    stopping it (SIGKILL, OOM): it then drains and exits instead of living on orphaned."""
     try:
         libc = ctypes.CDLL(None)
         libc.prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     except (OSError, AttributeError):
         pass

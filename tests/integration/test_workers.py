@@ -273,7 +273,8 @@ def test_swaps_under_load_fail_nothing(
             thread.start()
         with Client(url) as admin:
             for version, tied in ((2, False), (3, True)):
-                poll(lambda: len(traffic.answers) > 20 * version or None, "traffic")
+                least = 20 * version
+                poll(lambda: len(traffic.answers) > least or None, "traffic")  # noqa: B023
                 expected[version] = _publish(root, version, tied)
                 assert admin.load("head")["versions"] == [version]
             seen = len(traffic.answers)
@@ -359,7 +360,7 @@ def test_sigterm_drains_every_front_and_leaves_nothing(repository: Path) -> None
         poll(lambda: _ready(url), "ready", timeout_s=60)
         processes = tree(url)
         (socket_path,) = {c.laddr for c in processes.engine.net_connections("unix") if c.laddr}
-        runtime = Path(socket_path).parent
+        runtime = Path(str(socket_path)).parent
         assert runtime.is_dir()
         traffic = Traffic()
         clients = [threading.Thread(target=_send_models, args=(url, traffic)) for _ in range(4)]
@@ -412,7 +413,8 @@ def test_grpc_on_every_front(repository: Path) -> None:
     """Each front serves V2 over gRPC on the shared port too (grpc binds with SO_REUSEPORT)."""
     triton = pytest.importorskip("tritonclient.grpc")
     port = free_port()
-    with running_server(repository, workers="2", grpc_port=str(port)):
+    with running_server(repository, workers="2", grpc_port=str(port)) as url:
+        fronts = {front.pid for front in tree(url).fronts}
         for _ in range(4):  # a connection each: both fronts answer
             client = triton.InferenceServerClient(f"127.0.0.1:{port}")
             hidden = triton.InferInput("hidden_states", list(HIDDEN.shape), "FP32")
@@ -422,3 +424,5 @@ def test_grpc_on_every_front(repository: Path) -> None:
             client.close()
             want = top_k(reference_logits(repository / "tied" / "1", HIDDEN), 3)[1]
             np.testing.assert_array_equal(result.as_numpy("topk_token_ids"), want)
+        assert {front.pid for front in tree(url).fronts} == fronts  # both bound, none restarted
+        assert len(fronts) == 2
