@@ -54,6 +54,7 @@ def headlines() -> str:
     (protocols,) = tables("results-protocols.md")
     options, memory, prompt = tables("results-vocabulary.md")
     (client,) = tables("results-client.md")
+    workers = tables("results-workers.md")[0]
     (trimmed,) = [row["run"] for row in options if row["run"].startswith("head trimmed")]
     ray_1, ray_2 = {"served by": "Ray Serve, 1 replica"}, {"served by": "Ray Serve, 2 replicas"}
     at_64, at_1 = {"rows/req": "64", "clients": "16"}, {"rows/req": "1", "clients": "1"}
@@ -160,6 +161,14 @@ def headlines() -> str:
             "results-protocols.md",
         ),
         (
+            "`LMHEAD_WORKERS=2` vs one process, 2 cores: 64-row `.npy`, 16 clients; 1-row JSON, "
+            "64 clients (demo / small head)",
+            f"{_ratio(workers, 'npy', 'demo-tied', '16')}; "
+            f"{_ratio(workers, 'json', 'demo-tied', '64')} / "
+            f"{_ratio(workers, 'json', 'small', '64')}",
+            "results-workers.md",
+        ),
+        (
             "Ray Serve, 1 / 2 replicas vs one process: 64 rows, 16 clients; 1-row p50 (ms)",
             f"{pick(ray, 'vs single process', **ray_1, **at_64)} / "
             f"{pick(ray, 'vs single process', **ray_2, **at_64)}; "
@@ -177,6 +186,12 @@ def headlines() -> str:
     ]
     lines += [f"| {what} | {value} | [{name}](bench/{name}) |" for what, value, name in rows]
     return "\n".join([*lines, END])
+
+
+def _ratio(rows: list[Row], kind: str, model: str, clients: str) -> str:
+    """N = 2 vs N = 1 from ``results-workers.md`` (its bold stripped)."""
+    load = f"{64 if kind == 'npy' else 1}-row {kind}, `{model}`"
+    return pick(rows, "N vs N = 1", load=load, clients=clients, N="2").strip("*")
 
 
 def main() -> int:

@@ -1,15 +1,19 @@
-"""Benchmark ``LMHEAD_WORKERS``: N front processes feeding one engine, against N = 1 and the
-bare onnxruntime session, in one run.
+"""Benchmark ``LMHEAD_WORKERS``: N front processes feeding one engine, against N = 1 (one
+process) and the bare onnxruntime session, side by side in one run.
 
-For each N (default 1, 2, 4, 8) the real service starts on fresh demo heads (or, with
-``--large``, a 128256 x 2048 tied head) and ``bench.loadgen``'s raw HTTP/1.1 clients drive
-64-row ``.npy`` and 1-row JSON top-10 requests at 1, 16 and 64 clients (closed loop, bounded
-in time and count, every connection opened first). N = 1 runs first and again last, averaged,
-so a machine that got busier or quieter does not skew every ratio one way. Memory per N: the
-engine's resident set, the fronts' together, and (on a GPU) the device memory in use, which
-must not grow with N: the heads live in the engine alone.
+The N = 1 service stays up the whole run; for each N > 1 (default 2, 4, 8) the split service
+starts beside it, and every measurement alternates between the two (N = 1, N, N = 1, N;
+3-second windows, averaged), so the machine's noise hits both alike. ``bench.loadgen``'s raw
+HTTP/1.1 clients (every connection opened first, closed loop, bounded in time and count)
+send top-10 requests: 64-row ``.npy`` and 1-row JSON to the demo head (32000 x 512), and
+1-row JSON to a small head (4096 tokens, same d_model), where the matmul is cheap and
+Python is the cost,
+as on a GPU. Memory per N: the engine's resident set, the fronts' together, and on a GPU the
+device memory in use, which must not grow with N (the heads live in the engine alone).
 
-    python -m bench.workers [--workers 1,2,4,8] [--large] [--provider cuda] [--output FILE]
+    python -m bench.workers [--workers 2,4,8] [--large] [--provider cuda] [--output FILE]
+
+``--large`` replaces the demo head by a 128256 x 2048 tied head (the GPU measurement).
 """
 
 from __future__ import annotations
@@ -38,11 +42,22 @@ from service.runtime import HeadSession, select_providers
 from tests.server import running_server, server_process
 
 CLIENTS = (1, 16, 64)
-KINDS = (("npy", 64), ("json", 1))
 MAX_SECONDS = 3.0
+ROUNDS = 2
 MAX_REQUESTS = 20000
 K = 10
 LARGE = (128256, 2048)
+SMALL_VOCAB = 4096
+
+
+@dataclass(frozen=True)
+class Load:
+    model: str
+    kind: str
+    rows: int
+
+    def __str__(self) -> str:
+        return f"{self.rows}-row {self.kind}, `{self.model}`"
 
 
 @dataclass(frozen=True)
@@ -61,16 +76,17 @@ class Memory:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--workers", default="1,2,4,8")
+    parser.add_argument("--workers", default="2,4,8")
     parser.add_argument("--large", action="store_true", help="a 128256 x 2048 tied head")
     parser.add_argument("--provider", default="auto")
     parser.add_argument("--output", type=Path)
     args = parser.parse_args()
-    counts = [int(n) for n in args.workers.split(",")]
+    counts = [int(n) for n in args.workers.split(",") if int(n) > 1]
     with tempfile.TemporaryDirectory() as scratch:
         repository = Path(scratch)
-        model = _write_heads(repository, args.large)
-        report = _run(repository, model, counts, args.provider)
+        big = _write_heads(repository, args.large)
+        loads = [Load(big, "npy", 64), Load(big, "json", 1), Load("small", "json", 1)]
+        report = _run(repository, big, loads, counts, args.provider)
     print(report)
     if args.output:
         args.output.write_text(report + "\n", encoding="utf-8")
@@ -78,84 +94,88 @@ def main() -> int:
 
 
 def _write_heads(repository: Path, large: bool) -> str:
+    rng = np.random.default_rng(0)
+    shape = (SMALL_VOCAB, LARGE[1] if large else 512)  # the big head's d_model
+    small = rng.standard_normal(shape, dtype=np.float32) * 0.02
+    save_head(HeadWeights.from_arrays(small), repository / "small" / "1")
     if not large:
         write_demo_models(repository)
         return "demo-tied"
-    table = np.random.default_rng(0).standard_normal(LARGE, dtype=np.float32) * 0.02
+    table = rng.standard_normal(LARGE, dtype=np.float32) * 0.02
     save_head(HeadWeights.from_arrays(table), repository / "large" / "1")
     return "large"
 
 
-def _run(repository: Path, model: str, counts: list[int], provider: str) -> str:
-    path = repository / model / "1" / "model.onnx"
+def _run(repository: Path, big: str, loads: list[Load], counts: list[int], provider: str) -> str:
+    path = repository / big / "1" / "model.onnx"
     d_model = inspect_head(path).d_model
-    providers = select_providers(provider)  # type: ignore[arg-type]
-    first = _bare(HeadSession(path, tied=True, providers=providers), d_model)
-    order = [*counts, counts[0]] if counts[0] == 1 and len(counts) > 1 else counts
-    measured: dict[int, list[dict[tuple[str, int], Result]]] = {}
+    session = HeadSession(path, tied=True, providers=select_providers(provider))  # type: ignore[arg-type]
+    bare = _bare(session, d_model)
+    settings = {"log_level": "warning", "provider": provider}
+    rows: list[str] = []
     memory: dict[int, Memory] = {}
-    for workers in order:
-        settings = {"workers": str(workers), "log_level": "warning", "provider": provider}
-        with running_server(repository, **settings) as url:
-            runs = {
-                (kind, clients): uvloop.run(_drive(url, model, kind, rows, clients, d_model))
-                for kind, rows in KINDS
-                for clients in CLIENTS
-            }
-            memory[workers] = _memory(url)
-        measured.setdefault(workers, []).append(runs)
-    last = _bare(HeadSession(path, tied=True, providers=providers), d_model)
-    bare = Result((first.rows_per_s + last.rows_per_s) / 2, first.p50_ms, first.p99_ms)
-    return _report(model, d_model, _averaged(measured), memory, bare)
+    with running_server(repository, **settings) as single:
+        memory[1] = _memory(single)
+        for workers in counts:
+            with running_server(repository, workers=str(workers), **settings) as split:
+                memory[workers] = _memory(split)
+                for load in loads:
+                    for clients in CLIENTS:
+                        one, many = _alternate(single, split, load, clients, d_model)
+                        rows.append(_row(load, clients, workers, one, many, bare))
+    bare_after = _bare(session, d_model)
+    rate = (bare.rows_per_s + bare_after.rows_per_s) / 2
+    return _report(big, d_model, rows, memory, rate)
 
 
-def _averaged(
-    measured: dict[int, list[dict[tuple[str, int], Result]]],
-) -> dict[int, dict[tuple[str, int], Result]]:
-    averaged = {}
-    for workers, runs in measured.items():
-        averaged[workers] = {
-            key: Result(
-                statistics.fmean(run[key].rows_per_s for run in runs),
-                statistics.fmean(run[key].p50_ms for run in runs),
-                statistics.fmean(run[key].p99_ms for run in runs),
-            )
-            for key in runs[0]
-        }
-    return averaged
+def _alternate(
+    single: str, split: str, load: Load, clients: int, d_model: int
+) -> tuple[Result, Result]:
+    """N = 1 and N > 1 in alternating windows, each averaged over ``ROUNDS``."""
+    runs: dict[str, list[Result]] = {single: [], split: []}
+    for _ in range(ROUNDS):
+        for url in (single, split):
+            runs[url].append(uvloop.run(_drive(url, load, clients, d_model)))
+    return _mean(runs[single]), _mean(runs[split])
+
+
+def _mean(results: list[Result]) -> Result:
+    return Result(
+        statistics.fmean(r.rows_per_s for r in results),
+        statistics.fmean(r.p50_ms for r in results),
+        statistics.fmean(r.p99_ms for r in results),
+    )
+
+
+def _row(load: Load, clients: int, workers: int, one: Result, many: Result, bare: Result) -> str:
+    big = load.model != "small"
+    versus_bare = f"{many.rows_per_s / bare.rows_per_s:.2f}x" if big else "-"
+    return (
+        f"| {load} | {clients} | {workers} | {one.rows_per_s:.0f} | {many.rows_per_s:.0f} | "
+        f"**{many.rows_per_s / one.rows_per_s:.2f}x** | {one.p50_ms:.2f} / {many.p50_ms:.2f} | "
+        f"{one.p99_ms:.2f} / {many.p99_ms:.2f} | {versus_bare} |"
+    )
 
 
 def _report(
-    model: str,
-    d_model: int,
-    results: dict[int, dict[tuple[str, int], Result]],
-    memory: dict[int, Memory],
-    bare: Result,
+    big: str, d_model: int, rows: list[str], memory: dict[int, Memory], bare_rate: float
 ) -> str:
     lines = [
         describe_machine(),
         "",
-        f"Head `{model}` (d_model {d_model}), top-{K}, loopback, raw HTTP/1.1 closed-loop "
-        f"clients on the same machine; N = 1 is one process (today's service), N > 1 is N "
-        f"fronts + one engine; N = 1 measured first and last, averaged. Bare onnxruntime "
-        f"session at 64 rows: {bare.rows_per_s:.0f} rows/s.",
+        f"Top-{K}, loopback, raw HTTP/1.1 closed-loop clients on the same machine. N = 1 is one "
+        f"process (the default); N > 1 is N fronts + one engine, measured alternately with N = 1 "
+        f"({ROUNDS} x {MAX_SECONDS:.0f} s windows each). Bare onnxruntime session on `{big}` "
+        f"(d_model {d_model}) at 64 rows: {bare_rate:.0f} rows/s.",
         "",
-        "| request | clients | N | rows/s | p50 ms | p99 ms | vs N = 1 | vs bare session |",
-        "|---|---|---|---|---|---|---|---|",
+        "| load | clients | N | N = 1 rows/s | N rows/s | N vs N = 1 | p50 ms (1 / N) | "
+        "p99 ms (1 / N) | N vs bare session |",
+        "|---|---|---|---|---|---|---|---|---|",
+        *rows,
+        "",
+        "| N | engine (or the one process) RSS MB | fronts RSS MB (all) | device memory MB |",
+        "|---|---|---|---|",
     ]
-    for kind, rows in KINDS:
-        for clients in CLIENTS:
-            base = results[min(results)][(kind, clients)].rows_per_s
-            for workers, runs in sorted(results.items()):
-                result = runs[(kind, clients)]
-                lines.append(
-                    f"| {rows}-row {kind} | {clients} | {workers} | {result.rows_per_s:.0f} | "
-                    f"{result.p50_ms:.2f} | {result.p99_ms:.2f} | "
-                    f"{result.rows_per_s / base:.2f}x | "
-                    f"{result.rows_per_s / bare.rows_per_s:.2f}x |"
-                )
-    lines += ["", "| N | engine RSS MB | fronts RSS MB (all) | device memory MB |"]
-    lines += ["|---|---|---|---|"]
     for workers, used in sorted(memory.items()):
         device = "-" if used.device_mb is None else f"{used.device_mb:.0f}"
         lines.append(f"| {workers} | {used.engine_mb:.0f} | {used.fronts_mb:.0f} | {device} |")
@@ -198,23 +218,23 @@ def _bare(session: HeadSession, d_model: int) -> Result:
     return _result(latencies, 64, sum(latencies))
 
 
-async def _drive(url: str, model: str, kind: str, rows: int, clients: int, d_model: int) -> Result:
-    hidden = _hidden(rows, d_model)
-    path = f"/v1/models/{model}/topk"
-    if kind == "json":
+async def _drive(url: str, load: Load, clients: int, d_model: int) -> Result:
+    hidden = _hidden(load.rows, d_model)
+    path = f"/v1/models/{load.model}/topk"
+    if load.kind == "json":
         body = orjson.dumps({"hidden_states": hidden.tolist(), "k": K})
         headers = {"content-type": "application/json"}
     else:
         stream = io.BytesIO()
         np.save(stream, hidden)
-        body, headers, path = stream.getvalue(), {"content-type": "application/x-npy"}, path
+        body, headers = stream.getvalue(), {"content-type": "application/x-npy"}
         path += f"?k={K}"
     host, port = url.removeprefix("http://").split(":")
     raw = build_request(host, int(port), path, body, headers)
     run = await closed_loop(
         host, int(port), raw, clients, max_seconds=MAX_SECONDS, max_requests=MAX_REQUESTS
     )
-    return _result(run.latencies, rows, run.elapsed)
+    return _result(run.latencies, load.rows, run.elapsed)
 
 
 def _result(latencies: list[float], rows: int, elapsed: float) -> Result:

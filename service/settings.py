@@ -47,8 +47,7 @@ class Settings(PlaceSettings):
     grpc_port: int | None = Field(default=None, ge=0, le=65535)
     """Also serve the V2 protocol over gRPC on this port (the image uses 8001); off if unset."""
     workers: int = Field(default=1, ge=1, le=64)
-    """Front-end processes (HTTP and gRPC) feeding one engine process that holds each head
-    once; 1 serves everything from one process."""
+    """Front processes (HTTP, gRPC) feeding one engine holding each head once (`lmhead serve`)."""
     default_k: int = Field(default=5, ge=1)
     """Top-k when a request does not say (a model's config.json may override it)."""
     max_k: int = Field(default=1000, ge=1)

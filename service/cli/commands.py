@@ -55,6 +55,8 @@ def serve(args: argparse.Namespace) -> int:
     if args.ray:
         if settings.grpc_port is not None:  # every replica would bind it; Serve proxies HTTP
             raise CommandError("gRPC is served by single lmhead processes, not under --ray")
+        if settings.workers > 1:  # each replica is one process; Serve scales by replicas
+            raise CommandError("LMHEAD_WORKERS applies without --ray (use --replicas under Ray)")
         try:
             from service import rayserve
         except ImportError as error:

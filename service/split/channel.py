@@ -1,10 +1,12 @@
 """Frames between a front and the engine: a pickled message, its tensors in shared memory.
 
-A frame is a fixed prefix (body bytes, buffer count, arena offset), the byte size of each
-out-of-band buffer, and the body: the message (a tuple holding a ``service.messages``
-request or result, or a plain value) pickled with protocol 5 and every array buffer *out of
-band*. The sender copies the buffers into one block of its arena; the receiver rebuilds the
-arrays as views of that memory (no copy, nothing through the socket). Only when the arena
+A frame is a fixed prefix (body bytes, array count, arena offset), the byte size of each
+array, and the body: the message (a tuple holding a ``service.messages`` request or result,
+or a plain value) pickled with every numpy array set aside (a persistent id: its dtype and
+shape, no element is pickled). The sender copies the arrays' bytes into one block of its
+arena; the receiver rebuilds them as views of that memory (no copy, nothing through the
+socket). Setting arrays aside costs a third of numpy's own pickling (protocol 5, out of
+band), measured on a top-k answer. Only when the arena
 has no room do the buffers travel in the frame instead. Both ends are processes of one
 service, on a Unix socket in a private directory, with the peer's user checked, so
 unpickling trusts its input.
@@ -17,10 +19,14 @@ event-loop turn go out in one system call.
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 import pickle
 import struct
 from typing import Any, cast
+
+import numpy as np
+import numpy.typing as npt
 
 from service.settings import Settings
 from service.split.arena import ALIGN, Arena, ArenaFull
@@ -40,15 +46,39 @@ def arena_bytes(settings: Settings) -> int:
     return max(2 * settings.max_inflight_bytes, 2 * settings.max_body_bytes, 64 * 2**20)
 
 
+class _Pickler(pickle.Pickler):
+    """Pickles a message with its arrays set aside (their bytes go to the arena)."""
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.arrays: list[npt.NDArray[Any]] = []
+
+    def persistent_id(self, obj: Any) -> Any:
+        if type(obj) is np.ndarray and not obj.dtype.hasobject:
+            self.arrays.append(obj)
+            return obj.dtype.str, obj.shape
+        return None
+
+
+class _Unpickler(pickle.Unpickler):
+    """Rebuilds each array set aside as a view of its bytes, in pickling order."""
+
+    def __init__(self, body: memoryview, buffers: list[memoryview]) -> None:
+        super().__init__(io.BytesIO(body))
+        self._buffers = iter(buffers)
+
+    def persistent_load(self, pid: Any) -> Any:
+        dtype, shape = pid
+        return np.frombuffer(next(self._buffers), dtype=dtype).reshape(shape)
+
+
 def pack(message: Any, arena: Arena | None) -> tuple[bytes, int | None]:
     """A frame, and the arena block it holds (free it once the peer is done), if any."""
-    raws: list[memoryview] = []
-
-    def collect(buffer: pickle.PickleBuffer) -> bool:
-        raws.append(buffer.raw())
-        return False  # out of band
-
-    body = pickle.dumps(message, protocol=5, buffer_callback=collect)
+    stream = io.BytesIO()
+    pickler = _Pickler(stream)
+    pickler.dump(message)
+    body = stream.getvalue()
+    raws = [np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in pickler.arrays]
     sizes = [raw.nbytes for raw in raws]
     spans = [-(-size // ALIGN) * ALIGN for size in sizes]
     offset = _allocate(arena, sum(spans)) if raws else None
@@ -60,8 +90,8 @@ def pack(message: Any, arena: Arena | None) -> tuple[bytes, int | None]:
     else:
         assert arena is not None
         place = offset
-        for raw, span in zip(raws, spans, strict=True):
-            arena.view[place : place + raw.nbytes] = raw
+        for raw, size, span in zip(raws, sizes, spans, strict=True):
+            arena.view[place : place + size] = raw.data
             place += span
     return b"".join(parts), offset
 
@@ -90,7 +120,7 @@ def unpack(frame: memoryview, arena: Arena) -> Any:
     for nbytes in sizes:
         buffers.append(memory[place : place + nbytes])
         place += nbytes if offset == IN_FRAME else -(-nbytes // ALIGN) * ALIGN
-    return pickle.loads(body, buffers=buffers)
+    return _Unpickler(body, buffers).load()
 
 
 def frame_bytes(head: bytes | bytearray) -> int | None:

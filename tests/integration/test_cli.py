@@ -101,6 +101,9 @@ def test_serve_refuses_flags_that_do_not_go_together() -> None:
         assert refused.returncode != 0
         assert words in refused.stderr
         assert "Traceback" not in refused.stderr
+    refused = _run("serve", "--ray", env={"LMHEAD_WORKERS": "2"})
+    assert refused.returncode != 0
+    assert "without --ray" in refused.stderr
 
 
 def test_serve_help_says_where_every_other_setting_comes_from() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -426,3 +427,18 @@ def test_grpc_on_every_front(repository: Path) -> None:
             np.testing.assert_array_equal(result.as_numpy("topk_token_ids"), want)
         assert {front.pid for front in tree(url).fronts} == fronts  # both bound, none restarted
         assert len(fronts) == 2
+
+
+def test_a_port_in_use_is_refused_at_once(repository: Path) -> None:
+    """Fronts share their port with SO_REUSEPORT; the supervisor first checks nobody else
+    holds it, so two services never split one port's traffic by accident."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {**os.environ, "LMHEAD_WORKERS": "2", "LMHEAD_REPOSITORY": str(repository)}
+        command = [sys.executable, "-m", "service", "serve", "--port", str(port)]
+        refused = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
+    assert refused.returncode != 0
+    assert f"cannot serve on 127.0.0.1:{port}" in refused.stderr
+    assert "Traceback" not in refused.stderr
