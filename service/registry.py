@@ -220,6 +220,11 @@ class Registry:
     def get(self, name: str, version: int | None = None) -> LoadedVersion:
         """The version to serve; raises 404/503 errors that say what exists."""
         record = self._records.get(name)
+        if record is None and not self.ready:  # start-up has not reached it yet: no 404 so far
+            raise ModelNotReady(
+                f"model {name[:64]!r} is not loaded yet: models are still loading",
+                headers={"Retry-After": "1"},
+            )
         if record is None:
             known = ", ".join(sorted(self._records)) or "none"
             raise ModelNotFound(f"model {name[:64]!r} not found; models: {known}")

@@ -34,12 +34,8 @@ FD_MARGIN = 64  # descriptors for model files, the log, the event loop itself
 
 
 def run(settings: Settings) -> None:
-    """Serve ``create_app(settings)`` until SIGINT/SIGTERM (graceful: requests drain); with
-    ``LMHEAD_WORKERS`` > 1, fronts and one engine under ``service.split.supervisor``."""
-    if settings.workers > 1:
-        from service.split.supervisor import supervise
-
-        raise SystemExit(supervise(settings))
+    """Serve ``create_app(settings)`` in this process until SIGINT/SIGTERM (graceful: requests
+    drain); ``lmhead serve`` with ``LMHEAD_WORKERS`` > 1 runs ``service.split.supervisor``."""
     _raise_descriptor_limit(settings.max_connections + FD_MARGIN)
     settle_allocator()
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, **_options(settings))

@@ -67,6 +67,10 @@ def serve(args: argparse.Namespace) -> int:
         return 0
     if args.replicas is not None or args.max_models:
         raise CommandError("--replicas and --max-models go with --ray")
+    if settings.workers > 1:
+        from service.split.supervisor import supervise
+
+        return supervise(settings)
     server.run(settings)
     return 0
 

@@ -22,6 +22,7 @@ from service.errors import (
     Unauthorized,
     by_code,
 )
+from service.npyio import read_npy, read_npz
 
 NPY, NPZ, JSON = "application/x-npy", "application/x-npz", "application/json"
 #: V2 errors carry a message and no code (the protocol's ``{"error": "..."}``): by status.
@@ -101,7 +102,7 @@ class Calls:
     def read_topk(self, answer: httpx.Response) -> TopK:
         model, version, tied = _identity(answer)
         if answer.headers.get("content-type", "").startswith(NPZ):
-            arrays = dict(np.load(io.BytesIO(answer.content), allow_pickle=False))
+            arrays = read_npz(answer.content)
             return TopK(
                 model,
                 version,
@@ -146,7 +147,7 @@ class Calls:
         return self._npy("POST", _path(model, "embed", version), body, {}, NPY)
 
     def read_array(self, answer: httpx.Response) -> Arrays:
-        array = np.load(io.BytesIO(answer.content), allow_pickle=False)
+        array = read_npy(answer.content).copy()  # writable, as np.load gives it
         return Arrays(*_identity(answer), array)
 
     def score(

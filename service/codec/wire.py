@@ -30,6 +30,7 @@ from service.errors import (
 )
 from service.limits import BODY_EXPANSION, charge, kind_name
 from service.messages import Target
+from service.npyio import read_npy
 
 JSON = "application/json"
 NPY = "application/x-npy"
@@ -139,7 +140,7 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
 
 def parse_npy(body: bytes, field: str) -> npt.NDArray[Any]:
     try:
-        return np.load(io.BytesIO(body), allow_pickle=False)  # type: ignore[no-any-return]
+        return read_npy(body)
     except Exception:  # numpy raises ValueError/OSError/EOFError for broken files
         raise MalformedBody(f"{field}: body is not a valid .npy array") from None
 

@@ -52,7 +52,9 @@ from service.split.channel import HANDSHAKE_S, HELLO_BYTES, FrameProtocol, arena
 
 logger = logging.getLogger("lmhead")
 RECONNECT_S = (0.02, 1.0)  # first and longest pause between attempts
-CONNECT_S = 60.0  # the engine listens before its front starts: this is a bound, not a wait
+#: A front waits this long for the engine before serving (it listens before fronts start, so
+#: normally milliseconds); past it, a front started during an engine outage answers 503.
+CONNECT_S = 5.0
 NOT_CONNECTED = "the engine process is not connected (starting or restarting); retry shortly"
 
 FREE_AFTER_S = 0.01  # released blocks ride on the next call, or go alone after this

@@ -31,7 +31,7 @@ from service.errors import ServiceError
 from service.heads import HeadWeights, save_head
 from service.reference import log_softmax, top_k
 from tests.conftest import D_MODEL, VOCAB, reference_logits, write_tied_and_untied
-from tests.server import free_port, poll, running_server, server_process
+from tests.server import free_port, live_server, poll, running_server, server_process
 
 HIDDEN = np.random.default_rng(20).standard_normal((5, D_MODEL)).astype(np.float32)
 RTOL, ATOL = 1e-4, 1e-4
@@ -59,6 +59,7 @@ def repository(
 def two(repository: Path) -> Iterator[str]:
     """Two fronts, the limits above and an admin token."""
     with running_server(repository, workers="2", admin_token=TOKEN, **LIMITS) as url:
+        _all_fronts_connected(url, 2)
         yield url
 
 
@@ -120,10 +121,9 @@ def check_answers(url: str, repository: Path) -> None:
 @pytest.mark.parametrize("workers", [1, 3])
 def test_answers_equal_the_reference(repository: Path, workers: int) -> None:
     with running_server(repository, workers=str(workers)) as url:
-        check_answers(url, repository)
         if workers > 1:
-            processes = tree(url)
-            assert len(processes.fronts) == workers
+            _all_fronts_connected(url, workers)
+        check_answers(url, repository)
 
 
 def test_two_fronts_one_engine_holding_the_heads(two: str, repository: Path) -> None:
@@ -296,7 +296,7 @@ def test_a_killed_front_is_replaced_and_the_engine_untouched(
     root, expected = head
     traffic = Traffic()
     with running_server(root, workers="2") as url:
-        before = tree(url)
+        before = _all_fronts_connected(url, 2)
         clients = [threading.Thread(target=_send, args=(url, traffic, HIDDEN, 5)) for _ in range(4)]
         for thread in clients:
             thread.start()
@@ -320,6 +320,17 @@ def test_a_killed_front_is_replaced_and_the_engine_untouched(
         np.testing.assert_array_equal(ids, expected[version])
 
 
+def _all_fronts_connected(url: str, workers: int) -> Tree:
+    """Once every front has handed its arena to the engine (each maps one): all serve."""
+
+    def connected() -> Tree | None:
+        processes = tree(url)
+        arenas = memfds(processes.engine, "lmhead-requests")
+        return processes if len(processes.fronts) == len(arenas) == workers else None
+
+    return poll(connected, "every front connected")
+
+
 def _replaced(url: str, dead: int) -> Tree | None:
     processes = tree(url)
     pids = [front.pid for front in processes.fronts]
@@ -330,21 +341,27 @@ def test_a_killed_engine_fails_readiness_then_comes_back(
     head: tuple[Path, dict[int, npt.NDArray[np.int64]]],
 ) -> None:
     root, expected = head
-    with running_server(root, workers="2") as url:
-        engine = tree(url).engine
+    with live_server(root, workers="2") as (url, log):
+        poll(lambda: _ready(url), "ready")
+        engine = _all_fronts_connected(url, 2).engine  # else one still starting hides the gap
         engine.kill()
         engine.wait(10)
-        refused = poll(lambda: _not_ready(url), "readiness failing")
+        seen: list[int] = []
+        try:
+            refused = poll(lambda: _not_ready(url, seen), "readiness failing")
+        except AssertionError as error:
+            raise AssertionError(f"{error}; statuses {seen[:5]}...; log:\n{log()}") from None
         assert refused["error"]["code"] == "model_not_ready"
         assert "engine" in refused["error"]["message"]
-        poll(lambda: httpx.get(f"{url}/health/ready").status_code == 200 or None, "ready again")
+        poll(lambda: _ready(url), "ready again")
         assert tree(url).engine.pid != engine.pid
         with Client(url) as client:
             np.testing.assert_array_equal(client.topk("head", HIDDEN, k=3).token_ids, expected[1])
 
 
-def _not_ready(url: str) -> dict[str, dict[str, str]] | None:
+def _not_ready(url: str, seen: list[int]) -> dict[str, dict[str, str]] | None:
     answer = httpx.get(f"{url}/health/ready")
+    seen.append(answer.status_code)
     return answer.json() if answer.status_code == 503 else None
 
 
@@ -415,7 +432,7 @@ def test_grpc_on_every_front(repository: Path) -> None:
     triton = pytest.importorskip("tritonclient.grpc")
     port = free_port()
     with running_server(repository, workers="2", grpc_port=str(port)) as url:
-        fronts = {front.pid for front in tree(url).fronts}
+        fronts = {front.pid for front in _all_fronts_connected(url, 2).fronts}
         for _ in range(4):  # a connection each: both fronts answer
             client = triton.InferenceServerClient(f"127.0.0.1:{port}")
             hidden = triton.InferInput("hidden_states", list(HIDDEN.shape), "FP32")

@@ -55,9 +55,15 @@ def test_ready_is_503_until_the_repository_is_loaded(repository: Path) -> None:
             async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
                 before = await client.get("/health/ready")
                 live = await client.get("/health/live")
+                body = {"hidden_states": [[0.5] * D_MODEL]}
+                early = await client.post("/v1/models/tied/topk", json=body)
                 await registry.load_all()
                 after = await client.get("/health/ready")
+                unknown = await client.post("/v1/models/nope/topk", json=body)
             await registry.close()
+        # Before start-up loading has reached a model, it is not "not found": 503, retry.
+        assert (early.status_code, early.headers["retry-after"]) == (503, "1")
+        assert unknown.status_code == 404
         return before.status_code, after.status_code, before.json()["error"]["code"] + live.text
 
     before, after, detail = asyncio.run(scenario())
