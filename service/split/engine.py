@@ -35,7 +35,6 @@ from service.split.channel import (
     HELLO_BYTES,
     FrameProtocol,
     arena_bytes,
-    pack,
 )
 from service.split.processes import become
 
@@ -51,24 +50,18 @@ class FrontConnection(FrameProtocol):
     """One front: its calls run as tasks; the blocks it has read are freed in its arena."""
 
     def __init__(self, plane: DataPlane, requests: Arena, answers: Arena) -> None:
-        super().__init__(requests)
+        super().__init__(requests, answers)
         self._plane = plane
-        self._answers = answers
         self.calls: set[asyncio.Task[None]] = set()
 
-    def on_message(self, message: Any, block: int | None) -> None:
-        if message[0] == "free":
-            self._free(message[1])
-            return
-        _, call_id, method, arguments, released = message
-        self._free(released)
-        task = asyncio.get_running_loop().create_task(self._answer(call_id, method, arguments))
-        self.calls.add(task)
-        task.add_done_callback(self.calls.discard)
-
-    def _free(self, blocks: list[int]) -> None:
-        for offset in blocks:
-            self._answers.free(offset)
+    def on_frame(self, released: list[int], messages: list[Any], block: int | None) -> None:
+        for offset in released:
+            self.outgoing.free(offset)
+        loop = asyncio.get_running_loop()
+        for _, call_id, method, arguments in messages:
+            task = loop.create_task(self._answer(call_id, method, arguments))
+            self.calls.add(task)
+            task.add_done_callback(self.calls.discard)
 
     async def _answer(self, call_id: int, method: str, arguments: tuple[Any, ...]) -> None:
         try:
@@ -82,10 +75,8 @@ class FrontConnection(FrameProtocol):
         except Exception:
             logger.exception("engine call %s failed", method)
             message = ("error", call_id, INTERNAL)
-        if self.transport is None or self.transport.is_closing():
-            return  # the front is gone; its arenas go with this connection
-        frame, _ = pack(message, self._answers)  # the front says when its block is free
-        self.send(frame)
+        with contextlib.suppress(ConnectionError):  # the front is gone: nobody to answer
+            self.post(message)  # with the other answers of this turn, in one frame
 
 
 class EngineServer:

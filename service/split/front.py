@@ -5,7 +5,8 @@ lost (an engine restarted by the supervisor). Requests are packed into this fron
 (``service.split.channel``); answers come back as read-only views of the engine's answer
 arena, valid until the request that asked is done (``admit`` releases them then, so encoders
 read the engine's memory directly). A call outside a request copies its answer out instead.
-Released blocks ride on the next call to the engine (or go alone after ``FREE_AFTER_S``).
+Calls made in one event-loop turn go in one frame; released blocks ride on the next frame
+to the engine (or go alone after ``FREE_AFTER_S``).
 
 While no engine is connected every call is a 503 ``model_not_ready`` (readiness fails, never
 an answer from nothing); calls in flight when the engine dies get the same.
@@ -48,7 +49,7 @@ from service.metrics import Metrics
 from service.plane import check_token
 from service.settings import Settings
 from service.split.arena import Arena, attach
-from service.split.channel import HANDSHAKE_S, HELLO_BYTES, FrameProtocol, arena_bytes, pack
+from service.split.channel import HANDSHAKE_S, HELLO_BYTES, FrameProtocol, arena_bytes
 
 logger = logging.getLogger("lmhead")
 RECONNECT_S = (0.02, 1.0)  # first and longest pause between attempts
@@ -65,40 +66,44 @@ _answers: ContextVar[list[tuple[EngineLink, int]] | None] = ContextVar(
 
 
 class EngineLink(FrameProtocol):
-    """One connection to the engine: calls by id, answers matched back, blocks released."""
+    """One connection to the engine: calls by id, answers matched back, blocks accounted.
+
+    A frame's block holds the arrays of every message in it: a request block is freed once
+    every call in it is answered, an answer block is released to the engine once every
+    request it answered is done with it (``release``)."""
 
     def __init__(self, requests: Arena, answers: Arena) -> None:
-        super().__init__(answers)
-        self._requests = requests
+        super().__init__(answers, requests)
         self._ids = itertools.count()
-        self._pending: dict[int, tuple[asyncio.Future[Any], int | None]] = {}
-        self._released: list[int] = []
-        self._flush_timer: asyncio.TimerHandle | None = None
+        self._pending: dict[int, asyncio.Future[Any]] = {}
+        self._request_block: dict[int, int] = {}  # call id -> its frame's block
+        self._calls_in: dict[int, int] = {}  # request block -> calls not yet answered
+        self._readers: dict[int, int] = {}  # answer block -> requests still reading it
+        self._done: list[int] = []  # answer blocks to hand back
+        self._free_timer: asyncio.TimerHandle | None = None
 
     async def call(self, method: str, arguments: tuple[Any, ...]) -> Any:
         call_id = next(self._ids)
-        released, self._released = self._released, []
-        frame, block = pack(("call", call_id, method, arguments, released), self._requests)
         future = asyncio.get_running_loop().create_future()
-        self._pending[call_id] = (future, block)
+        self._pending[call_id] = future
         try:
-            self.send(frame)
+            self.post(("call", call_id, method, arguments))
         except ConnectionError:
-            self._forget(call_id)
+            del self._pending[call_id]
             raise ModelNotReady(NOT_CONNECTED, headers={"Retry-After": "1"}) from None
         try:
-            kind, payload, answer_block = await future
+            kind, payload, block = await future
         except asyncio.CancelledError:
             if future.done() and not future.cancelled():  # answered as the caller went away
                 self.release(future.result()[2])
             raise
         held = _answers.get()
-        if answer_block is not None:
+        if block is not None:
             if held is None:  # nobody to release it after encoding: copy out, release now
                 payload = copy.deepcopy(payload)
-                self.release(answer_block)
+                self.release(block)
             else:
-                held.append((self, answer_block))
+                held.append((self, block))
         if kind == "error":
             code, text, headers = payload
             error = by_code(code).__new__(by_code(code))
@@ -107,54 +112,82 @@ class EngineLink(FrameProtocol):
         return payload
 
     def release(self, block: int | None) -> None:
-        """The engine may reuse an answer block (told with the next call, or soon alone)."""
+        """One request is done reading ``block``; the last one hands it back to the engine
+        (with the next frame, or alone after ``FREE_AFTER_S``)."""
         if block is None:
             return
-        self._released.append(block)
-        if self._flush_timer is None:
-            loop = asyncio.get_running_loop()
-            self._flush_timer = loop.call_later(FREE_AFTER_S, self._send_released)
-
-    def on_message(self, message: Any, block: int | None) -> None:
-        kind, call_id, payload = message
-        entry = self._pending.pop(call_id, None)
-        if entry is None:
-            self.release(block)
+        left = self._readers.get(block, 1) - 1
+        if left > 0:
+            self._readers[block] = left
             return
-        future, request_block = entry
-        if request_block is not None:
-            self._requests.free(request_block)
-        if future.cancelled():  # the client went away: nobody reads it
-            self.release(block)
-        else:
-            future.set_result((kind, payload, block))
+        self._readers.pop(block, None)
+        self._done.append(block)
+        if self._free_timer is None:
+            loop = asyncio.get_running_loop()
+            self._free_timer = loop.call_later(FREE_AFTER_S, self._hand_back)
+
+    def released(self) -> list[int]:
+        done, self._done = self._done, []
+        return done
+
+    def on_sent(self, messages: list[Any], block: int | None) -> None:
+        if block is None:
+            return
+        self._calls_in[block] = len(messages)
+        for message in messages:
+            self._request_block[message[1]] = block
+
+    def on_unsent(self, messages: list[Any]) -> None:
+        for message in messages:
+            self._fail(message[1])
+
+    def on_frame(self, released: list[int], messages: list[Any], block: int | None) -> None:
+        readers = 0
+        for kind, call_id, payload in messages:
+            self._answered(call_id)
+            future = self._pending.pop(call_id, None)
+            if future is not None and not future.cancelled():  # else: the client went away
+                future.set_result((kind, payload, block))
+                readers += 1
+        if block is not None:
+            if readers:
+                self._readers[block] = readers
+            else:
+                self.release(block)
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
-        if self._flush_timer is not None:
-            self._flush_timer.cancel()
+        if self._free_timer is not None:
+            self._free_timer.cancel()
         for call_id in list(self._pending):
-            future = self._forget(call_id)
-            if not future.done():
-                future.set_exception(
-                    ModelNotReady(
-                        "the engine process stopped before answering; retry shortly",
-                        headers={"Retry-After": "1"},
-                    )
+            self._answered(call_id)
+            self._fail(call_id)
+
+    def _answered(self, call_id: int) -> None:
+        block = self._request_block.pop(call_id, None)
+        if block is None:
+            return
+        left = self._calls_in[block] - 1
+        if left:
+            self._calls_in[block] = left
+        else:
+            del self._calls_in[block]
+            self.outgoing.free(block)
+
+    def _fail(self, call_id: int) -> None:
+        future = self._pending.pop(call_id, None)
+        if future is not None and not future.done():
+            future.set_exception(
+                ModelNotReady(
+                    "the engine process stopped before answering; retry shortly",
+                    headers={"Retry-After": "1"},
                 )
+            )
 
-    def _forget(self, call_id: int) -> asyncio.Future[Any]:
-        future, block = self._pending.pop(call_id)
-        if block is not None:
-            self._requests.free(block)
-        return future
-
-    def _send_released(self) -> None:
-        self._flush_timer = None
-        released, self._released = self._released, []
-        if released and self.transport is not None and not self.transport.is_closing():
-            frame, _ = pack(("free", released), None)
-            self.send(frame)
+    def _hand_back(self) -> None:
+        self._free_timer = None
+        if self._done and self.transport is not None and not self.transport.is_closing():
+            self.flush_soon()
 
 
 class RemotePlane:

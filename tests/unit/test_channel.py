@@ -1,0 +1,116 @@
+"""The shared-memory channel of ``LMHEAD_WORKERS``: arenas, frames and their arrays.
+
+Messages must come back equal (any dtype, layout or size, in the arena or, when it is full,
+in the frame), arrays must be read-only views of the sender's memory, and the allocator must
+hand back exactly what was freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+
+from service.messages import HeadInfo, Target, TopKRequest, TopKResult
+from service.split.arena import ALIGN, Arena, ArenaFull
+from service.split.channel import FrameProtocol, pack, unpack
+
+ARRAYS: list[np.ndarray[Any, Any]] = [
+    np.arange(12, dtype=np.float32).reshape(3, 4),
+    np.asfortranarray(np.arange(6, dtype=np.float64).reshape(2, 3)),
+    np.broadcast_to(np.arange(3, dtype=np.int64), (4, 3)),
+    np.arange(20, dtype=np.float16)[::3],
+    np.zeros((0, 5), np.float32),
+    np.array(7, np.int64),
+    np.array(["ab", "c"]),
+]
+
+
+@pytest.fixture
+def arena() -> Arena:
+    made, fd = Arena.create(1 << 20, "lmhead-test")
+    os.close(fd)  # the descriptor a peer would get; the mapping stays
+    return made
+
+
+@pytest.mark.parametrize("in_arena", [True, False])
+def test_messages_come_back_equal(arena: Arena, in_arena: bool) -> None:
+    info = HeadInfo("m", 3, True, 997, 48, "float32")
+    result = TopKResult(
+        info, np.arange(6).reshape(2, 3), np.ones((2, 3), np.float32), np.ones(2, np.float32)
+    )
+    request = TopKRequest(Target("m", 2), np.ones((2, 48), np.float32), 3, 0.5, True)
+    message = ([1, 2], [("ok", 9, result), ("call", 4, "topk", (request,)), *ARRAYS])
+    frame, block = pack(message, arena if in_arena else None)
+    assert (block is not None) == in_arena
+    back = unpack(memoryview(frame), arena)
+    assert back[0] == [1, 2]
+    (_, _, got), (_, _, _, (asked,)), *arrays = back[1]
+    assert got.head == info
+    assert asked.target == Target("m", 2)
+    assert asked.logprobs
+    np.testing.assert_array_equal(got.token_ids, result.token_ids)
+    np.testing.assert_array_equal(asked.hidden_states, request.hidden_states)
+    for sent, read in zip(ARRAYS, arrays, strict=True):
+        assert (read.dtype, read.shape) == (sent.dtype, sent.shape)
+        np.testing.assert_array_equal(read, sent)
+        assert not read.flags.writeable  # views of the sender's memory, never written
+
+
+def test_arrays_are_views_of_the_arena(arena: Arena) -> None:
+    """No copy on the reading side: the sender's block is what the receiver sees."""
+    frame, block = pack(np.arange(4, dtype=np.int64), arena)
+    assert block is not None
+    read = unpack(memoryview(frame), arena)
+    arena.view[block : block + 8] = np.int64(99).tobytes()
+    assert read[0] == 99
+
+
+def test_a_full_arena_sends_arrays_in_the_frame(arena: Arena) -> None:
+    big = np.ones(arena.size // 4 + 1, np.float32)  # more than the whole arena
+    frame, block = pack(big, arena)
+    assert block is None
+    assert len(frame) > big.nbytes
+    np.testing.assert_array_equal(unpack(memoryview(frame), arena), big)
+
+
+def test_the_allocator_hands_back_what_was_freed(arena: Arena) -> None:
+    blocks = [arena.allocate(1000) for _ in range(8)]
+    assert all(b % ALIGN == 0 for b in blocks)
+    assert len(set(blocks)) == 8
+    for block in blocks[::2] + blocks[1::2]:  # out of order: neighbours merge
+        arena.free(block)
+    assert arena.used_bytes == 0
+    assert arena.allocate(arena.size) == 0  # one free block again, the whole arena
+    with pytest.raises(ArenaFull):
+        arena.allocate(1)
+    arena.free(12345)  # unknown offsets (a stale release) are ignored
+
+
+def test_frames_split_anywhere_are_read_whole(arena: Arena) -> None:
+    """The stream arrives in arbitrary pieces; each frame is read once it is complete."""
+    messages = [("ok", i, np.full(i + 1, i, np.int32)) for i in range(5)]
+    stream = b"".join(pack(([i], [m]), arena)[0] for i, m in enumerate(messages))
+
+    class Reader(FrameProtocol):
+        def __init__(self) -> None:
+            super().__init__(arena, arena)
+            self.read: list[Any] = []
+
+        def on_frame(self, released: list[int], messages: list[Any], block: int | None) -> None:
+            self.read.append((released, messages))
+
+    async def feed() -> list[Any]:
+        reader = Reader()
+        for start in range(0, len(stream), 7):
+            reader.data_received(stream[start : start + 7])
+        return reader.read
+
+    read = asyncio.run(feed())
+    assert [released for released, _ in read] == [[i] for i in range(5)]
+    for (_, [(_, i, values)]), (_, j, sent) in zip(read, messages, strict=True):
+        assert i == j
+        np.testing.assert_array_equal(values, sent)
