@@ -98,8 +98,8 @@ class DataPlane:
             yield held
 
     def reserve(self) -> AbstractContextManager[Reservation]:
-        """The engine process, per forwarded call: the memory its logits and answer hold (the
-        front that forwarded it holds the body, and counts the request in flight)."""
+        """The engine process, per forwarded metadata or control call: the memory it holds
+        (inference calls are ``admit``ted: counted in flight; the front holds the body)."""
         return self._budget.request()
 
     # -- metadata ---------------------------------------------------------------------------

@@ -39,6 +39,8 @@ from service.split.channel import (
 from service.split.processes import become
 
 logger = logging.getLogger("lmhead")
+#: Calls counted in ``lmhead_requests_in_flight`` (metadata and control calls are not).
+INFERENCE_CALLS = frozenset({"topk", "logits", "embed", "infer", "score", "compare"})
 INTERNAL: tuple[str, str, dict[str, str]] = (
     "internal_error",
     "the engine failed on this request (see its log)",
@@ -67,7 +69,8 @@ class FrontConnection(FrameProtocol):
         try:
             if method not in REMOTE_CALLS:
                 raise ServiceError(f"the engine has no call {method!r}")
-            with self._plane.reserve():
+            hold = self._plane.admit if method in INFERENCE_CALLS else self._plane.reserve
+            with hold():
                 result = await getattr(self._plane, method)(*arguments)
             message: tuple[Any, ...] = ("ok", call_id, result)
         except ServiceError as error:

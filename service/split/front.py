@@ -220,12 +220,13 @@ class RemotePlane:
 
     @contextmanager
     def admit(self) -> Iterator[Reservation]:
-        """Hold the request's memory (its body) and the engine's answer blocks until answered."""
+        """Hold the request's memory (its body) and the engine's answer blocks until answered.
+        (The engine counts the request in flight: one process writes that gauge, not N.)"""
         held: list[tuple[EngineLink, int]] = []
         token = _answers.set(held)
         try:
-            with self._metrics.requests_in_flight.track_inprogress(), self._budget.request() as r:
-                yield r
+            with self._budget.request() as reservation:
+                yield reservation
         finally:
             _answers.reset(token)
             for link, block in held:
