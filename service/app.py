@@ -66,7 +66,7 @@ def create_app(settings: Settings | None = None, *, engine_socket: str | None = 
                 from service.split.front import connected_plane
 
                 app.state.plane = await stack.enter_async_context(
-                    connected_plane(engine_socket, settings, metrics)
+                    connected_plane(engine_socket, settings)
                 )
             if settings.grpc_port is not None:
                 rpc = await _serve_grpc(app.state.plane, settings, metrics)

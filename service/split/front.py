@@ -45,7 +45,6 @@ from service.messages import (
     TopKRequest,
     TopKResult,
 )
-from service.metrics import Metrics
 from service.plane import check_token
 from service.settings import Settings
 from service.split.arena import Arena, attach
@@ -193,10 +192,9 @@ class EngineLink(FrameProtocol):
 class RemotePlane:
     """The ``Plane`` of a front process (see the module docstring)."""
 
-    def __init__(self, path: str, settings: Settings, metrics: Metrics) -> None:
+    def __init__(self, path: str, settings: Settings) -> None:
         self._path = path
         self._settings = settings
-        self._metrics = metrics
         self._budget = MemoryBudget(settings.max_inflight_bytes)
         self._arena, self._arena_fd = Arena.create(arena_bytes(settings), "lmhead-requests")
         self._link: EngineLink | None = None
@@ -346,9 +344,9 @@ class RemotePlane:
 
 
 @asynccontextmanager
-async def connected_plane(path: str, settings: Settings, metrics: Metrics) -> AsyncIterator[Any]:
+async def connected_plane(path: str, settings: Settings) -> AsyncIterator[RemotePlane]:
     """A started ``RemotePlane`` (it connects in the background), closed on exit."""
-    plane = RemotePlane(path, settings, metrics)
+    plane = RemotePlane(path, settings)
     await plane.start(CONNECT_S)
     try:
         yield plane
