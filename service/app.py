@@ -17,8 +17,8 @@ time. Those routes answer exactly as through FastAPI (same handlers, same error 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from itertools import chain
 from time import perf_counter
 from typing import Any
@@ -43,31 +43,32 @@ MATCH_CACHE_SIZE = 4096
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client gone before the answer (metrics only)
 
 
-def create_app(settings: Settings | None = None, *, engine_socket: str | None = None) -> FastAPI:
+def create_app(
+    settings: Settings | None = None,
+    *,
+    front: Callable[[], AbstractAsyncContextManager[Plane]] | None = None,
+) -> FastAPI:
     """Build the service; ``Settings()`` reads ``LMHEAD_*`` from the environment when omitted.
 
-    With ``engine_socket`` the app is a front: its data plane forwards every call to the
-    engine process listening there (``service.split``); without, the engine runs in-process.
+    With ``front`` the app is a front process of ``LMHEAD_WORKERS``: ``front()`` opens its
+    data plane, which forwards every call to the engine process (``service.split``); without,
+    the engine runs in this process.
     """
     settings = settings or Settings()
     logging.getLogger("lmhead").setLevel(settings.log_level.upper())
-    metrics = Metrics(multiprocess=engine_socket is not None)
+    metrics = Metrics(multiprocess=front is not None)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with AsyncExitStack() as stack:
-            if engine_socket is None:
+            if front is None:
                 from service.engine import running_engine  # a front never imports onnxruntime
 
                 engine = await stack.enter_async_context(running_engine(settings, metrics))
                 app.state.registry, app.state.plane = engine.registry, engine.plane
                 app.state.loading = engine.loading  # awaitable by embedders and tests
             else:
-                from service.split.front import connected_plane
-
-                app.state.plane = await stack.enter_async_context(
-                    connected_plane(engine_socket, settings)
-                )
+                app.state.plane = await stack.enter_async_context(front())
             if settings.grpc_port is not None:
                 rpc = await _serve_grpc(app.state.plane, settings, metrics)
                 # HTTP has drained (uvicorn); now gRPC's calls in flight, before the engine

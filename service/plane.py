@@ -7,9 +7,11 @@ data plane whichever process holds it.
 
 from __future__ import annotations
 
+import secrets
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
+from service.errors import Unauthorized
 from service.limits import Reservation
 from service.messages import (
     CompareRequest,
@@ -89,10 +91,6 @@ REMOTE_CALLS = frozenset(
 def check_token(expected: str | None, presented: str | None) -> None:
     """The control API's rule, shared by both planes: the admin token, compared in constant
     time, when one is set."""
-    import secrets
-
-    from service.errors import Unauthorized
-
     if expected is None:
         return
     if presented is None or not secrets.compare_digest(presented.encode(), expected.encode()):

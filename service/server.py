@@ -23,6 +23,7 @@ import socket
 from typing import Any
 
 import uvicorn
+from fastapi import FastAPI
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from service.allocator import settle_allocator
@@ -41,11 +42,11 @@ def run(settings: Settings) -> None:
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, **_options(settings))
 
 
-def run_front(settings: Settings, engine_socket: str, listener: socket.socket) -> None:
-    """One front process: HTTP (and gRPC) on the shared port, the engine behind the socket."""
+def run_on(app: FastAPI, settings: Settings, listener: socket.socket) -> None:
+    """Serve ``app`` on a socket already listening (a front process of ``LMHEAD_WORKERS``,
+    whose port the fronts share), with the same limits as ``run``."""
     _raise_descriptor_limit(settings.max_connections + FD_MARGIN)
     settle_allocator()
-    app = create_app(settings, engine_socket=engine_socket)
     uvicorn.Server(uvicorn.Config(app, **_options(settings))).run(sockets=[listener])
 
 

@@ -15,9 +15,12 @@ def front_main(settings: Settings, engine_socket: str) -> None:
     """Spawned by the supervisor; SIGTERM drains this front's requests, then it exits."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor turns Ctrl-C into SIGTERM
     become("lmhead-front")
-    from service.server import run_front
+    from service.app import create_app
+    from service.server import run_on
+    from service.split.front import connected_plane
 
-    run_front(settings, engine_socket, listener(settings.host, settings.port))
+    app = create_app(settings, front=lambda: connected_plane(engine_socket, settings))
+    run_on(app, settings, listener(settings.host, settings.port))
 
 
 def listener(host: str, port: int) -> socket.socket:
