@@ -251,12 +251,15 @@ def _hidden(rows: int, d_model: int = 512) -> npt.NDArray[np.float32]:
     return np.random.default_rng(rows).standard_normal((rows, d_model)).astype(np.float32)
 
 
-def _bare(session: HeadSession, rows: int) -> Result:
-    hidden = _hidden(rows)
+def _bare(
+    session: HeadSession, rows: int, d_model: int = 512, seconds: float = MAX_SECONDS / 2
+) -> Result:
+    """The bare session on ``rows`` rows, back to back, bounded in time and count."""
+    hidden = _hidden(rows, d_model)
     session.project(hidden, K)
     latencies: list[float] = []
     start = time.perf_counter()
-    while time.perf_counter() - start < MAX_SECONDS / 2 and len(latencies) < 2000:
+    while time.perf_counter() - start < seconds and len(latencies) < 2000:
         begin = time.perf_counter()
         session.project(hidden, K)
         latencies.append(time.perf_counter() - begin)

@@ -24,17 +24,16 @@ import shutil
 import statistics
 import subprocess
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import numpy.typing as npt
 import orjson
 import uvloop
 
 from bench.loadgen import build_request, closed_loop
 from bench.machine import describe_machine
+from bench.serve import Result, _bare, _hidden, _result
 from service.demo import write_demo_models
 from service.heads import HeadWeights, save_head
 from service.inspect import inspect_head
@@ -58,13 +57,6 @@ class Load:
 
     def __str__(self) -> str:
         return f"{self.rows}-row {self.kind}, `{self.model}`"
-
-
-@dataclass(frozen=True)
-class Result:
-    rows_per_s: float
-    p50_ms: float
-    p99_ms: float
 
 
 @dataclass(frozen=True)
@@ -110,7 +102,7 @@ def _run(repository: Path, big: str, loads: list[Load], counts: list[int], provi
     path = repository / big / "1" / "model.onnx"
     d_model = inspect_head(path).d_model
     session = HeadSession(path, tied=True, providers=select_providers(provider))  # type: ignore[arg-type]
-    bare = _bare(session, d_model)
+    bare = _bare(session, 64, d_model, seconds=MAX_SECONDS)
     settings = {"log_level": "warning", "provider": provider}
     rows: list[str] = []
     memory: dict[int, Memory] = {}
@@ -123,7 +115,7 @@ def _run(repository: Path, big: str, loads: list[Load], counts: list[int], provi
                     for clients in CLIENTS:
                         one, many = _alternate(single, split, load, clients, d_model)
                         rows.append(_row(load, clients, workers, one, many, bare))
-    bare_after = _bare(session, d_model)
+    bare_after = _bare(session, 64, d_model, seconds=MAX_SECONDS)
     rate = (bare.rows_per_s + bare_after.rows_per_s) / 2
     return _report(big, d_model, rows, memory, rate)
 
@@ -144,6 +136,7 @@ def _mean(results: list[Result]) -> Result:
         statistics.fmean(r.rows_per_s for r in results),
         statistics.fmean(r.p50_ms for r in results),
         statistics.fmean(r.p99_ms for r in results),
+        sum(r.requests for r in results),
     )
 
 
@@ -202,22 +195,6 @@ def _device_mb() -> float | None:
     return float(answer.stdout.split()[0]) if answer.returncode == 0 else None
 
 
-def _hidden(rows: int, d_model: int) -> npt.NDArray[np.float32]:
-    return np.random.default_rng(rows).standard_normal((rows, d_model)).astype(np.float32)
-
-
-def _bare(session: HeadSession, d_model: int) -> Result:
-    hidden = _hidden(64, d_model)
-    session.project(hidden, K)
-    latencies: list[float] = []
-    start = time.perf_counter()
-    while time.perf_counter() - start < MAX_SECONDS and len(latencies) < 2000:
-        begin = time.perf_counter()
-        session.project(hidden, K)
-        latencies.append(time.perf_counter() - begin)
-    return _result(latencies, 64, sum(latencies))
-
-
 async def _drive(url: str, load: Load, clients: int, d_model: int) -> Result:
     hidden = _hidden(load.rows, d_model)
     path = f"/v1/models/{load.model}/topk"
@@ -235,12 +212,6 @@ async def _drive(url: str, load: Load, clients: int, d_model: int) -> Result:
         host, int(port), raw, clients, max_seconds=MAX_SECONDS, max_requests=MAX_REQUESTS
     )
     return _result(run.latencies, load.rows, run.elapsed)
-
-
-def _result(latencies: list[float], rows: int, elapsed: float) -> Result:
-    ordered = sorted(latencies)
-    p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
-    return Result(len(latencies) * rows / elapsed, statistics.median(ordered) * 1e3, p99 * 1e3)
 
 
 if __name__ == "__main__":

@@ -92,3 +92,17 @@ def write_tied_and_untied(
     save_head(HeadWeights.from_arrays(table), root / "tied" / "1")
     (root / "tied" / "1" / "vocab.txt").write_text("\n".join(demo_tokens(VOCAB)) + "\n")
     save_head(HeadWeights.from_arrays(table, output_weight), root / "untied" / "1")
+
+
+@pytest.fixture(scope="module")
+def repository(
+    tmp_path_factory: pytest.TempPathFactory,
+    table: npt.NDArray[np.float32],
+    output_weight: npt.NDArray[np.float32],
+) -> Path:
+    """``tied/1`` and ``untied/1``, fresh for each test module (module scope: one module's
+    loads, unloads and new versions never reach another); modules that need more define
+    their own ``repository``."""
+    root = tmp_path_factory.mktemp("models")
+    write_tied_and_untied(root, table, output_weight)
+    return root

@@ -19,23 +19,12 @@ from service.client import AsyncClient, Client
 from service.demo import demo_tokens
 from service.errors import InvalidInput, ModelNotFound, QueueFull, Unauthorized
 from service.reference import log_softmax, top_k
-from tests.conftest import D_MODEL, VOCAB, reference_logits, write_tied_and_untied
+from tests.conftest import D_MODEL, VOCAB, reference_logits
 from tests.server import free_port, running_server, running_server_on
 
 HIDDEN = np.random.default_rng(41).standard_normal((2, 3, D_MODEL)).astype(np.float32)
 RTOL, ATOL = 1e-4, 1e-4
 TOKEN = "client-test-token"
-
-
-@pytest.fixture(scope="module")
-def repository(
-    tmp_path_factory: pytest.TempPathFactory,
-    table: npt.NDArray[np.float32],
-    output_weight: npt.NDArray[np.float32],
-) -> Path:
-    root = tmp_path_factory.mktemp("models")
-    write_tied_and_untied(root, table, output_weight)
-    return root
 
 
 @pytest.fixture(scope="module")

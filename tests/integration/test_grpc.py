@@ -24,22 +24,11 @@ from tritonclient.utils import InferenceServerException
 from service.demo import demo_tokens
 from service.heads import HeadWeights, save_head
 from service.reference import log_softmax, logsumexp, top_k
-from tests.conftest import D_MODEL, VOCAB, reference_logits, write_tied_and_untied
+from tests.conftest import D_MODEL, VOCAB, reference_logits
 from tests.server import free_port, poll, running_server, server_process
 
 HIDDEN = np.random.default_rng(22).standard_normal((3, D_MODEL)).astype(np.float32)
 TOKEN = "s3cret-admin-token"
-
-
-@pytest.fixture(scope="module")
-def repository(
-    tmp_path_factory: pytest.TempPathFactory,
-    table: npt.NDArray[np.float32],
-    output_weight: npt.NDArray[np.float32],
-) -> Path:
-    root = tmp_path_factory.mktemp("models")
-    write_tied_and_untied(root, table, output_weight)
-    return root
 
 
 @pytest.fixture(scope="module")

@@ -19,21 +19,10 @@ from tritonclient.utils import InferenceServerException
 from service.demo import demo_tokens
 from service.heads import HeadWeights, save_head
 from service.reference import log_softmax, logsumexp, top_k
-from tests.conftest import D_MODEL, VOCAB, reference_logits, write_tied_and_untied
+from tests.conftest import D_MODEL, VOCAB, reference_logits
 from tests.server import running_server
 
 HIDDEN = np.random.default_rng(21).standard_normal((3, D_MODEL)).astype(np.float32)
-
-
-@pytest.fixture(scope="module")
-def repository(
-    tmp_path_factory: pytest.TempPathFactory,
-    table: npt.NDArray[np.float32],
-    output_weight: npt.NDArray[np.float32],
-) -> Path:
-    root = tmp_path_factory.mktemp("models")
-    write_tied_and_untied(root, table, output_weight)
-    return root
 
 
 @pytest.fixture(scope="module")

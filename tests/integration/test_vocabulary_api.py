@@ -14,23 +14,12 @@ import numpy.typing as npt
 import pytest
 
 from service.reference import log_softmax, logsumexp
-from tests.conftest import D_MODEL, VOCAB, reference_logits, write_tied_and_untied
+from tests.conftest import D_MODEL, VOCAB, reference_logits
 from tests.server import running_server
 
 HIDDEN = np.random.default_rng(21).standard_normal((6, D_MODEL)).astype(np.float32)
 ALLOWED = [5, 900, 17, 3, 250]
 RTOL, ATOL = 1e-4, 1e-4
-
-
-@pytest.fixture(scope="module")
-def repository(
-    tmp_path_factory: pytest.TempPathFactory,
-    table: npt.NDArray[np.float32],
-    output_weight: npt.NDArray[np.float32],
-) -> Path:
-    root = tmp_path_factory.mktemp("models")
-    write_tied_and_untied(root, table, output_weight)
-    return root
 
 
 @pytest.fixture(scope="module")

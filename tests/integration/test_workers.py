@@ -30,7 +30,7 @@ from service.client import Client
 from service.errors import ServiceError
 from service.heads import HeadWeights, save_head
 from service.reference import log_softmax, top_k
-from tests.conftest import D_MODEL, VOCAB, reference_logits, write_tied_and_untied
+from tests.conftest import D_MODEL, VOCAB, reference_logits
 from tests.server import free_port, live_server, poll, running_server, server_process
 
 HIDDEN = np.random.default_rng(20).standard_normal((5, D_MODEL)).astype(np.float32)
@@ -42,17 +42,6 @@ LIMITS = {  # one run takes 8 rows (logits and log-softmax within the byte limit
     "max_body_bytes": str(64 * 1024),
     "max_logits_bytes": str(16 * VOCAB * 4),
 }
-
-
-@pytest.fixture(scope="module")
-def repository(
-    tmp_path_factory: pytest.TempPathFactory,
-    table: npt.NDArray[np.float32],
-    output_weight: npt.NDArray[np.float32],
-) -> Path:
-    root = tmp_path_factory.mktemp("models")
-    write_tied_and_untied(root, table, output_weight)
-    return root
 
 
 @pytest.fixture(scope="module")
