@@ -39,6 +39,8 @@ from service.vocabulary import SampleSpec, logsumexp, sample_sorted, top_sorted
 
 REPEATS = 7
 K = 10
+#: Alternated rounds of the prompt-scoring probes (each a fresh process).
+SCORE_ROUNDS = 3
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,14 +98,20 @@ def _report(path: Path, trimmed: Path, vocab: int, d_model: int, rows: int, posi
         f"| trimmed (`lmhead trim`), {vocab // 4} tokens | {memory['trimmed']:.0f} | "
         f"{memory['trimmed'] / memory['full']:.2f}x |",
     ]
-    plain = _probe(path, "plain", positions)
-    scored = _probe(path, "score", positions)
-    step = score_rows(vocab, Limits(4096, 1000, 256 * 2**20, 2**30).rows_per_run(vocab))
+    probes: dict[str, list[dict[str, float]]] = {"plain": [], "score": []}
+    for _ in range(SCORE_ROUNDS):  # alternated: both kinds see the same machine
+        for kind, results in probes.items():
+            results.append(_probe(path, kind, positions))
+    plain, scored = (
+        {key: statistics.median(result[key] for result in results) for key in results[0]}
+        for results in probes.values()
+    )
     lines += [
         "",
         f"Prompt scoring of {positions} positions (target log-prob, rank, top-10 alternatives) "
-        f"in runs of {step} rows, against plain top-10 over the same rows in the service's runs "
-        "(fresh process each):",
+        f"in runs of {scored['rows_per_run']:.0f} rows, against plain top-10 over the same rows "
+        f"in the service's runs of {plain['rows_per_run']:.0f} (fresh process each, "
+        f"{SCORE_ROUNDS} alternated rounds, medians):",
         "",
         "| run | seconds | peak extra memory MB | time vs plain |",
         "|---|---|---|---|",
@@ -209,14 +217,15 @@ def _measure(path: Path, kind: str, positions: int) -> dict[str, float]:
     base = _resident()
     start = time.perf_counter()
     per_run = Limits(4096, 1000, 256 * 2**20, 2**30).rows_per_run(vocab)
-    step = per_run if kind == "plain" else score_rows(vocab, per_run)
+    step = per_run if kind == "plain" else score_rows(vocab, per_run, session.logit_copies)
+    scratch = np.empty(step * vocab, np.float32)
     for i in range(0, positions, step):
         if kind == "plain":
             session.project(hidden[i : i + step], K)
         else:
-            session.score(hidden[i : i + step], targets[i : i + step], K)
+            session.score(hidden[i : i + step], targets[i : i + step], K, scratch)
     seconds = time.perf_counter() - start
-    return {"seconds": seconds, "peak_mb": (_peak() - base) / 2**20}
+    return {"seconds": seconds, "peak_mb": (_peak() - base) / 2**20, "rows_per_run": step}
 
 
 def _resident() -> int:

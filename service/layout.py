@@ -11,6 +11,9 @@
   onnxruntime for both sides instead means running the Gemm unpacked, which re-packs W on
   every call: measured 1.2-1.8x slower than ``fast`` (50257 x 768). Split, it runs at
   ``fast`` speed with ~1.1x W resident.
+* On a CPU every head's graph takes its log-sum-exp a few rows at a time
+  (``service.lse_graph``): a run holds one rows x vocab tensor, not two. The files on disk
+  are not changed; the session loads a copy of the graph from the scratch directory.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from onnx import numpy_helper
 from service.graph import OUTPUT_BIAS, without_embedding
 from service.heads import read_head, save_head
 from service.inspect import HeadReport, inspect_head
+from service.lse_graph import chunk_logsumexp
 from service.quantize import QuantSpec
 from service.rows import FileRows, QuantizedRows, RowSource
 from service.runtime import CUDA, HeadSession
@@ -37,6 +41,8 @@ from service.settings import MemoryMode
 from service.vocabulary import CandidateLogits
 
 PROJECTION_FILE = "projection.onnx"
+#: Initializers up to this size stay in a derived graph file; larger ones move beside it.
+INLINE_KEEP_BYTES = 2**20
 
 
 @dataclass(frozen=True)
@@ -71,11 +77,12 @@ def open_head(
     served = servable_path(path, report.dtype, placement.providers, scratch / "float32")
     split = _splits(report, placement)
     check_runtime(report, split)
+    on_cpu = CUDA not in placement.providers
     if split:
-        session = _split(served, report, placement, scratch / "split")
+        session = _split(served, report, placement, scratch / "split", chunked=on_cpu)
     else:
         session = HeadSession(
-            served,
+            chunked_copy(served, scratch / "chunked") if on_cpu else served,
             tied=report.tied,
             memory_mode=placement.memory_mode,
             intra_op_threads=placement.intra_op_threads,
@@ -205,16 +212,22 @@ def servable_path(path: Path, dtype: str, providers: tuple[str, ...], into: Path
     return save_head(read_head(path), into, widen=True)
 
 
-def _split(path: Path, report: HeadReport, placement: Placement, into: Path) -> HeadSession:
+def _split(
+    path: Path, report: HeadReport, placement: Placement, into: Path, *, chunked: bool
+) -> HeadSession:
     """A projection-only session plus the table's rows read from the weight file(s), both
-    made in ``into``: the head's own directory is never written to."""
+    made in ``into``: the head's own directory is never written to. ``chunked``: the
+    log-sum-exp in row chunks (``service.lse_graph``; CPU)."""
     model = onnx.load(str(path), load_external_data=False)
     initializers = {tensor.name: tensor for tensor in model.graph.initializer}
     quantization = report.quantization
     names = quantization["table_tensors"] if quantization else [report.embedding_initializer]
     tensors = [initializers[name] for name in names]
     rows = _row_source(tensors, report, path.parent, into)  # the projection refers to them
-    onnx.save(without_embedding(model), str(into / PROJECTION_FILE))
+    projection = without_embedding(model)
+    if chunked:
+        chunk_logsumexp(projection)
+    onnx.save(projection, str(into / PROJECTION_FILE))
     return HeadSession(
         into / PROJECTION_FILE,
         tied=False,  # the session's weight feeds the projection alone: packed, original freed
@@ -224,6 +237,24 @@ def _split(path: Path, report: HeadReport, placement: Placement, into: Path) -> 
         tf32=placement.tf32,
         rows=rows,
     )
+
+
+def chunked_copy(path: Path, into: Path) -> Path:
+    """The head at ``path`` with its log-sum-exp in row chunks (``service.lse_graph``), in
+    ``into``: weights stored in the file move to files there (as ``_row_source`` moves a
+    table), external ones are linked. ``path`` itself when its graph has another form."""
+    model = onnx.load(str(path), load_external_data=False)
+    if not chunk_logsumexp(model):
+        return path
+    into.mkdir(parents=True, exist_ok=True)
+    for tensor in model.graph.initializer:
+        location = _external_location(tensor)
+        if location is None and tensor.ByteSize() > INLINE_KEEP_BYTES:
+            _move_to_file(tensor, into / f"{tensor.name}.data")
+        elif location is not None and not (into / location).exists():
+            _link_or_copy(path.parent / location, into / location)
+    onnx.save(model, str(into / path.name))
+    return into / path.name
 
 
 def _external_location(tensor: onnx.TensorProto) -> str | None:

@@ -32,8 +32,9 @@ class LoadFootprint:
 
     ``warm_bytes`` is what loading costs: the session, one 1-row warm-up run (as the
     registry loads a model) and 4096 embedding lookups spread over the table. ``batch_bytes``
-    adds the working set of one run of ``rows`` rows (logits and log-softmax buffers,
-    2 x rows x vocab floats, kept by onnxruntime's arena).
+    adds the working set of one run of ``rows`` rows (its logits, one rows x vocab float32
+    tensor on a CPU where the log-sum-exp runs in row chunks, ``service.lse_graph``; kept by
+    onnxruntime's arena).
     """
 
     weight_bytes: int

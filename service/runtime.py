@@ -41,6 +41,7 @@ from service.graph import (
     TOPK_TOKEN_IDS,
     K,
 )
+from service.lse_graph import LOGIT_COPIES
 from service.rows import RowSource
 from service.settings import MemoryMode, ProviderChoice
 from service.vocabulary import CandidateLogits
@@ -175,6 +176,9 @@ class HeadSession:
         self._inputs = set(inputs)
         _check_per_row_temperature(self._session, self.path)
         self.compute_dtype = _weight_dtype(self._session)
+        metadata = self._session.get_modelmeta().custom_metadata_map
+        #: rows x vocab float32 tensors a run holds (1 with ``service.lse_graph``'s loop).
+        self.logit_copies = int(metadata.get(LOGIT_COPIES, "2"))
         self._no_rows = np.zeros((0, self.d_model), np.float32)
         self._no_temperature = np.zeros((0, 1), np.float32)
         self._no_ids = np.zeros((0,), np.int64)
@@ -218,23 +222,30 @@ class HeadSession:
         return Projection(values, ids, lse, rest[0] if rest else None)
 
     def score(
-        self, rows: npt.NDArray[np.float32], targets: npt.NDArray[np.int64], k: int
+        self,
+        rows: npt.NDArray[np.float32],
+        targets: npt.NDArray[np.int64],
+        k: int,
+        scratch: npt.NDArray[np.float32] | None = None,
     ) -> Scored:
         """Top-k, log-sum-exp and each row's target logit and rank (tokens scoring strictly
         higher, and equal ones with lower ids) for (rows, d_model) rows at temperature 1.
         The logits live only for this call; ranks are counted ``RANK_ROWS`` rows at a time
-        (a small boolean temporary)."""
+        (a small boolean temporary). ``scratch``: a C-contiguous float32 array of at least
+        rows x vocab elements for the logits, reused across calls (fresh pages cost each run
+        their page faults: measured ~7% of a 98-row run)."""
         temperature = np.ones((len(rows), 1), np.float32)
         names = [TOPK_LOGITS, TOPK_TOKEN_IDS, LOGSUMEXP, LOGITS]
-        values, ids, lse, logits = self._run(names, rows, self._no_ids, k, temperature)
+        size = len(rows) * self.vocab_size
+        if scratch is None or scratch.size < size:
+            scratch = np.empty(size, np.float32)
+        logits = scratch.reshape(-1)[:size].reshape(len(rows), self.vocab_size)
+        values, ids, lse, _ = self._run(names, rows, self._no_ids, k, temperature, logits)
         target = logits[np.arange(len(rows)), targets]
         rank = np.empty(len(rows), np.int64)
-        columns = np.arange(self.vocab_size)
         for start in range(0, len(rows), RANK_ROWS):
-            block, mark = logits[start : start + RANK_ROWS], target[start : start + RANK_ROWS]
-            before = columns[None, :] < targets[start : start + RANK_ROWS, None]
-            ties = ((block == mark[:, None]) & before).sum(axis=1)  # equal: lower ids first
-            rank[start : start + RANK_ROWS] = (block > mark[:, None]).sum(axis=1) + ties
+            chunk = slice(start, start + RANK_ROWS)
+            rank[chunk] = _ranks(logits[chunk], target[chunk], targets[chunk])
         return Scored(values, ids, lse, target, rank)
 
     def embed(self, input_ids: npt.ArrayLike) -> npt.NDArray[np.float32]:
@@ -261,7 +272,10 @@ class HeadSession:
         ids: npt.NDArray[np.int64],
         k: int,
         temperature: npt.NDArray[np.float32],
+        logits_into: npt.NDArray[np.float32] | None = None,
     ) -> list[npt.NDArray[Any]]:
+        """``logits_into``: a (rows, vocab) array the run writes the logits into (bound as
+        the output, so no second rows x vocab copy is made when they reach Python)."""
         feeds = {
             HIDDEN_STATES: rows,
             INPUT_IDS: ids,
@@ -272,15 +286,37 @@ class HeadSession:
             del feeds[INPUT_IDS]
         if self._session is None:
             raise RuntimeError(f"session for {self.path} was closed")
-        if not self.io_binding:
+        if not self.io_binding and logits_into is None:
             return list(self._session.run(names, feeds))
         binding = self._session.io_binding()
         for name, array in feeds.items():
             binding.bind_cpu_input(name, array)
         for name in names:
-            binding.bind_output(name, "cpu")  # only what was asked crosses back to the host
+            if name == LOGITS and logits_into is not None:  # the run writes there: no copy
+                shape = logits_into.shape
+                binding.bind_output(name, "cpu", 0, np.float32, shape, logits_into.ctypes.data)
+            else:
+                binding.bind_output(name, "cpu")  # only what was asked crosses to the host
         self._session.run_with_iobinding(binding)
-        return list(binding.copy_outputs_to_cpu())
+        outputs = binding.get_outputs()
+        return [
+            logits_into if name == LOGITS and logits_into is not None else value.numpy()
+            for name, value in zip(names, outputs, strict=True)
+        ]
+
+
+def _ranks(
+    logits: npt.NDArray[np.float32],
+    target: npt.NDArray[np.float32],
+    targets: npt.NDArray[np.int64],
+) -> npt.NDArray[np.int64]:
+    """Tokens scoring strictly higher than each row's target, plus equal ones with lower ids
+    (two passes over the rows; positions are looked at only in rows that have ties)."""
+    mark = target[:, None]
+    rank: npt.NDArray[np.int64] = np.count_nonzero(logits > mark, axis=1).astype(np.int64)
+    for row in np.flatnonzero(np.count_nonzero(logits == mark, axis=1) > 1):
+        rank[row] += np.count_nonzero(logits[row, : targets[row]] == target[row])
+    return rank
 
 
 def _check_per_row_temperature(session: ort.InferenceSession, path: Path) -> None:

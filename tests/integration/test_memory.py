@@ -25,6 +25,8 @@ SHARED_TIED_BOUND = 1.1
 #: Resident / stored bytes of a quantized tied head in shared mode (measured 1.11 int8,
 #: 1.31 int4: MLAS keeps per-block sums beside its packed codes and the original scales).
 QUANTIZED_BOUNDS = {"int8": 1.2, "int4": 1.4}
+#: Rows of the run whose logits are measured, and their bound in rows x vocab float32 tensors.
+RUN_ROWS, RUN_LOGITS_BOUND = 256, 1.3
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +55,9 @@ def heads(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return paths
 
 
-def _footprint(path: Path, *, memory_mode: str) -> dict[str, float]:
+def _footprint(path: Path, *, memory_mode: str, rows: int = 64) -> dict[str, float]:
     command = [sys.executable, "-m", "service.memory", str(path), "--memory-mode", memory_mode]
+    command += ["--rows", str(rows)]
     completed = subprocess.run(command, capture_output=True, text=True, check=True)
     result: dict[str, float] = json.loads(completed.stdout)
     return result
@@ -67,6 +70,16 @@ def test_shared_tied_head_costs_about_one_matrix(heads: dict[str, Path], variant
     assert footprint["ratio"] <= SHARED_TIED_BOUND, footprint
     # The head really is resident: an unloaded file would show almost nothing.
     assert footprint["ratio"] >= 0.9, footprint
+
+
+@pytest.mark.parametrize("variant", ["tied", "untied"])
+def test_a_run_holds_its_logits_once(heads: dict[str, Path], variant: str) -> None:
+    """On a CPU the log-sum-exp runs in row chunks (``service.lse_graph``): a run holds one
+    rows x vocab float32 tensor, where the written file's single ``LogSoftmax`` holds two
+    (measured 1.05-1.10 against 2.0)."""
+    footprint = _footprint(heads[variant], memory_mode="shared", rows=RUN_ROWS)
+    held = (footprint["batch_bytes"] - footprint["warm_bytes"]) / (RUN_ROWS * VOCAB * 4)
+    assert 0.8 <= held <= RUN_LOGITS_BOUND, footprint
 
 
 def test_other_settings_are_measured_and_reported(

@@ -24,7 +24,7 @@ from service.graph import IR_VERSION, OPSET, HeadTransforms
 from service.heads import HeadWeights, read_head, save_head
 from service.importer import ImportOptions, import_checkpoint
 from service.inspect import inspect_head
-from service.layout import required_runtime
+from service.layout import chunked_copy, required_runtime
 from service.quantize import QuantSpec
 from service.repository import MODEL_FILE
 from service.retie import retie
@@ -44,8 +44,8 @@ for path in json.loads(sys.argv[1]):
     feeds = {"hidden_states": rng.standard_normal((3, D_MODEL)).astype(np.float32),
              "input_ids": np.array([0, 7], np.int64), "k": np.array([4], np.int64),
              "temperature": np.full((3, 1), 0.8, np.float32)}
-    ids, values = session.run(["topk_token_ids", "topk_logits"], feeds)
-    out[path] = [ort.__version__, ids.tolist(), values.tolist()]
+    ids, values, lse = session.run(["topk_token_ids", "topk_logits", "logsumexp"], feeds)
+    out[path] = [ort.__version__, ids.tolist(), values.tolist(), lse.tolist()]
 print(json.dumps(out))
 """.replace("D_MODEL", str(D_MODEL))
 
@@ -80,7 +80,9 @@ def _written(
     save_file({"model.embed_tokens.weight": table}, str(checkpoint / "model.safetensors"))
     (checkpoint / "config.json").write_text(json.dumps({"tie_word_embeddings": True}))
     imported = import_checkpoint(checkpoint, root / "repo", "imported", ImportOptions())
-    return [*paths, imported.directory / MODEL_FILE]
+    # What a CPU session loads: the log-sum-exp in row chunks (a Loop), inline and external.
+    chunked = [chunked_copy(paths[i], root / f"chunked-{i}") for i in (0, 1, 2)]
+    return [*paths, imported.directory / MODEL_FILE, *chunked]
 
 
 @pytest.fixture(scope="module")
@@ -126,12 +128,13 @@ def test_the_oldest_runtime_loads_them_with_the_same_answers(written: list[Path]
     rng = np.random.default_rng(0)
     hidden = rng.standard_normal((3, D_MODEL)).astype(np.float32)
     for path in written:
-        version, ids, values = answers[str(path)]
+        version, ids, values, lse = answers[str(path)]
         assert version.startswith("1.18")
         here = HeadSession(path, tied=False).project(hidden, 4, temperature=0.8, full_logits=True)
         if inspect_head(path).quantization is None:
             np.testing.assert_array_equal(ids, here.topk_token_ids)
             np.testing.assert_allclose(values, here.topk_logits, rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(lse, here.logsumexp, rtol=1e-5, atol=1e-5)
             continue
         # Quantized kernels round int8 activations differently across releases: the logits
         # agree to ~1% of their scale, so near-equal entries may swap places.
