@@ -217,7 +217,7 @@ def _measure(path: Path, kind: str, positions: int) -> dict[str, float]:
     base = _resident()
     start = time.perf_counter()
     per_run = Limits(4096, 1000, 256 * 2**20, 2**30).rows_per_run(vocab)
-    step = per_run if kind == "plain" else score_rows(vocab, per_run, session.logit_copies)
+    step = per_run if kind == "plain" else score_rows(vocab, per_run, session.score_copies)
     scratch = np.empty(step * vocab, np.float32)
     for i in range(0, positions, step):
         if kind == "plain":

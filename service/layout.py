@@ -11,9 +11,9 @@
   onnxruntime for both sides instead means running the Gemm unpacked, which re-packs W on
   every call: measured 1.2-1.8x slower than ``fast`` (50257 x 768). Split, it runs at
   ``fast`` speed with ~1.1x W resident.
-* On a CPU every head's graph takes its log-sum-exp a few rows at a time
-  (``service.lse_graph``): a run holds one rows x vocab tensor, not two. The files on disk
-  are not changed; the session loads a copy of the graph from the scratch directory.
+* On a CPU every head's graph can also take its log-sum-exp a few rows at a time
+  (``service.lse_graph``): a scoring run then holds one rows x vocab tensor, not two. The
+  files on disk are not changed; the session loads a copy of the graph from scratch.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from onnx import numpy_helper
 from service.graph import OUTPUT_BIAS, without_embedding
 from service.heads import read_head, save_head
 from service.inspect import HeadReport, inspect_head
-from service.lse_graph import chunk_logsumexp
+from service.lse_graph import add_chunked_logsumexp
 from service.quantize import QuantSpec
 from service.rows import FileRows, QuantizedRows, RowSource
 from service.runtime import CUDA, HeadSession
@@ -217,7 +217,7 @@ def _split(
 ) -> HeadSession:
     """A projection-only session plus the table's rows read from the weight file(s), both
     made in ``into``: the head's own directory is never written to. ``chunked``: the
-    log-sum-exp in row chunks (``service.lse_graph``; CPU)."""
+    log-sum-exp in row chunks beside the written one (``service.lse_graph``; CPU)."""
     model = onnx.load(str(path), load_external_data=False)
     initializers = {tensor.name: tensor for tensor in model.graph.initializer}
     quantization = report.quantization
@@ -226,7 +226,7 @@ def _split(
     rows = _row_source(tensors, report, path.parent, into)  # the projection refers to them
     projection = without_embedding(model)
     if chunked:
-        chunk_logsumexp(projection)
+        add_chunked_logsumexp(projection)
     onnx.save(projection, str(into / PROJECTION_FILE))
     return HeadSession(
         into / PROJECTION_FILE,
@@ -240,11 +240,12 @@ def _split(
 
 
 def chunked_copy(path: Path, into: Path) -> Path:
-    """The head at ``path`` with its log-sum-exp in row chunks (``service.lse_graph``), in
-    ``into``: weights stored in the file move to files there (as ``_row_source`` moves a
-    table), external ones are linked. ``path`` itself when its graph has another form."""
+    """The head at ``path`` with its log-sum-exp in row chunks beside the written one
+    (``service.lse_graph``), in ``into``: weights stored in the file move to files there (as
+    ``_row_source`` moves a table), external ones are linked. ``path`` itself when its graph
+    has another form."""
     model = onnx.load(str(path), load_external_data=False)
-    if not chunk_logsumexp(model):
+    if not add_chunked_logsumexp(model):
         return path
     into.mkdir(parents=True, exist_ok=True)
     for tensor in model.graph.initializer:

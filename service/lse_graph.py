@@ -1,16 +1,19 @@
-"""The head graph's log-sum-exp computed a few rows at a time, for heads run on a CPU.
+"""A second way to the log-sum-exp, a few rows at a time, for scoring runs on a CPU.
 
 Why: the graph written by ``service.graph`` takes the log-sum-exp from one ``LogSoftmax`` over
-all the run's logits, a second (rows x vocab) float32 tensor beside the logits themselves. A
-``Loop`` over chunks of ``CHUNK_ROWS`` rows holds only a chunk's log-softmax (and the chunk's
-slice) at a time, so a run needs one rows x vocab tensor instead of two: at the same memory a
-run holds twice the rows, and prompt scoring (``service.scoring``) reads W half as often.
-Measured on a CPU (128 x 128256 logits): the same time as the single ``LogSoftmax``
-(16.2 vs 16.3 ms with the top-k) and no second rows x vocab tensor. On CUDA the files run as
-written: each loop turn would cost a host round trip there.
+all the run's logits, a second (rows x vocab) float32 tensor beside the logits themselves.
+Prompt scoring (``service.scoring``) fetches the logits and must stay within a fixed memory
+bound, so that copy halved the rows of a scoring run (49 of a 128256-token head in 48 MB) and
+W was read twice as often: 1.24x the time of plain top-k over the same rows.
+
+A ``Loop`` over chunks of ``CHUNK_ROWS`` rows holds only a chunk's slice and log-softmax at a
+time, so a run holds its logits once. But it costs one more pass over the logits (the slice
+copies, one thread): measured +7-15% on a 32000 x 512 head, +1-2% on 128256 x 2048. So the
+graph keeps both ways behind an ``If`` on the input ``LSE_IN_CHUNKS``: top-k runs take the
+single ``LogSoftmax`` as written (the ``If`` costs ~10 us a run), scoring runs the loop.
 
 ``service.layout`` applies this to the copy of the graph a CPU session loads; files on disk
-keep the single ``LogSoftmax`` (every runtime, every provider loads them).
+are not changed, and on CUDA they run as written (a loop turn there is a host round trip).
 """
 
 from __future__ import annotations
@@ -21,24 +24,28 @@ from onnx import TensorProto, helper, numpy_helper
 
 #: Rows per loop turn: a turn holds 2 x CHUNK_ROWS x vocab float32 (4 MB at 128256 tokens).
 CHUNK_ROWS = 4
-#: Metadata a chunked graph carries: how many rows x vocab float32 tensors one run holds.
-LOGIT_COPIES = "lmhead.logit_copies"
-#: The nodes of ``service.graph``'s single log-softmax form that the loop replaces.
-_REPLACED = ("log_softmax", "max_log_softmax", "row_lse")
+#: The graph input that chooses the loop (true) or the single ``LogSoftmax`` (false).
+LSE_IN_CHUNKS = "lse_in_chunks"
+#: Metadata of a graph with the loop: rows x vocab float32 tensors a scoring run holds.
+SCORE_COPIES = "lmhead.score_logit_copies"
+#: The nodes of ``service.graph``'s single log-softmax form, kept as the ``If``'s else branch.
+_WHOLE = ("log_softmax", "max_log_softmax", "row_lse")
+_OUTPUT = "row_lse"
 
 
-def chunk_logsumexp(model: onnx.ModelProto) -> bool:
-    """Replace, in place, the log-sum-exp's ``LogSoftmax`` with the loop over row chunks.
+def add_chunked_logsumexp(model: onnx.ModelProto) -> bool:
+    """Put the loop beside the single ``LogSoftmax`` (in place), chosen by ``LSE_IN_CHUNKS``.
     False (and nothing changed) for a graph that is not in ``service.graph``'s form."""
     graph = model.graph
-    found = [node for node in graph.node if node.name in _REPLACED]
-    if [node.name for node in found] != list(_REPLACED):
+    whole = [node for node in graph.node if node.name in _WHOLE]
+    if [node.name for node in whole] != list(_WHOLE) or whole[-1].output[0] != _OUTPUT:
         return False
-    kept = [node for node in graph.node if node.name not in _REPLACED]
-    after = next(i for i, node in enumerate(kept) if "row_lse" in node.input)
-    kept[after:after] = _loop_nodes(logits=found[0].input[0])
+    kept = [node for node in graph.node if node.name not in _WHOLE]
+    before = next(i for i, node in enumerate(kept) if _OUTPUT in node.input)
+    kept[before:before] = [_choice(whole)]
     del graph.node[:]
     graph.node.extend(kept)
+    graph.input.append(helper.make_tensor_value_info(LSE_IN_CHUNKS, TensorProto.BOOL, [1]))
     graph.initializer.extend(
         [
             numpy_helper.from_array(np.array([CHUNK_ROWS], np.int64), "lse_chunk_rows"),
@@ -47,12 +54,42 @@ def chunk_logsumexp(model: onnx.ModelProto) -> bool:
         ]
     )
     entry = model.metadata_props.add()
-    entry.key, entry.value = LOGIT_COPIES, "1"
+    entry.key, entry.value = SCORE_COPIES, "1"
     return True
 
 
+def _choice(whole: list[onnx.NodeProto]) -> onnx.NodeProto:
+    """``If(LSE_IN_CHUNKS)``: the loop, else the written nodes (their output renamed: a
+    branch's outputs are its own names)."""
+    logits = whole[0].input[0]
+    written = []
+    for node in whole:
+        copied = onnx.NodeProto()
+        copied.CopyFrom(node)
+        outputs = ["row_lse_whole" if name == _OUTPUT else name for name in node.output]
+        del copied.output[:]
+        copied.output.extend(outputs)
+        written.append(copied)
+    value = helper.make_tensor_value_info
+    return helper.make_node(
+        "If",
+        [LSE_IN_CHUNKS],
+        [_OUTPUT],
+        "row_lse_choice",
+        then_branch=helper.make_graph(
+            _loop_nodes(logits),
+            "row_lse_in_chunks",
+            [],
+            [value("row_lse_chunks", TensorProto.FLOAT, ["rows", 1])],
+        ),
+        else_branch=helper.make_graph(
+            written, "row_lse_whole", [], [value("row_lse_whole", TensorProto.FLOAT, ["rows", 1])]
+        ),
+    )
+
+
 def _loop_nodes(logits: str) -> list[onnx.NodeProto]:
-    """``row_lse`` (rows, 1) = row_max - log_softmax(chunk)[row_argmax], chunk by chunk.
+    """``row_lse_chunks`` (rows, 1) = row_max - log_softmax(chunk)[row_argmax], chunk by chunk.
 
     The chunks' results are appended to a loop-carried (done, 1) tensor: the last chunk may
     be shorter, which a scan output (stacked, equal shapes) would not allow.
@@ -65,7 +102,7 @@ def _loop_nodes(logits: str) -> list[onnx.NodeProto]:
         node("Div", ["lse_rows_up", "lse_chunk_rows"], ["lse_turns_1d"], "lse_turns_1d"),
         node("Squeeze", ["lse_turns_1d"], ["lse_turns"], "lse_turns"),
     ]
-    loop = node("Loop", ["lse_turns", "", "lse_none"], ["row_lse"], "row_lse_chunked")
+    loop = node("Loop", ["lse_turns", "", "lse_none"], ["row_lse_chunks"], "row_lse_chunked")
     loop.attribute.append(helper.make_attribute("body", _body(logits)))
     return [*count, loop]
 

@@ -13,7 +13,8 @@ import json
 import resource
 import tempfile
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 import numpy as np
 import psutil
@@ -22,7 +23,8 @@ from service.allocator import settle_allocator, trim_heap
 from service.heads import HeadWeights, save_head
 from service.inspect import inspect_head
 from service.layout import Placement, open_head
-from service.runtime import MEMORY_MODES
+from service.runtime import MEMORY_MODES, HeadSession
+from service.scoring import score_rows
 from service.settings import MemoryMode
 
 
@@ -32,9 +34,10 @@ class LoadFootprint:
 
     ``warm_bytes`` is what loading costs: the session, one 1-row warm-up run (as the
     registry loads a model) and 4096 embedding lookups spread over the table. ``batch_bytes``
-    adds the working set of one run of ``rows`` rows (its logits, one rows x vocab float32
-    tensor on a CPU where the log-sum-exp runs in row chunks, ``service.lse_graph``; kept by
-    onnxruntime's arena).
+    adds the working set of one run of ``rows`` rows (logits and log-softmax buffers,
+    2 x rows x vocab floats, kept by onnxruntime's arena). ``score_peak_bytes`` is the peak a
+    prompt of ``score_positions`` rows adds while scored as ``/score`` does (runs of
+    ``score_rows`` rows, each holding its logits once on a CPU: ``service.lse_graph``).
     """
 
     weight_bytes: int
@@ -44,6 +47,9 @@ class LoadFootprint:
     batch_bytes: int
     peak_bytes: int  # high-water mark above the starting RSS, during load and runs
     runtime_bytes: int  # onnxruntime's one-time start in the process, not counted above
+    score_positions: int = 0
+    score_rows: int = 0
+    score_peak_bytes: int = 0
 
     @property
     def ratio(self) -> float:
@@ -72,7 +78,9 @@ def start_runtime() -> int:
     return resident_bytes() - before
 
 
-def measure_load(path: str, *, memory_mode: MemoryMode, rows: int) -> LoadFootprint:
+def measure_load(
+    path: str, *, memory_mode: MemoryMode, rows: int, score_positions: int = 0
+) -> LoadFootprint:
     """Load the head at ``path`` as the service does on a CPU (``layout.open_head``), warm it
     with one row, then run ``rows`` rows once: what it adds to a process already running
     onnxruntime (``start_runtime``; a server pays that once for all its heads)."""
@@ -92,7 +100,36 @@ def measure_load(path: str, *, memory_mode: MemoryMode, rows: int) -> LoadFootpr
     batch = resident_bytes() - before
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before  # Linux: KiB
     matrix_bytes = session.vocab_size * session.d_model * 4
-    return LoadFootprint(matrix_bytes, loaded, warm, rows, batch, peak, runtime)
+    footprint = LoadFootprint(matrix_bytes, loaded, warm, rows, batch, peak, runtime)
+    if not score_positions:
+        return footprint
+    step, score_peak = _scoring_peak(session, score_positions)
+    return replace(
+        footprint, score_positions=score_positions, score_rows=step, score_peak_bytes=score_peak
+    )
+
+
+def _scoring_peak(session: HeadSession, positions: int) -> tuple[int, int]:
+    """Rows per scoring run, and the peak resident bytes scoring ``positions`` rows adds
+    (the kernel's high-water mark, reset first)."""
+    rng = np.random.default_rng(1)
+    hidden = rng.standard_normal((positions, session.d_model), dtype=np.float32)
+    targets = rng.integers(0, session.vocab_size, positions)
+    step = score_rows(session.vocab_size, positions, session.score_copies)
+    trim_heap()
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+    before = resident_bytes()
+    scratch = np.empty(step * session.vocab_size, np.float32)
+    for start in range(0, positions, step):
+        session.score(hidden[start : start + step], targets[start : start + step], 10, scratch)
+    return step, _high_water() - before
+
+
+def _high_water() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -100,8 +137,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("path")
     parser.add_argument("--memory-mode", choices=MEMORY_MODES, default="shared")
     parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--score-positions", type=int, default=0)
     args = parser.parse_args(argv)
-    footprint = measure_load(args.path, memory_mode=args.memory_mode, rows=args.rows)
+    footprint = measure_load(
+        args.path,
+        memory_mode=args.memory_mode,
+        rows=args.rows,
+        score_positions=args.score_positions,
+    )
     print(json.dumps({**asdict(footprint), "ratio": footprint.ratio}))
     return 0
 

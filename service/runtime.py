@@ -41,7 +41,7 @@ from service.graph import (
     TOPK_TOKEN_IDS,
     K,
 )
-from service.lse_graph import LOGIT_COPIES
+from service.lse_graph import LSE_IN_CHUNKS, SCORE_COPIES
 from service.rows import RowSource
 from service.settings import MemoryMode, ProviderChoice
 from service.vocabulary import CandidateLogits
@@ -177,8 +177,8 @@ class HeadSession:
         _check_per_row_temperature(self._session, self.path)
         self.compute_dtype = _weight_dtype(self._session)
         metadata = self._session.get_modelmeta().custom_metadata_map
-        #: rows x vocab float32 tensors a run holds (1 with ``service.lse_graph``'s loop).
-        self.logit_copies = int(metadata.get(LOGIT_COPIES, "2"))
+        #: rows x vocab float32 tensors a scoring run holds (1 with ``service.lse_graph``).
+        self.score_copies = int(metadata.get(SCORE_COPIES, "2"))
         self._no_rows = np.zeros((0, self.d_model), np.float32)
         self._no_temperature = np.zeros((0, 1), np.float32)
         self._no_ids = np.zeros((0,), np.int64)
@@ -275,7 +275,8 @@ class HeadSession:
         logits_into: npt.NDArray[np.float32] | None = None,
     ) -> list[npt.NDArray[Any]]:
         """``logits_into``: a (rows, vocab) array the run writes the logits into (bound as
-        the output, so no second rows x vocab copy is made when they reach Python)."""
+        the output, so no second rows x vocab copy is made when they reach Python); such a
+        run takes its log-sum-exp in row chunks where the graph can (``service.lse_graph``)."""
         feeds = {
             HIDDEN_STATES: rows,
             INPUT_IDS: ids,
@@ -284,6 +285,8 @@ class HeadSession:
         }
         if INPUT_IDS not in self._inputs:  # a projection-only session (``rows`` given)
             del feeds[INPUT_IDS]
+        if LSE_IN_CHUNKS in self._inputs:  # scoring: the log-sum-exp a few rows at a time
+            feeds[LSE_IN_CHUNKS] = np.array([logits_into is not None])
         if self._session is None:
             raise RuntimeError(f"session for {self.path} was closed")
         if not self.io_binding and logits_into is None:

@@ -1,12 +1,12 @@
 """Scoring: each position's target log-prob and rank, top-k alternatives, NLL and perplexity,
 for prompts of any length within the row limit, in memory bounded by one small run.
 
-A run of ``score_rows`` rows holds its logits (and, unless the session takes its log-sum-exp
-in row chunks as on a CPU, onnxruntime's log-softmax of them: ``service.lse_graph``), within
-``SCORE_BYTES``; the target logit and the rank are read from the logits before the next run, so
-no (rows x vocab) tensor exists for the whole request. With ``logprobs_over='candidates'``
-nothing runs over the vocabulary at all: the target is scored among the row's candidates,
-from their rows of W.
+A run of ``score_rows`` rows holds its logits (and, unless the session can take its
+log-sum-exp in row chunks, as on a CPU, onnxruntime's log-softmax of them:
+``service.lse_graph``), within ``SCORE_BYTES``; the target logit and the rank are read from
+the logits before the next run, so no (rows x vocab) tensor exists for the whole request.
+With ``logprobs_over='candidates'`` nothing runs over the vocabulary at all: the target is
+scored among the row's candidates, from their rows of W.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def score_rows(vocab_size: int, rows_per_run: int, logit_copies: int) -> int:
 async def score_chunks(model: LoadedVersion, rows: Floats, targets: Ids, k: int) -> Scored:
     """Target logits, ranks, top-k alternatives and log-sum-exp of any number of rows, in
     runs of ``score_rows``: peak memory is one run's, whatever the prompt's length."""
-    step = score_rows(model.vocab_size, model.rows_per_run, model.session.logit_copies)
+    step = score_rows(model.vocab_size, model.rows_per_run, model.session.score_copies)
     loop = asyncio.get_running_loop()
     session = model.session
     scratch = np.empty(min(step, len(rows)) * model.vocab_size, np.float32)  # every run's logits

@@ -19,14 +19,16 @@ import pytest
 from service.heads import HeadWeights, save_head
 from service.inspect import inspect_head
 from service.quantize import QuantSpec
+from service.scoring import SCORE_BYTES
 
 VOCAB, D_MODEL = 50257, 768
 SHARED_TIED_BOUND = 1.1
 #: Resident / stored bytes of a quantized tied head in shared mode (measured 1.11 int8,
 #: 1.31 int4: MLAS keeps per-block sums beside its packed codes and the original scales).
 QUANTIZED_BOUNDS = {"int8": 1.2, "int4": 1.4}
-#: Rows of the run whose logits are measured, and their bound in rows x vocab float32 tensors.
-RUN_ROWS, RUN_LOGITS_BOUND = 256, 1.3
+#: Rows scored in runs of ``score_rows``, and the peak's bound in one run's logits (measured
+#: 1.05-1.10 with the loop, 2.0 without).
+SCORE_POSITIONS, SCORE_LOGITS_BOUND = 1000, 1.3
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +57,9 @@ def heads(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return paths
 
 
-def _footprint(path: Path, *, memory_mode: str, rows: int = 64) -> dict[str, float]:
+def _footprint(path: Path, *, memory_mode: str, extra: tuple[str, ...] = ()) -> dict[str, float]:
     command = [sys.executable, "-m", "service.memory", str(path), "--memory-mode", memory_mode]
-    command += ["--rows", str(rows)]
+    command += extra
     completed = subprocess.run(command, capture_output=True, text=True, check=True)
     result: dict[str, float] = json.loads(completed.stdout)
     return result
@@ -73,13 +75,17 @@ def test_shared_tied_head_costs_about_one_matrix(heads: dict[str, Path], variant
 
 
 @pytest.mark.parametrize("variant", ["tied", "untied"])
-def test_a_run_holds_its_logits_once(heads: dict[str, Path], variant: str) -> None:
-    """On a CPU the log-sum-exp runs in row chunks (``service.lse_graph``): a run holds one
-    rows x vocab float32 tensor, where the written file's single ``LogSoftmax`` holds two
-    (measured 1.05-1.10 against 2.0)."""
-    footprint = _footprint(heads[variant], memory_mode="shared", rows=RUN_ROWS)
-    held = (footprint["batch_bytes"] - footprint["warm_bytes"]) / (RUN_ROWS * VOCAB * 4)
-    assert 0.8 <= held <= RUN_LOGITS_BOUND, footprint
+def test_a_scoring_run_holds_its_logits_once(heads: dict[str, Path], variant: str) -> None:
+    """Prompt scoring on a CPU takes its log-sum-exp in row chunks (``service.lse_graph``): a
+    run holds one rows x vocab float32 tensor (the written graph's ``LogSoftmax`` would make
+    it two), so a prompt of any length peaks at about one run's logits."""
+    footprint = _footprint(
+        heads[variant], memory_mode="shared", extra=("--score-positions", str(SCORE_POSITIONS))
+    )
+    step = footprint["score_rows"]
+    assert step == SCORE_BYTES // (VOCAB * 4)  # one copy counted: twice the rows of two
+    held = footprint["score_peak_bytes"] / (step * VOCAB * 4)
+    assert 0.8 <= held <= SCORE_LOGITS_BOUND, footprint
 
 
 def test_other_settings_are_measured_and_reported(

@@ -1,7 +1,7 @@
-"""The log-sum-exp in row chunks (``service.lse_graph``): what CPU sessions run.
+"""The log-sum-exp in row chunks (``service.lse_graph``): what CPU sessions score with.
 
 The loop must give the same answers as the single ``LogSoftmax`` of the written file at every
-row count (chunks end mid-run), with every head transform; every head opened on a CPU runs it;
+row count (chunks end mid-run), with every head transform; every head opened on a CPU has it;
 the file on disk keeps its own form.
 """
 
@@ -18,11 +18,11 @@ from onnx import helper
 from service.graph import HeadTransforms
 from service.heads import HeadWeights, save_head
 from service.layout import Placement, chunked_copy, open_head
-from service.lse_graph import CHUNK_ROWS, LOGIT_COPIES, chunk_logsumexp
+from service.lse_graph import CHUNK_ROWS, SCORE_COPIES, add_chunked_logsumexp
 from service.quantize import QuantSpec
 from service.runtime import HeadSession
 from service.settings import MemoryMode
-from tests.conftest import D_MODEL, reference_logits
+from tests.conftest import D_MODEL, VOCAB, reference_logits
 
 
 def _reference_lse(logits: npt.NDArray[np.floating]) -> npt.NDArray[np.float64]:
@@ -38,38 +38,41 @@ def _operators(path: Path) -> set[str]:
 
 
 @pytest.mark.parametrize("transforms", ["plain", "softcap-bias"])
-def test_the_loop_answers_as_the_written_graph_at_every_row_count(
+def test_both_ways_answer_as_the_written_graph_at_every_row_count(
     tmp_path: Path,
     table: npt.NDArray[np.float32],
     output_weight: npt.NDArray[np.float32],
     transforms: str,
 ) -> None:
+    """Scoring runs take the loop (chunks end mid-run), top-k runs the written nodes."""
     extra = {}
     if transforms != "plain":
         extra = {"bias": output_weight[:, 0], "transforms": HeadTransforms(0.5, 2.0, 30.0)}
     path = save_head(HeadWeights.from_arrays(table, **extra), tmp_path / "head")  # type: ignore[arg-type]
     chunked = HeadSession(chunked_copy(path, tmp_path / "chunked"), tied=True)
     written = HeadSession(path, tied=True)
-    assert (chunked.logit_copies, written.logit_copies) == (1, 2)
+    assert (chunked.score_copies, written.score_copies) == (1, 2)
     rng = np.random.default_rng(7)
     for rows in (0, 1, CHUNK_ROWS - 1, CHUNK_ROWS, CHUNK_ROWS + 1, 3 * CHUNK_ROWS + 2):
         hidden = rng.standard_normal((rows, D_MODEL), dtype=np.float32) * 3
-        temperature = rng.uniform(0.5, 2.0, rows).astype(np.float32)
-        ours = chunked.project(hidden, 5, temperature=temperature)
-        theirs = written.project(hidden, 5, temperature=temperature, full_logits=True)
-        assert ours.logsumexp.shape == (rows,)
+        targets = rng.integers(0, VOCAB, rows)
+        theirs = written.project(hidden, 5, full_logits=True)
         assert theirs.logits is not None
         reference = _reference_lse(theirs.logits)  # of the logits the graph computed
-        np.testing.assert_allclose(ours.logsumexp, reference, rtol=1e-5, atol=1e-4)
-        np.testing.assert_allclose(ours.logsumexp, theirs.logsumexp, rtol=1e-6, atol=1e-5)
-        np.testing.assert_array_equal(ours.topk_token_ids, theirs.topk_token_ids)
+        for ours in (chunked.score(hidden, targets, 5), written.score(hidden, targets, 5)):
+            assert ours.logsumexp.shape == (rows,)
+            np.testing.assert_allclose(ours.logsumexp, reference, rtol=1e-5, atol=1e-4)
+            np.testing.assert_array_equal(ours.topk_token_ids, theirs.topk_token_ids)
+            np.testing.assert_array_equal(ours.target_logit, theirs.logits[range(rows), targets])
+        plain = chunked.project(hidden, 5)
+        np.testing.assert_array_equal(plain.logsumexp, theirs.logsumexp)  # the written nodes
 
 
 @pytest.mark.parametrize(
     ("kind", "mode"),
     [("tied", "shared"), ("tied", "fast"), ("untied", "shared"), ("int4", "shared")],
 )
-def test_every_cpu_session_runs_the_loop_and_the_file_is_untouched(
+def test_every_cpu_session_has_the_loop_and_the_file_is_untouched(
     tmp_path: Path,
     table: npt.NDArray[np.float32],
     output_weight: npt.NDArray[np.float32],
@@ -81,17 +84,17 @@ def test_every_cpu_session_runs_the_loop_and_the_file_is_untouched(
     path = save_head(weights, tmp_path / kind, quantization=quantization)
     before = path.read_bytes()
     session = open_head(path, Placement(mode))
-    assert session.logit_copies == 1
+    assert session.score_copies == 1
     assert path.read_bytes() == before
     assert "LogSoftmax" in _operators(path)
     assert "Loop" not in _operators(path)
     hidden = np.random.default_rng(8).standard_normal((6, D_MODEL), dtype=np.float32)
-    ours = session.project(hidden, 3, full_logits=True)
-    assert ours.logits is not None
-    np.testing.assert_allclose(ours.logsumexp, _reference_lse(ours.logits), rtol=1e-5, atol=1e-4)
+    full = session.project(hidden, 3, full_logits=True)
+    assert full.logits is not None
+    ours = session.score(hidden, np.arange(6), 3)  # the loop
+    np.testing.assert_allclose(ours.logsumexp, _reference_lse(full.logits), rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(ours.logsumexp, full.logsumexp, rtol=1e-5, atol=1e-4)
     if quantization is None:  # the quantized kernels of one session and of a split differ
-        written = HeadSession(path, tied=kind != "untied").project(hidden, 3)
-        np.testing.assert_allclose(ours.logsumexp, written.logsumexp, rtol=1e-5, atol=1e-4)
         reference = _reference_lse(reference_logits(path, hidden))
         np.testing.assert_allclose(ours.logsumexp, reference, rtol=1e-5, atol=1e-4)
 
@@ -102,9 +105,9 @@ def test_a_graph_of_another_form_is_left_as_it_is() -> None:
     graph = helper.make_graph([node], "other", [value("x", 1, ["r", 4])], [value("y", 1, ["r", 4])])
     model = helper.make_model(graph)
     before = model.SerializeToString()
-    assert not chunk_logsumexp(model)
+    assert not add_chunked_logsumexp(model)
     assert model.SerializeToString() == before
-    assert LOGIT_COPIES not in {entry.key for entry in model.metadata_props}
+    assert SCORE_COPIES not in {entry.key for entry in model.metadata_props}
 
 
 def test_ranks_count_higher_tokens_and_equal_ones_with_lower_ids(tmp_path: Path) -> None:
