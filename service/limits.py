@@ -148,9 +148,8 @@ class Limits:
         return rows * vocab_size * LOGIT_BYTES * copies <= self.max_logits_bytes
 
     def rows_per_run(self, vocab_size: int) -> int:
-        """Rows of one onnxruntime run: its logits and log-softmax (2 x rows x vocab floats,
-        as the file runs on CUDA; a CPU session holds half, ``service.lse_graph``) stay within
-        ``max_logits_bytes``; bigger requests run in chunks of this many rows."""
+        """Rows of one onnxruntime run: its logits and log-softmax (2 x rows x vocab floats)
+        stay within ``max_logits_bytes``; bigger requests run in chunks of this many rows."""
         return max(1, self.max_logits_bytes // (2 * vocab_size * LOGIT_BYTES))
 
 
