@@ -218,12 +218,11 @@ def _measure(path: Path, kind: str, positions: int) -> dict[str, float]:
     start = time.perf_counter()
     per_run = Limits(4096, 1000, 256 * 2**20, 2**30).rows_per_run(vocab)
     step = per_run if kind == "plain" else score_rows(vocab, per_run, session.score_copies)
-    scratch = np.empty(step * vocab, np.float32)
     for i in range(0, positions, step):
         if kind == "plain":
             session.project(hidden[i : i + step], K)
         else:
-            session.score(hidden[i : i + step], targets[i : i + step], K, scratch)
+            session.score(hidden[i : i + step], targets[i : i + step], K)
     seconds = time.perf_counter() - start
     return {"seconds": seconds, "peak_mb": (_peak() - base) / 2**20, "rows_per_run": step}
 

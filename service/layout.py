@@ -81,8 +81,10 @@ def open_head(
     if split:
         session = _split(served, report, placement, scratch / "split", chunked=on_cpu)
     else:
+        if on_cpu:  # candidate rows below then link its weight files rather than copy them
+            served = chunked_copy(served, scratch / "chunked")
         session = HeadSession(
-            chunked_copy(served, scratch / "chunked") if on_cpu else served,
+            served,
             tied=report.tied,
             memory_mode=placement.memory_mode,
             intra_op_threads=placement.intra_op_threads,

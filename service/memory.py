@@ -119,9 +119,8 @@ def _scoring_peak(session: HeadSession, positions: int) -> tuple[int, int]:
     trim_heap()
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
     before = resident_bytes()
-    scratch = np.empty(step * session.vocab_size, np.float32)
     for start in range(0, positions, step):
-        session.score(hidden[start : start + step], targets[start : start + step], 10, scratch)
+        session.score(hidden[start : start + step], targets[start : start + step], 10)
     return step, _high_water() - before
 
 

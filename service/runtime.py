@@ -21,6 +21,7 @@ The session options decide what a head costs in memory:
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_args
@@ -41,7 +42,7 @@ from service.graph import (
     TOPK_TOKEN_IDS,
     K,
 )
-from service.lse_graph import LSE_IN_CHUNKS, SCORE_COPIES
+from service.lse_graph import LSE_IN_CHUNKS
 from service.rows import RowSource
 from service.settings import MemoryMode, ProviderChoice
 from service.vocabulary import CandidateLogits
@@ -176,9 +177,11 @@ class HeadSession:
         self._inputs = set(inputs)
         _check_per_row_temperature(self._session, self.path)
         self.compute_dtype = _weight_dtype(self._session)
-        metadata = self._session.get_modelmeta().custom_metadata_map
-        #: rows x vocab float32 tensors a scoring run holds (1 with ``service.lse_graph``).
-        self.score_copies = int(metadata.get(SCORE_COPIES, "2"))
+        #: rows x vocab float32 tensors a scoring run holds: 1 where the graph can take its
+        #: log-sum-exp in row chunks (``service.lse_graph``) and the run writes the logits
+        #: into a buffer of its thread's, else 2 (logits and log-softmax, or transforms').
+        self.score_copies = 1 if LSE_IN_CHUNKS in self._inputs else 2
+        self._score_buffers = threading.local()
         self._no_rows = np.zeros((0, self.d_model), np.float32)
         self._no_temperature = np.zeros((0, 1), np.float32)
         self._no_ids = np.zeros((0,), np.int64)
@@ -222,31 +225,33 @@ class HeadSession:
         return Projection(values, ids, lse, rest[0] if rest else None)
 
     def score(
-        self,
-        rows: npt.NDArray[np.float32],
-        targets: npt.NDArray[np.int64],
-        k: int,
-        scratch: npt.NDArray[np.float32] | None = None,
+        self, rows: npt.NDArray[np.float32], targets: npt.NDArray[np.int64], k: int
     ) -> Scored:
         """Top-k, log-sum-exp and each row's target logit and rank (tokens scoring strictly
         higher, and equal ones with lower ids) for (rows, d_model) rows at temperature 1.
-        The logits live only for this call; ranks are counted ``RANK_ROWS`` rows at a time
-        (a small boolean temporary). ``scratch``: a C-contiguous float32 array of at least
-        rows x vocab elements for the logits, reused across calls (fresh pages cost each run
-        their page faults: measured ~7% of a 98-row run)."""
+        Ranks are counted ``RANK_ROWS`` rows at a time (a small boolean temporary).
+
+        With ``score_copies == 1`` the run writes its logits into one buffer per calling
+        thread, kept for the next call (as onnxruntime's arena keeps a run's buffers): fresh
+        pages cost each run their page faults, measured ~7% of a 98-row run; one buffer per
+        inference thread keeps the memory bound of ``limits.worst_case_extra_bytes``."""
         temperature = np.ones((len(rows), 1), np.float32)
         names = [TOPK_LOGITS, TOPK_TOKEN_IDS, LOGSUMEXP, LOGITS]
-        size = len(rows) * self.vocab_size
-        if scratch is None or scratch.size < size:
-            scratch = np.empty(size, np.float32)
-        logits = scratch.reshape(-1)[:size].reshape(len(rows), self.vocab_size)
-        values, ids, lse, _ = self._run(names, rows, self._no_ids, k, temperature, logits)
+        into = self._score_buffer(len(rows)) if self.score_copies == 1 else None
+        values, ids, lse, logits = self._run(names, rows, self._no_ids, k, temperature, into)
         target = logits[np.arange(len(rows)), targets]
         rank = np.empty(len(rows), np.int64)
         for start in range(0, len(rows), RANK_ROWS):
             chunk = slice(start, start + RANK_ROWS)
             rank[chunk] = _ranks(logits[chunk], target[chunk], targets[chunk])
         return Scored(values, ids, lse, target, rank)
+
+    def _score_buffer(self, rows: int) -> npt.NDArray[np.float32]:
+        size = rows * self.vocab_size
+        buffer: npt.NDArray[np.float32] | None = getattr(self._score_buffers, "logits", None)
+        if buffer is None or buffer.size < size:
+            buffer = self._score_buffers.logits = np.empty(size, np.float32)
+        return buffer[:size].reshape(rows, self.vocab_size)
 
     def embed(self, input_ids: npt.ArrayLike) -> npt.NDArray[np.float32]:
         """Rows of the input embedding table, shaped ``input_ids.shape + (d_model,)``."""

@@ -35,14 +35,13 @@ def score_rows(vocab_size: int, rows_per_run: int, logit_copies: int) -> int:
 
 async def score_chunks(model: LoadedVersion, rows: Floats, targets: Ids, k: int) -> Scored:
     """Target logits, ranks, top-k alternatives and log-sum-exp of any number of rows, in
-    runs of ``score_rows``: peak memory is one run's, whatever the prompt's length."""
+    runs of ``score_rows``: peak memory is one run's, whatever the prompt's length (and the
+    run's logits buffer is the inference thread's, not the request's: ``HeadSession.score``)."""
     step = score_rows(model.vocab_size, model.rows_per_run, model.session.score_copies)
     loop = asyncio.get_running_loop()
-    session = model.session
-    scratch = np.empty(min(step, len(rows)) * model.vocab_size, np.float32)  # every run's logits
     parts = [
         await loop.run_in_executor(
-            model.executor, session.score, rows[i : i + step], targets[i : i + step], k, scratch
+            model.executor, model.session.score, rows[i : i + step], targets[i : i + step], k
         )
         for i in range(0, len(rows), step)
     ]

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from service.graph import HeadTransforms
 from service.heads import HeadWeights, save_head
 from service.inspect import inspect_head
 from service.quantize import QuantSpec
@@ -26,8 +27,8 @@ SHARED_TIED_BOUND = 1.1
 #: Resident / stored bytes of a quantized tied head in shared mode (measured 1.11 int8,
 #: 1.31 int4: MLAS keeps per-block sums beside its packed codes and the original scales).
 QUANTIZED_BOUNDS = {"int8": 1.2, "int4": 1.4}
-#: Rows scored in runs of ``score_rows``, and the peak's bound in one run's logits (measured
-#: 1.05-1.10 with the loop, 2.0 without).
+#: Rows scored in runs of ``score_rows``, and the peak's bound in the bytes those runs were
+#: counted for (measured 1.02 with the loop; 2.0 runs' logits without it).
 SCORE_POSITIONS, SCORE_LOGITS_BOUND = 1000, 1.3
 
 
@@ -46,6 +47,12 @@ def heads(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         paths[name] = save_head(
             HeadWeights.from_arrays(table), root / name, quantization=QuantSpec.parse(name)
         )
+    paths["softcap"] = save_head(
+        HeadWeights.from_arrays(
+            table, bias=table[:, 0].copy(), transforms=HeadTransforms(softcap=30.0)
+        ),
+        root / "softcap",
+    )
     del table
     paths["untied"] = save_head(
         HeadWeights.from_arrays(
@@ -74,17 +81,21 @@ def test_shared_tied_head_costs_about_one_matrix(heads: dict[str, Path], variant
     assert footprint["ratio"] >= 0.9, footprint
 
 
-@pytest.mark.parametrize("variant", ["tied", "untied"])
-def test_a_scoring_run_holds_its_logits_once(heads: dict[str, Path], variant: str) -> None:
+@pytest.mark.parametrize(("variant", "copies"), [("tied", 1), ("untied", 1), ("softcap", 2)])
+def test_a_scoring_run_holds_what_its_rows_were_counted_for(
+    heads: dict[str, Path], variant: str, copies: int
+) -> None:
     """Prompt scoring on a CPU takes its log-sum-exp in row chunks (``service.lse_graph``): a
     run holds one rows x vocab float32 tensor (the written graph's ``LogSoftmax`` would make
-    it two), so a prompt of any length peaks at about one run's logits."""
+    it two), so runs hold twice the rows in the same bytes. A soft-capped head's transforms
+    hold two anyway: its runs are counted for two. Either way a prompt of any length peaks
+    at about ``SCORE_BYTES``."""
     footprint = _footprint(
         heads[variant], memory_mode="shared", extra=("--score-positions", str(SCORE_POSITIONS))
     )
     step = footprint["score_rows"]
-    assert step == SCORE_BYTES // (VOCAB * 4)  # one copy counted: twice the rows of two
-    held = footprint["score_peak_bytes"] / (step * VOCAB * 4)
+    assert step == SCORE_BYTES // (copies * VOCAB * 4)
+    held = footprint["score_peak_bytes"] / (copies * step * VOCAB * 4)
     assert 0.8 <= held <= SCORE_LOGITS_BOUND, footprint
 
 
