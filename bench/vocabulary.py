@@ -32,6 +32,7 @@ from bench.machine import describe_machine
 from service.heads import HeadWeights, save_head
 from service.layout import Placement, open_head
 from service.limits import Limits
+from service.memory import peak_resident_bytes, reset_peak, resident_bytes
 from service.runtime import HeadSession
 from service.scoring import score_rows
 from service.trim import trim_version
@@ -203,18 +204,18 @@ def _probe(path: Path, kind: str, positions: int) -> dict[str, float]:
 
 def _measure(path: Path, kind: str, positions: int) -> dict[str, float]:
     if kind == "resident":
-        before = _resident()
+        before = resident_bytes()
         opened = open_head(path / "model.onnx", Placement())
         opened.project(np.zeros((1, opened.d_model), np.float32), K)
-        return {"resident_mb": (_resident() - before) / 2**20}
+        return {"resident_mb": (resident_bytes() - before) / 2**20}
     session = open_head(path / "model.onnx", Placement())
     vocab = session.vocab_size
     rng = np.random.default_rng(4)
     hidden = rng.standard_normal((positions, session.d_model), dtype=np.float32)
     targets = rng.integers(0, vocab, positions)
     session.project(hidden[:1], K)
-    Path("/proc/self/clear_refs").write_text("5")
-    base = _resident()
+    reset_peak()
+    base = resident_bytes()
     start = time.perf_counter()
     per_run = Limits(4096, 1000, 256 * 2**20, 2**30).rows_per_run(vocab)
     step = per_run if kind == "plain" else score_rows(vocab, per_run, session.score_copies)
@@ -224,22 +225,8 @@ def _measure(path: Path, kind: str, positions: int) -> dict[str, float]:
         else:
             session.score(hidden[i : i + step], targets[i : i + step], K)
     seconds = time.perf_counter() - start
-    return {"seconds": seconds, "peak_mb": (_peak() - base) / 2**20, "rows_per_run": step}
-
-
-def _resident() -> int:
-    return _status("VmRSS")
-
-
-def _peak() -> int:
-    return _status("VmHWM")
-
-
-def _status(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{key} not in /proc/self/status")
+    peak_mb = (peak_resident_bytes() - base) / 2**20
+    return {"seconds": seconds, "peak_mb": peak_mb, "rows_per_run": step}
 
 
 if __name__ == "__main__":

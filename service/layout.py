@@ -160,13 +160,7 @@ def _row_source(
     """Rows of one matrix (or its codes, scales and zero points) read with ``pread`` from
     files in ``into``: inline tensors are moved there (the protos then refer to them),
     external ones linked from ``directory``. The head's own directory is never written to."""
-    into.mkdir(parents=True, exist_ok=True)
-    for tensor in tensors:
-        location = _external_location(tensor)
-        if location is None:  # inline: move its bytes to a file (the proto held them once)
-            _move_to_file(tensor, into / f"{tensor.name}.data")
-        elif not (into / location).exists():
-            _link_or_copy(directory / location, into / location)
+    _place_in(into, tensors, directory)
     files = tuple(FileRows.of(tensor, into) for tensor in tensors)
     quantization = report.quantization
     if quantization is None:
@@ -249,15 +243,24 @@ def chunked_copy(path: Path, into: Path) -> Path:
     model = onnx.load(str(path), load_external_data=False)
     if not add_chunked_logsumexp(model):
         return path
-    into.mkdir(parents=True, exist_ok=True)
-    for tensor in model.graph.initializer:
-        location = _external_location(tensor)
-        if location is None and tensor.ByteSize() > INLINE_KEEP_BYTES:
-            _move_to_file(tensor, into / f"{tensor.name}.data")
-        elif location is not None and not (into / location).exists():
-            _link_or_copy(path.parent / location, into / location)
+    _place_in(into, list(model.graph.initializer), path.parent, inline_up_to=INLINE_KEEP_BYTES)
     onnx.save(model, str(into / path.name))
     return into / path.name
+
+
+def _place_in(
+    into: Path, tensors: list[onnx.TensorProto], directory: Path, *, inline_up_to: int = 0
+) -> None:
+    """Make ``tensors`` refer to files in ``into``: inline ones larger than ``inline_up_to``
+    bytes move there (the proto held them once), external ones are linked from ``directory``."""
+    into.mkdir(parents=True, exist_ok=True)
+    for tensor in tensors:
+        location = _external_location(tensor)
+        if location is None:
+            if tensor.ByteSize() > inline_up_to:
+                _move_to_file(tensor, into / f"{tensor.name}.data")
+        elif not (into / location).exists():
+            _link_or_copy(directory / location, into / location)
 
 
 def _external_location(tensor: onnx.TensorProto) -> str | None:

@@ -117,14 +117,20 @@ def _scoring_peak(session: HeadSession, positions: int) -> tuple[int, int]:
     targets = rng.integers(0, session.vocab_size, positions)
     step = score_rows(session.vocab_size, positions, session.score_copies)
     trim_heap()
-    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+    reset_peak()
     before = resident_bytes()
     for start in range(0, positions, step):
         session.score(hidden[start : start + step], targets[start : start + step], 10)
-    return step, _high_water() - before
+    return step, peak_resident_bytes() - before
 
 
-def _high_water() -> int:
+def reset_peak() -> None:
+    """Reset this process's resident high-water mark (VmHWM) to its current RSS (Linux)."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def peak_resident_bytes() -> int:
+    """This process's resident high-water mark since start or ``reset_peak`` (Linux)."""
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
