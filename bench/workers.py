@@ -8,7 +8,10 @@ HTTP/1.1 clients (every connection opened first, closed loop, bounded in time an
 send top-10 requests: 64-row ``.npy`` and 1-row JSON to the demo head (32000 x 512), and
 1-row JSON to a small head (4096 tokens, same d_model), where the matmul is cheap and
 Python is the cost,
-as on a GPU. Memory per N: the engine's resident set, the fronts' together, and on a GPU the
+as on a GPU. Each window also reads the CPU time the server's processes spent (the one
+process, or the engine and supervisor; the fronts together) per request, and how many cores
+the server and the clients kept busy: where the split's cost goes, and whether the machine was
+the limit. Memory per N: the engine's resident set, the fronts' together, and on a GPU the
 device memory in use, which must not grow with N (the heads live in the engine alone).
 
     python -m bench.workers [--workers 2,4,8] [--large] [--provider cuda] [--output FILE]
@@ -19,16 +22,20 @@ device memory in use, which must not grow with N (the heads live in the engine a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
+import resource
 import shutil
 import statistics
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import orjson
+import psutil
 import uvloop
 
 from bench.loadgen import build_request, closed_loop
@@ -57,6 +64,21 @@ class Load:
 
     def __str__(self) -> str:
         return f"{self.rows}-row {self.kind}, `{self.model}`"
+
+
+@dataclass(frozen=True)
+class Usage:
+    """CPU per request (microseconds) by role, and cores busy over a window."""
+
+    engine_us: float  # the one process (N = 1), or the engine and the supervisor
+    fronts_us: float  # all fronts together (0 for N = 1)
+    cores: float  # the server's processes and this one (the clients) per second of window
+
+
+@dataclass(frozen=True)
+class Window:
+    result: Result
+    usage: Usage
 
 
 @dataclass(frozen=True)
@@ -122,31 +144,69 @@ def _run(repository: Path, big: str, loads: list[Load], counts: list[int], provi
 
 def _alternate(
     single: str, split: str, load: Load, clients: int, d_model: int
-) -> tuple[Result, Result]:
+) -> tuple[Window, Window]:
     """N = 1 and N > 1 in alternating windows, each averaged over ``ROUNDS``."""
-    runs: dict[str, list[Result]] = {single: [], split: []}
+    runs: dict[str, list[Window]] = {single: [], split: []}
     for _ in range(ROUNDS):
         for url in (single, split):
-            runs[url].append(uvloop.run(_drive(url, load, clients, d_model)))
+            runs[url].append(_window(url, load, clients, d_model))
     return _mean(runs[single]), _mean(runs[split])
 
 
-def _mean(results: list[Result]) -> Result:
-    return Result(
-        statistics.fmean(r.rows_per_s for r in results),
-        statistics.fmean(r.p50_ms for r in results),
-        statistics.fmean(r.p99_ms for r in results),
-        sum(r.requests for r in results),
+def _window(url: str, load: Load, clients: int, d_model: int) -> Window:
+    before = _cpu_seconds(url)
+    result = uvloop.run(_drive(url, load, clients, d_model))
+    after = _cpu_seconds(url)
+    engine, fronts, own, elapsed = (end - start for start, end in zip(before, after, strict=True))
+    per_request = 1e6 / max(result.requests, 1)
+    usage = Usage(engine * per_request, fronts * per_request, (engine + fronts + own) / elapsed)
+    return Window(result, usage)
+
+
+def _cpu_seconds(url: str) -> tuple[float, float, float, float]:
+    """CPU seconds so far: the engine (or one process) with the supervisor, the fronts, this
+    process (the clients); and the wall clock."""
+    supervisor = server_process(url)
+    engine = fronts = 0.0
+    for process in [supervisor, *supervisor.children(recursive=True)]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            times = process.cpu_times()
+            if process.name() == "lmhead-front":
+                fronts += times.user + times.system
+            else:
+                engine += times.user + times.system
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    return engine, fronts, own.ru_utime + own.ru_stime, time.perf_counter()
+
+
+def _mean(windows: list[Window]) -> Window:
+    results = [w.result for w in windows]
+    usages = [w.usage for w in windows]
+    return Window(
+        Result(
+            statistics.fmean(r.rows_per_s for r in results),
+            statistics.fmean(r.p50_ms for r in results),
+            statistics.fmean(r.p99_ms for r in results),
+            sum(r.requests for r in results),
+        ),
+        Usage(
+            statistics.fmean(u.engine_us for u in usages),
+            statistics.fmean(u.fronts_us for u in usages),
+            statistics.fmean(u.cores for u in usages),
+        ),
     )
 
 
-def _row(load: Load, clients: int, workers: int, one: Result, many: Result, bare: Result) -> str:
+def _row(load: Load, clients: int, workers: int, one: Window, many: Window, bare: Result) -> str:
     big = load.model != "small"
-    versus_bare = f"{many.rows_per_s / bare.rows_per_s:.2f}x" if big else "-"
+    a, b = one.result, many.result
+    versus_bare = f"{b.rows_per_s / bare.rows_per_s:.2f}x" if big else "-"
+    cpu = f"{one.usage.engine_us:.0f} / {many.usage.engine_us:.0f} + {many.usage.fronts_us:.0f}"
     return (
-        f"| {load} | {clients} | {workers} | {one.rows_per_s:.0f} | {many.rows_per_s:.0f} | "
-        f"**{many.rows_per_s / one.rows_per_s:.2f}x** | {one.p50_ms:.2f} / {many.p50_ms:.2f} | "
-        f"{one.p99_ms:.2f} / {many.p99_ms:.2f} | {versus_bare} |"
+        f"| {load} | {clients} | {workers} | {a.rows_per_s:.0f} | {b.rows_per_s:.0f} | "
+        f"**{b.rows_per_s / a.rows_per_s:.2f}x** | {a.p50_ms:.2f} / {b.p50_ms:.2f} | "
+        f"{a.p99_ms:.2f} / {b.p99_ms:.2f} | {cpu} | {one.usage.cores:.2f} / "
+        f"{many.usage.cores:.2f} | {versus_bare} |"
     )
 
 
@@ -161,9 +221,13 @@ def _report(
         f"({ROUNDS} x {MAX_SECONDS:.0f} s windows each). Bare onnxruntime session on `{big}` "
         f"(d_model {d_model}) at 64 rows: {bare_rate:.0f} rows/s.",
         "",
+        "CPU per request: the one process / the engine + the fronts (microseconds). Cores busy: "
+        "the server's processes and the clients together (the machine has "
+        f"{psutil.cpu_count()}).",
+        "",
         "| load | clients | N | N = 1 rows/s | N rows/s | N vs N = 1 | p50 ms (1 / N) | "
-        "p99 ms (1 / N) | N vs bare session |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "p99 ms (1 / N) | CPU us / request (1 / N) | cores busy (1 / N) | N vs bare session |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
         *rows,
         "",
         "| N | engine (or the one process) RSS MB | fronts RSS MB (all) | device memory MB |",
