@@ -33,10 +33,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import numpy as np
 import orjson
 import psutil
 import uvloop
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.loadgen import build_request, closed_loop
 from bench.machine import describe_machine
@@ -73,6 +75,7 @@ class Usage:
     engine_us: float  # the one process (N = 1), or the engine and the supervisor
     fronts_us: float  # all fronts together (0 for N = 1)
     cores: float  # the server's processes and this one (the clients) per second of window
+    batch_rows: float  # rows per onnxruntime run (from the service's own metrics)
 
 
 @dataclass(frozen=True)
@@ -154,13 +157,30 @@ def _alternate(
 
 
 def _window(url: str, load: Load, clients: int, d_model: int) -> Window:
+    rows_before, runs_before = _batches(url)
     before = _cpu_seconds(url)
     result = uvloop.run(_drive(url, load, clients, d_model))
     after = _cpu_seconds(url)
+    rows_after, runs_after = _batches(url)
     engine, fronts, own, elapsed = (end - start for start, end in zip(before, after, strict=True))
     per_request = 1e6 / max(result.requests, 1)
-    usage = Usage(engine * per_request, fronts * per_request, (engine + fronts + own) / elapsed)
-    return Window(result, usage)
+    batch_rows = (rows_after - rows_before) / max(runs_after - runs_before, 1)
+    cores = (engine + fronts + own) / elapsed
+    return Window(result, Usage(engine * per_request, fronts * per_request, cores, batch_rows))
+
+
+def _batches(url: str) -> tuple[float, float]:
+    """Rows run and runs so far, summed over models (``lmhead_batch_rows``)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    rows = runs = 0.0
+    for family in text_string_to_metric_families(text):
+        if family.name == "lmhead_batch_rows":
+            for sample in family.samples:
+                if sample.name.endswith("_sum"):
+                    rows += sample.value
+                elif sample.name.endswith("_count"):
+                    runs += sample.value
+    return rows, runs
 
 
 def _cpu_seconds(url: str) -> tuple[float, float, float, float]:
@@ -193,6 +213,7 @@ def _mean(windows: list[Window]) -> Window:
             statistics.fmean(u.engine_us for u in usages),
             statistics.fmean(u.fronts_us for u in usages),
             statistics.fmean(u.cores for u in usages),
+            statistics.fmean(u.batch_rows for u in usages),
         ),
     )
 
@@ -206,7 +227,8 @@ def _row(load: Load, clients: int, workers: int, one: Window, many: Window, bare
         f"| {load} | {clients} | {workers} | {a.rows_per_s:.0f} | {b.rows_per_s:.0f} | "
         f"**{b.rows_per_s / a.rows_per_s:.2f}x** | {a.p50_ms:.2f} / {b.p50_ms:.2f} | "
         f"{a.p99_ms:.2f} / {b.p99_ms:.2f} | {cpu} | {one.usage.cores:.2f} / "
-        f"{many.usage.cores:.2f} | {versus_bare} |"
+        f"{many.usage.cores:.2f} | {one.usage.batch_rows:.1f} / {many.usage.batch_rows:.1f} | "
+        f"{versus_bare} |"
     )
 
 
@@ -223,11 +245,13 @@ def _report(
         "",
         "CPU per request: the one process / the engine + the fronts (microseconds). Cores busy: "
         "the server's processes and the clients together (the machine has "
-        f"{psutil.cpu_count()}).",
+        f"{psutil.cpu_count()}). Rows per run: the mean over the window, from the service's "
+        "`lmhead_batch_rows`.",
         "",
         "| load | clients | N | N = 1 rows/s | N rows/s | N vs N = 1 | p50 ms (1 / N) | "
-        "p99 ms (1 / N) | CPU us / request (1 / N) | cores busy (1 / N) | N vs bare session |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "p99 ms (1 / N) | CPU us / request (1 / N) | cores busy (1 / N) | rows per run (1 / N) | "
+        "N vs bare session |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
         *rows,
         "",
         "| N | engine (or the one process) RSS MB | fronts RSS MB (all) | device memory MB |",
