@@ -91,7 +91,6 @@ class Batcher:
         self._carry: _Pending | None = None
         self._collecting: list[_Pending] = []
         self._last_batch_requests = 0
-        self._answered_at = 0.0  # when the last batch's answers went out
         self._queued_rows = 0
         self._task: asyncio.Task[None] | None = None
         self._running: asyncio.Future[None] | None = None
@@ -161,14 +160,7 @@ class Batcher:
             await asyncio.shield(self._running)
 
     async def _collect(self) -> list[_Pending]:
-        """Gather the next batch; ``_collecting`` holds it so ``close`` can fail it.
-
-        Closed-loop clients answered by the last batch send their next request only after
-        that answer, so the batch waits (up to ``max_wait``) until as many requests have come
-        in since then as the last batch answered; requests queued before it went out do not
-        count. Counting them split clients into groups that never merged again: with two
-        front processes, 16 clients ran as two alternating batches of 8, each as slow as one
-        of 16 (the run reads the whole head whatever the rows)."""
+        """Gather the next batch; ``_collecting`` holds it so ``close`` can fail it."""
         first = self._carry or await self._queue.get()
         self._carry = None
         batch, rows = self._collecting, len(first.rows)
@@ -176,11 +168,9 @@ class Batcher:
         if not self._limits.merge:
             return batch
         expected = self._last_batch_requests  # clients active in the last batch
-        answered_at = self._answered_at
-        back = int(first.enqueued >= answered_at)  # requests sent after the last answers
         deadline = time.monotonic() + (self._limits.max_wait_s if expected > 1 else 0.0)
         while rows < self._limits.max_batch_rows:
-            if back >= expected and self._queue.empty():
+            if len(batch) >= expected and self._queue.empty():
                 break  # everyone from the last batch is back: nobody else to wait for
             item = await self._next_before(deadline)
             if item is None:
@@ -190,7 +180,6 @@ class Batcher:
                 break
             batch.append(item)
             rows += len(item.rows)
-            back += item.enqueued >= answered_at
         return batch
 
     async def _next_before(self, deadline: float) -> _Pending | None:
@@ -232,7 +221,6 @@ class Batcher:
                     )
         else:
             _deliver(batch, result)
-        self._answered_at = time.monotonic()
         self._on_batch(
             BatchStats(
                 rows=len(rows),

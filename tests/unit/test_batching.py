@@ -133,29 +133,6 @@ def test_a_batch_as_large_as_the_last_one_runs_without_waiting(tied_path: Path) 
     assert run.calls == [3, 3]
 
 
-def test_requests_queued_during_a_run_wait_for_that_runs_callers(tied_path: Path) -> None:
-    """Two groups of closed-loop clients (as two front processes produce) merge into one batch:
-    requests queued while a batch ran are not its callers coming back, so the next batch
-    waits for those too instead of running alone and keeping the groups apart."""
-    run = GatedRun(HeadSession(tied_path, tied=True))
-
-    async def scenario(batcher: Batcher) -> None:
-        group_a = [batcher.enqueue(_rows(1, i), 1) for i in range(4)]
-        await run.wait_started()
-        group_b = [batcher.enqueue(_rows(1, i), 1) for i in range(4, 8)]
-        run.gate.set()
-        await asyncio.gather(*group_a)
-        for _ in range(100):  # event-loop turns (no time passes): the batcher takes B now
-            await asyncio.sleep(0)
-        # Group A's callers come back. Had the batcher counted B as A's callers, B would be
-        # running alone by now and the calls would read [4, 4, 4].
-        again = [batcher.enqueue(_rows(1, i), 1) for i in range(8, 12)]
-        await asyncio.wait_for(asyncio.gather(*group_b, *again), timeout=WAIT)
-
-    _with_batcher(run, BatchLimits(max_wait_s=600.0), scenario)
-    assert run.calls == [4, 8]
-
-
 def test_without_merging_each_request_runs_alone(tied_path: Path) -> None:
     run = GatedRun(HeadSession(tied_path, tied=True))
 
