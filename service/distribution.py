@@ -16,6 +16,7 @@ Scoring long prompts is ``service.scoring``.
 from __future__ import annotations
 
 import asyncio
+import re
 import secrets
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -49,6 +50,7 @@ from service.vocabulary import (
 
 #: Tokens fetched per row for sampling: the kept set of a peaked distribution fits in it.
 SAMPLE_PREFIX = 64
+TOKEN_KEY = re.compile(r"0|[1-9][0-9]{0,17}")
 Over = Literal["candidates", "vocabulary"]
 OVERS: dict[str, Over] = {"candidates": "candidates", "vocabulary": "vocabulary"}
 
@@ -125,7 +127,18 @@ def token_lists(raw: Ids, rows: int, space: TokenSpace, limits: Limits, field: s
             f"{field} must be one list for all rows or one per row ({rows}), "
             f"got {ids.shape[0]} lists"
         )
+    _refuse_repeats(raw, field)
     return ids
+
+
+def _refuse_repeats(raw: npt.NDArray[Any], field: str) -> None:
+    """A token named twice in one list would count twice in the candidates' softmax (its
+    log-prob and rank, and its odds of being drawn, all off), so a list names each once."""
+    ordered = np.sort(np.atleast_2d(raw), axis=-1)
+    repeated = ordered[:, 1:] == ordered[:, :-1]
+    if repeated.any():
+        row, column = np.argwhere(repeated)[0]
+        raise InvalidInput(f"{field} names token {int(ordered[row, column])} twice; once each")
 
 
 def _bias_table(
@@ -148,9 +161,11 @@ def _bias_table(
 
 
 def _integer(key: object) -> int | None:
+    """A logit_bias key: an int, or a token id written as JSON object keys are ("50256"):
+    ASCII digits without sign, spaces or leading zeros, so two keys never name one token."""
     if isinstance(key, int) and not isinstance(key, bool):
         return key
-    if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+    if isinstance(key, str) and TOKEN_KEY.fullmatch(key):
         return int(key)
     return None
 
@@ -215,6 +230,7 @@ async def _restricted(
     if shape.bias is not None:
         logits = apply_bias(logits, allowed, shape.bias)
     ordered, order_ids = top_sorted(logits, allowed, logits.shape[1])
+    k = min(k, int((~np.isneginf(logits)).sum(axis=1).min()))  # banned tokens are never listed
     lse = logsumexp(logits)
     sampled = drawn = None
     if shape.sample is not None:

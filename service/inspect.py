@@ -242,7 +242,7 @@ def _report(
         external_data=external,
         file_bytes=model_path.stat().st_size + data_bytes,
         transforms=_transforms(props.get("lmhead.transforms", "{}")),
-        format=int(props["lmhead.format"]) if props.get("lmhead.format", "").isdigit() else 0,
+        format=_format_number(props.get("lmhead.format", "")),
         untied_on_purpose=props.get(UNTIED_ON_PURPOSE) == "true",
         quantization=quantization,
     )
@@ -373,3 +373,9 @@ def _external_files(base_dir: Path, weights: dict[str, onnx.TensorProto]) -> set
         for entry in tensor.external_data
         if entry.key == "location"
     }
+
+
+def _format_number(text: str) -> int:
+    """The file's ``lmhead.format`` (0 when absent or not ASCII digits: ``"²"`` is a digit
+    to ``str.isdigit`` but not to ``int``)."""
+    return int(text) if text.isascii() and text.isdigit() and len(text) < 10 else 0

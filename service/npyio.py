@@ -22,20 +22,27 @@ _HEADERS = threading.Lock()
 
 
 def read_npy(data: bytes) -> npt.NDArray[Any]:
-    """The array of one ``.npy`` file, a read-only view of ``data`` (ValueError if broken)."""
+    """The array of one ``.npy`` file, a read-only view of ``data`` (ValueError if broken).
+
+    The header must describe the data exactly: no negative dimension (numpy's parser takes
+    ``(-1, 512)``, and ``frombuffer`` would then read whatever is there) and no byte missing
+    or left over."""
     stream = io.BytesIO(data)
     with _HEADERS:
         version = np.lib.format.read_magic(stream)
         if version == (1, 0):
             shape, fortran, dtype = np.lib.format.read_array_header_1_0(stream)
-        elif version == (2, 0):
+        elif version in ((2, 0), (3, 0)):  # 3.0 only adds utf-8 field names (refused below)
             shape, fortran, dtype = np.lib.format.read_array_header_2_0(stream)
-        else:  # 3.0 (utf-8 field names): rare, read whole under the lock
-            array: npt.NDArray[Any] = np.load(stream, allow_pickle=False)
-            return array
+        else:
+            raise ValueError(f"unknown .npy version {version}")
     if dtype.hasobject:
         raise ValueError("object arrays are not read (they would need pickle)")
+    if any(size < 0 for size in shape):
+        raise ValueError(f"negative dimension in shape {shape}")
     count = math.prod(shape)
+    if len(data) - stream.tell() != count * dtype.itemsize:
+        raise ValueError(f"the header's shape {shape} does not match the data's size")
     flat = np.frombuffer(data, dtype=dtype, count=count, offset=stream.tell())
     return flat.reshape(shape, order="F" if fortran else "C")
 

@@ -17,7 +17,13 @@ from pathlib import Path
 
 from service.metrics import Metrics
 from service.registry import Registry
-from service.repository import CONFIG_FILE, MODEL_FILE, Signature, model_names, signature
+from service.repository import (
+    CONFIG_FILE,
+    Signature,
+    model_names,
+    signature,
+    version_dirs,
+)
 
 logger = logging.getLogger("lmhead")
 ModelSignature = tuple[tuple[int, Signature], ...]
@@ -31,9 +37,8 @@ def model_signature(repository: Path, name: str) -> ModelSignature:
     if config.is_file():
         stat = config.stat()
         entries.append((-1, ((CONFIG_FILE, stat.st_size, stat.st_mtime_ns),)))
-    for entry in sorted(directory.iterdir()):
-        if entry.is_dir() and entry.name.isdigit() and (entry / MODEL_FILE).is_file():
-            entries.append((int(entry.name), signature(entry)))
+    for number, entry in version_dirs(directory).items():
+        entries.append((number, signature(entry)))
     return tuple(entries)
 
 

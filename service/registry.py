@@ -33,6 +33,7 @@ from service.repository import (
     is_valid_name,
     model_names,
     read_source,
+    version_dirs,
 )
 from service.runtime import select_providers
 from service.settings import Settings
@@ -181,6 +182,8 @@ class Registry:
             raise ModelNotFound(f"this server serves only {only!r} (LMHEAD_MODEL_NAME)")
         if name not in self._records and not (self._settings.repository / name).is_dir():
             raise ModelNotFound(f"no model directory {name!r} in the repository")
+        if pin is not None and pin not in version_dirs(self._settings.repository / name):
+            raise VersionNotFound(f"model {name!r} has no complete version {pin} on disk")
         async with self._locks.setdefault(name, asyncio.Lock()):
             started = time.monotonic()
             previous = self._records.get(name)

@@ -42,6 +42,7 @@ from service.errors import describe_validation_errors
 from service.vocabulary import TokenSpace
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+VERSION_NAME = re.compile(r"[0-9]{1,18}")
 #: The repository's file names, defined here only.
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
@@ -157,17 +158,32 @@ def read_source(repository: Path, name: str) -> ModelSource:
     if not directory.is_dir():
         raise RepositoryError(f"no model directory {name!r} in the repository")
     _check_inside(directory, root)
-    versions: dict[int, Path] = {}
-    for entry in directory.iterdir():
-        if entry.is_dir() and entry.name.isdigit() and (entry / MODEL_FILE).is_file():
-            _check_inside(entry, root)
-            versions[int(entry.name)] = entry
-    ordered = dict(sorted(versions.items()))
+    ordered = version_dirs(directory)
+    for entry in ordered.values():
+        _check_inside(entry, root)
     config_path = directory / CONFIG_FILE
     config_signature = _file_signature(config_path) if config_path.exists() else ()
     config = read_config(directory, root)
     files = {version: signature(path) for version, path in ordered.items()}
     return ModelSource(name, config, ordered, files, config_signature)
+
+
+def version_number(name: str) -> int | None:
+    """A version directory's number: ASCII digits only (``str.isdigit`` takes "²", which
+    ``int`` refuses), at most 18 of them."""
+    return int(name) if VERSION_NAME.fullmatch(name) else None
+
+
+def version_dirs(directory: Path) -> dict[int, Path]:
+    """A model directory's complete versions (a number and a model file), by number."""
+    if not directory.is_dir():
+        return {}
+    versions: dict[int, Path] = {}
+    for entry in directory.iterdir():
+        number = version_number(entry.name)
+        if number is not None and entry.is_dir() and (entry / MODEL_FILE).is_file():
+            versions[number] = entry
+    return dict(sorted(versions.items()))
 
 
 def signature(version_dir: Path) -> Signature:

@@ -146,7 +146,7 @@ def _token_ids(keep: str) -> npt.NDArray[np.int64]:
     parts: list[npt.NDArray[np.int64]] = []
     for part in text.replace(",", " ").split():
         low, _, high = part.partition("-")
-        if not low.isdigit() or (high and not high.isdigit()):
+        if not _decimal(low) or (high and not _decimal(high)):
             raise CommandError(f"--keep: {part[:32]!r} is neither an id nor a range like 0-31999")
         first, last = int(low), int(high or low)
         if last >= MAX_TOKEN_ID:
@@ -245,3 +245,8 @@ def format_report(report: HeadReport) -> str:
     ]
     width = max(len(name) for name, _ in rows)
     return "\n".join([report.path] + [f"  {name:<{width}}  {value}" for name, value in rows])
+
+
+def _decimal(text: str) -> bool:
+    """ASCII digits only (``str.isdigit`` takes "²", which ``int`` refuses)."""
+    return text.isascii() and text.isdigit() and len(text) <= 18

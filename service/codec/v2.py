@@ -30,6 +30,7 @@ from service.codec.v2params import (
     vocabulary,
 )
 from service.codec.wire import (
+    VERSION,
     float_array,
     header,
     int_array,
@@ -148,11 +149,11 @@ def encode(result: InferResult, plan: OutputPlan) -> tuple[bytes, dict[str, str]
     """JSON answer, or a JSON header + binary tensors when any output asked for binary."""
     outputs, blobs = [], []
     for request in plan.outputs:
-        array = select(request, result)
+        array = np.require(select(request, result), requirements="C")  # k-cut views are strided
         kind = "BYTES" if array.dtype.kind in "OUS" else datatype(array.dtype)
         entry: dict[str, Any] = {"name": request.name, "datatype": kind, "shape": list(array.shape)}
         if request.binary:
-            blob = bytes_blob(array) if kind == "BYTES" else np.ascontiguousarray(array).tobytes()
+            blob = bytes_blob(array) if kind == "BYTES" else array.tobytes()
             entry["parameters"] = {"binary_data_size": len(blob)}
             blobs.append(blob)
         else:
@@ -256,7 +257,7 @@ def _default_outputs(
 def _split(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
     if header_length is None:
         return body, b""
-    if not header_length.isdigit():
+    if not VERSION.fullmatch(header_length):  # ASCII digits: isdigit() takes "²"
         raise MalformedBody(f"{HEADER_LENGTH} must be a byte count, got {header_length[:32]!r}")
     length = int(header_length)
     if length > len(body):

@@ -78,7 +78,7 @@ def target(request: Request) -> Target:
 async def read_body(request: Request, limit: int) -> bytes:
     """The body, refused with 413 as soon as it is known to exceed ``limit`` bytes."""
     declared = header(request, b"content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    if declared is not None and VERSION.fullmatch(declared) and int(declared) > limit:
         raise PayloadTooLarge(f"request body is {int(declared)} bytes; the limit is {limit}")
     chunks, size = [], 0
     while True:  # the ASGI messages themselves: Request.stream() costs more for one chunk

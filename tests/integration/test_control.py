@@ -121,8 +121,12 @@ def test_a_version_can_be_pinned(
         pinned = admin.post("/v2/repository/models/head/load", json={"version": 1}).json()
         assert (pinned["served_version"], pinned["pinned_version"]) == (1, 1)
         missing = admin.post("/v2/repository/models/head/load", json={"version": 9})
-        assert missing.status_code == 500
+        assert missing.status_code == 404  # the caller's mistake, not a failed load
         assert "no complete version 9" in missing.json()["error"]
+        native = admin.post("/v1/repository/models/head/load", json={"version": 9})
+        assert native.json()["error"]["code"] == "version_not_found"
+        still = admin.get("/v1/models/head").json()
+        assert still["served_version"] == 1  # the pinned version keeps serving
     finally:
         shutil.rmtree(repository / "head" / "5")
         assert admin.post("/v2/repository/models/head/load").json()["served_version"] == 1

@@ -262,6 +262,13 @@ ERROR_CASES: list[tuple[str, str, bytes, dict[str, str], int]] = [
         400,
     ),
     (
+        "header length of more digits than any body",
+        "/v2/models/tied/infer",
+        b'{"inputs": []}',
+        {"inference-header-content-length": "9" * 5000},
+        400,
+    ),
+    (
         "classification on another output",
         "/v2/models/tied/infer",
         json.dumps(
@@ -373,6 +380,41 @@ def test_v2_errors(url: str, path: str, body: bytes, headers: dict[str, str], st
     )
     after = httpx.post(f"{url}/v2/models/tied/infer", content=good_body, headers=good_headers)
     assert after.status_code == 200
+
+
+def test_a_header_length_in_other_digits_is_400(url: str) -> None:
+    """ "\xb2" (latin-1 "²") is a digit to ``str.isdigit`` and not to ``int``."""
+    response = httpx.post(
+        f"{url}/v2/models/tied/infer",
+        content=b'{"inputs": []}',
+        headers=[(b"inference-header-content-length", b"\xb2")],
+    )
+    assert response.status_code == 400, response.text
+    assert "must be a byte count" in response.json()["error"]
+
+
+def test_json_outputs_cut_to_their_own_k(url: str, repository: Path) -> None:
+    """Outputs narrower than the run's k are strided views of its answer; JSON writes them."""
+    body = {
+        "inputs": [_hidden_input(len(HIDDEN), data=HIDDEN.reshape(-1).tolist())],
+        "outputs": [
+            {"name": "topk_logprobs", "parameters": {"k": 1}},
+            {"name": "topk_token_ids", "parameters": {"k": 1}},
+            {"name": "topk_logits", "parameters": {"k": 3}},
+        ],
+    }
+    answer = httpx.post(f"{url}/v2/models/tied/infer", json=body)
+    assert answer.status_code == 200, answer.text
+    outputs = {output["name"]: output for output in answer.json()["outputs"]}
+    logits = _logits(repository, "tied", HIDDEN)
+    values, ids = top_k(logits, 3)
+    assert outputs["topk_token_ids"]["shape"] == [len(HIDDEN), 1]
+    assert outputs["topk_token_ids"]["data"] == ids[:, 0].tolist()
+    np.testing.assert_allclose(
+        np.reshape(outputs["topk_logits"]["data"], (-1, 3)), values, rtol=1e-4, atol=1e-4
+    )
+    best = np.take_along_axis(log_softmax(logits), ids[:, :1], axis=1)[:, 0]
+    np.testing.assert_allclose(outputs["topk_logprobs"]["data"], best, rtol=1e-4, atol=1e-4)
 
 
 def test_binary_answer_layout(url: str, repository: Path) -> None:

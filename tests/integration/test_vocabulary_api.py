@@ -211,6 +211,11 @@ def test_v2_parameters_shape_the_distribution(url: str, repository: Path) -> Non
     [
         ({"allowed_token_ids": [VOCAB]}, "allowed_token_ids must be in"),
         ({"logit_bias": {"x": 1.0}}, "logit_bias keys must be token ids"),
+        ({"logit_bias": {"\u00b2": 1.0}}, "logit_bias keys must be token ids"),  # "²"
+        ({"logit_bias": {"9" * 5000: 1.0}}, "logit_bias keys must be token ids"),
+        ({"logit_bias": {"05": 1.0}}, "logit_bias keys must be token ids"),
+        ({"allowed_token_ids": [5, 900, 5]}, "allowed_token_ids names token 5 twice"),
+        ({"allowed_token_ids": [[3, 9, 3]] * len(HIDDEN)}, "names token 3 twice"),
         ({"logit_bias": {"3": 1000.0}}, "logit_bias values must be in"),
         ({"sample": {"top_p": 1.5}}, "sample.top_p must be in"),
         ({"sample": {"temperature": 0.5}, "temperature": 2.0}, "give the temperature once"),
@@ -224,6 +229,31 @@ def test_bad_options_are_422_with_a_reason(url: str, body: dict[str, Any], messa
     )
     assert answer.status_code == 422, answer.text
     assert message in answer.json()["error"]["message"], answer.json()
+
+
+def test_banned_tokens_among_the_allowed_are_never_listed(url: str, repository: Path) -> None:
+    """k is cut to the allowed tokens left once the banned are out, never padded with them."""
+    answer = _topk(url, "tied", allowed_token_ids=ALLOWED, banned_token_ids=[900, 3], k=5)
+    kept = [5, 17, 250]
+    logits = _logits(repository, "tied")[:, kept]
+    for row, result in enumerate(answer["results"]):
+        order = np.argsort(-logits[row])
+        assert result["token_ids"] == [kept[i] for i in order]
+        np.testing.assert_allclose(
+            result["logprobs"], log_softmax(logits[row])[order], rtol=RTOL, atol=ATOL
+        )
+
+
+def test_scoring_refuses_a_candidate_named_twice(url: str) -> None:
+    body = {
+        "hidden_states": HIDDEN[:1].tolist(),
+        "target_ids": [5],
+        "logprobs_over": "candidates",
+        "candidate_ids": [5, 17, 250, 250],
+    }
+    answer = httpx.post(f"{url}/v1/models/tied/score", json=body)
+    assert answer.status_code == 422, answer.text
+    assert "candidate_ids names token 250 twice" in answer.json()["error"]["message"]
 
 
 def test_rows_past_the_prefix_are_drawn_exactly_from_full_logits(

@@ -37,7 +37,7 @@ def test_broken_and_object_files_are_refused() -> None:
     good = _npy(np.arange(10, dtype=np.float32))
     for broken, why in (
         (good[:20], "reading array header"),
-        (good[:-4], "smaller than requested"),
+        (good[:-4], "does not match"),
         (b"not an npy file at all", "magic string"),
     ):
         with pytest.raises(ValueError, match=why):
@@ -46,6 +46,26 @@ def test_broken_and_object_files_are_refused() -> None:
     np.save(stream, np.array([{"a": 1}], dtype=object), allow_pickle=True)
     with pytest.raises(ValueError, match="object arrays"):
         read_npy(stream.getvalue())
+
+
+@pytest.mark.parametrize("version", [(1, 0), (2, 0), (3, 0)])
+def test_every_npy_version_is_read(version: tuple[int, int]) -> None:
+    array = np.arange(12, dtype=np.float32).reshape(3, 4)
+    stream = io.BytesIO()
+    np.lib.format.write_array(stream, array, version=version)
+    np.testing.assert_array_equal(read_npy(stream.getvalue()), array)
+
+
+def test_a_header_must_describe_the_data_exactly() -> None:
+    rows = np.zeros((2, 4), np.float32)
+    good = _npy(rows)
+    with pytest.raises(ValueError, match="does not match"):
+        read_npy(good + b"\0" * 4)  # a row more than the header says
+    stream = io.BytesIO()
+    header = {"descr": "<f4", "fortran_order": False, "shape": (-1, 4)}
+    np.lib.format.write_array_header_1_0(stream, header)
+    with pytest.raises(ValueError, match="negative dimension"):
+        read_npy(stream.getvalue() + rows.tobytes())
 
 
 def test_many_threads_parse_headers_at_once() -> None:

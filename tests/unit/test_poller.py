@@ -153,3 +153,24 @@ def test_started_empty_it_follows_only_the_models_asked_for(
         assert registry.record("evicted").state == "UNAVAILABLE"
 
     _run(repository, scenario, lazy=True)
+
+
+def test_version_directories_named_in_other_digits_are_ignored(
+    tmp_path: Path, table: npt.NDArray[np.float32]
+) -> None:
+    """ "²" and "٣" are digits to ``str.isdigit`` but not numbers to ``int``: a careless copy
+    named so is skipped by the load and by every scan, never a crash of either."""
+    repository = tmp_path / "models"
+    save_head(HeadWeights.from_arrays(table), repository / "head" / "1")
+    for name in ("\u00b2", "\u0663", "9" * 40):
+        save_head(HeadWeights.from_arrays(table * 2), repository / "head" / name)
+
+    async def scenario(registry: Registry, poller: RepositoryPoller) -> None:
+        assert registry.get("head").version == 1
+        assert registry.record("head").versions.keys() == {1}
+        save_head(HeadWeights.from_arrays(table * 3), repository / "head" / "2")
+        await poller.scan()
+        await poller.scan()
+        assert registry.get("head").version == 2
+
+    _run(repository, scenario)
