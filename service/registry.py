@@ -229,6 +229,7 @@ class Registry:
                 headers={"Retry-After": "1"},
             )
         if record is None:
+            _check_name(name)  # a name outside the pattern is 400, whatever the route
             known = ", ".join(sorted(self._records)) or "none"
             raise ModelNotFound(f"model {name[:64]!r} not found; models: {known}")
         if version is None:

@@ -20,6 +20,7 @@ import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 
 from service.codec import v2
+from service.codec.v2outputs import OutputPlan, select
 from service.codec.wire import VERSION
 from service.errors import InvalidInput
 from service.messages import HeadInfo, InferRequest, InferResult, Target
@@ -49,7 +50,7 @@ def parameters(mapping: Mapping[str, Any]) -> dict[str, Any]:
     return values
 
 
-def decode(request: Any) -> tuple[InferRequest, v2.OutputPlan]:
+def decode(request: Any) -> tuple[InferRequest, OutputPlan]:
     """The infer request as the data plane's message, plus the outputs to answer."""
     raw = list(request.raw_input_contents)
     if raw and len(raw) != len(request.inputs):
@@ -98,7 +99,7 @@ def _input(tensor: Any, raw: bytes | None) -> dict[str, Any]:
     return entry
 
 
-def encode(result: InferResult, plan: v2.OutputPlan) -> Any:
+def encode(result: InferResult, plan: OutputPlan) -> Any:
     """The answer: raw output contents (as Triton sends), or typed contents for every output."""
     response = pb.ModelInferResponse(
         model_name=result.head.name, model_version=str(result.head.version), id=plan.request_id
@@ -106,7 +107,7 @@ def encode(result: InferResult, plan: v2.OutputPlan) -> Any:
     response.parameters["tied"].bool_param = result.head.tied
     raw = all(output.binary for output in plan.outputs)
     for output in plan.outputs:
-        array = v2.select(output, result)
+        array = select(output, result)
         datatype = "BYTES" if array.dtype.kind in "OUS" else v2.datatype(array.dtype)
         tensor = response.outputs.add(name=output.name, datatype=datatype, shape=array.shape)
         if raw:

@@ -12,7 +12,6 @@ expected and what came, and never echoes data.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -21,14 +20,13 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from service.codec.v2params import (
-    SAMPLED_OUTPUTS,
-    flag,
-    number,
-    optional_int,
-    sampled_arrays,
-    vocabulary,
+from service.codec.v2outputs import (
+    PROJECTION_OUTPUTS,
+    OutputPlan,
+    requested_outputs,
+    select,
 )
+from service.codec.v2params import flag, mapping, number, optional_int, vocabulary
 from service.codec.wire import (
     VERSION,
     float_array,
@@ -40,7 +38,7 @@ from service.codec.wire import (
     target,
 )
 from service.errors import InvalidInput, MalformedBody
-from service.messages import HeadInfo, InferRequest, InferResult, Target, Tokens
+from service.messages import HeadInfo, InferRequest, InferResult, Target
 
 HEADER_LENGTH = "inference-header-content-length"
 DTYPES: dict[str, np.dtype[Any]] = {
@@ -51,32 +49,7 @@ DTYPES: dict[str, np.dtype[Any]] = {
     "INT32": np.dtype("<i4"),
 }
 INPUT_TYPES = {"hidden_states": ("FP32", "FP16"), "input_ids": ("INT64", "INT32")}
-PROJECTION_OUTPUTS = (
-    "topk_token_ids",
-    "topk_logits",
-    "topk_logprobs",
-    "logsumexp",
-    "logits",
-    *SAMPLED_OUTPUTS,
-)
-OUTPUTS = (*PROJECTION_OUTPUTS, "embeddings")
 MAX_RANK = 4
-
-
-@dataclass(frozen=True)
-class OutputRequest:
-    name: str
-    binary: bool
-    classification: int | None = None
-    k: int | None = None
-
-
-@dataclass(frozen=True)
-class OutputPlan:
-    """What the answer holds: the request id and the outputs, in order."""
-
-    request_id: str | None
-    outputs: list[OutputRequest] = field(default_factory=list)
 
 
 async def decode_http(request: Request, body_limit: int) -> tuple[InferRequest, OutputPlan]:
@@ -117,12 +90,10 @@ def decode_header(
 ) -> tuple[InferRequest, OutputPlan]:
     """The request once parsed: inputs (typed ``data`` or ``binary_data_size`` bytes of
     ``binary``), parameters and outputs. The gRPC front end builds the same header."""
-    parameters = _mapping(header.get("parameters"), "parameters")
+    parameters = mapping(header.get("parameters"), "parameters")
     inputs = _inputs(header.get("inputs"), binary, booleans)
-    default_binary = flag(parameters, "binary_data_output")
-    outputs = _outputs(header.get("outputs"), default_binary) or _default_outputs(
-        inputs, parameters, default_binary
-    )
+    binary_output = flag(parameters, "binary_data_output")
+    outputs = requested_outputs(header.get("outputs"), parameters, inputs, binary_output)
     names = {output.name for output in outputs}
     hidden = inputs.get("hidden_states")
     if names & set(PROJECTION_OUTPUTS) and hidden is None:
@@ -198,62 +169,6 @@ def model_metadata(head: HeadInfo, versions: list[int]) -> dict[str, Any]:
     }
 
 
-def select(output: OutputRequest, result: InferResult) -> npt.NDArray[Any]:
-    """The array one requested output carries."""
-    topk = result.topk
-    if output.name == "embeddings":
-        assert result.embeddings is not None
-        return result.embeddings
-    assert topk is not None
-    if output.classification is not None:
-        count = output.classification
-        return _classification(topk.logits[..., :count], topk.token_ids[..., :count], topk.tokens)
-    if output.name == "logits":
-        assert result.logits is not None
-        return result.logits
-    arrays: dict[str, npt.NDArray[Any] | None] = {
-        "topk_token_ids": topk.token_ids,
-        "topk_logits": topk.logits,
-        "topk_logprobs": topk.logprobs,
-        "logsumexp": topk.logsumexp,
-    }
-    arrays.update(sampled_arrays(topk))
-    array = arrays[output.name]
-    if array is None:
-        raise InvalidInput(f"output {output.name} needs the parameter sample")
-    return array[..., : output.k] if output.k is not None and output.name != "logsumexp" else array
-
-
-def _classification(
-    values: npt.NDArray[np.float32], ids: npt.NDArray[np.int64], tokens: Tokens | None
-) -> npt.NDArray[np.object_]:
-    """Triton's classification format: ``"value:index"`` or ``"value:index:label"``."""
-    rows = []
-    flat_values = values.reshape(-1, values.shape[-1]).tolist()
-    for row, id_row in enumerate(ids.reshape(-1, ids.shape[-1]).tolist()):
-        labels = tokens[row] if tokens is not None else [None] * len(id_row)
-        rows.append(
-            [
-                f"{value:f}:{index}" + (f":{label}" if label is not None else "")
-                for value, index, label in zip(flat_values[row], id_row, labels, strict=False)
-            ]
-        )
-    return np.array(rows, dtype=object).reshape(*ids.shape)
-
-
-def _default_outputs(
-    inputs: dict[str, npt.NDArray[Any]], parameters: dict[str, Any], binary: bool
-) -> list[OutputRequest]:
-    if "hidden_states" not in inputs:
-        return [OutputRequest("embeddings", binary)]
-    names = ["topk_token_ids", "topk_logits"]
-    if flag(parameters, "logprobs"):
-        names.append("topk_logprobs")
-    if parameters.get("sample") is not None:
-        names += SAMPLED_OUTPUTS
-    return [OutputRequest(name, binary) for name in names]
-
-
 def _split(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
     if header_length is None:
         return body, b""
@@ -263,14 +178,6 @@ def _split(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
     if length > len(body):
         raise MalformedBody(f"{HEADER_LENGTH} is {length} but the body has only {len(body)} bytes")
     return body[:length], body[length:]
-
-
-def _mapping(value: Any, where: str) -> dict[str, Any]:
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise InvalidInput(f"{where} must be a JSON object")
-    return value
 
 
 def _dimension(value: Any) -> bool:
@@ -292,6 +199,8 @@ def _inputs(entries: Any, binary: bytes, booleans: bool) -> dict[str, npt.NDArra
             raise InvalidInput(
                 f"unknown input {str(name)[:64]!r}; inputs: hidden_states, input_ids"
             )
+        if name in arrays:
+            raise InvalidInput(f"input {name} is given twice; give each input once")
         if datatype not in INPUT_TYPES[name]:
             raise InvalidInput(
                 f"input {name} must have datatype {' or '.join(INPUT_TYPES[name])}, "
@@ -306,7 +215,7 @@ def _inputs(entries: Any, binary: bytes, booleans: bool) -> dict[str, npt.NDArra
                 f"input {name} needs a shape of 1 to {MAX_RANK} non-negative integers below 2**31"
             )
         dtype = DTYPES[datatype]
-        size = _mapping(entry.get("parameters"), f"input {name} parameters").get("binary_data_size")
+        size = mapping(entry.get("parameters"), f"input {name} parameters").get("binary_data_size")
         if size is not None:
             array, offset = _binary_tensor(name, shape, dtype, size, binary, offset)
         else:
@@ -354,35 +263,6 @@ def _json_tensor(
             f"{field}: shape {shape} needs {math.prod(shape)} values, data has {array.size}"
         )
     return array.astype(dtype, copy=False).reshape(shape)
-
-
-def _outputs(entries: Any, default_binary: bool) -> list[OutputRequest]:
-    if entries is None:
-        return []
-    if not isinstance(entries, list):
-        raise InvalidInput("outputs must be a list of {name, parameters}")
-    requests = []
-    for entry in entries:
-        name = entry.get("name") if isinstance(entry, dict) else None
-        if name not in OUTPUTS:
-            raise InvalidInput(f"unknown output {str(name)[:64]!r}; outputs: {', '.join(OUTPUTS)}")
-        parameters = _mapping(entry.get("parameters"), f"output {name} parameters")
-        classification = _count(parameters, "classification", name)
-        if classification is not None and name != "logits":
-            raise InvalidInput("classification applies to the logits output only")
-        k = _count(parameters, "k", name)
-        binary = parameters.get("binary_data", default_binary)
-        if not isinstance(binary, bool):
-            raise InvalidInput(f"output {name}: binary_data must be true or false")
-        requests.append(OutputRequest(name, binary, classification, k))
-    return requests
-
-
-def _count(parameters: dict[str, Any], key: str, output: str) -> int | None:
-    value = parameters.get(key)
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        raise InvalidInput(f"output {output}: {key} must be an integer >= 1")
-    return value
 
 
 def datatype(dtype: np.dtype[Any]) -> str:

@@ -93,3 +93,12 @@ def number(parameters: dict[str, Any], name: str, default: float) -> float:
     if not isinstance(value, int | float) or isinstance(value, bool):
         raise InvalidInput(f"parameter {name} must be a number")
     return float(value)
+
+
+def mapping(value: Any, where: str) -> dict[str, Any]:
+    """An optional JSON object (``parameters`` of a request, an input or an output)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InvalidInput(f"{where} must be a JSON object")
+    return value

@@ -170,6 +170,11 @@ def test_names_that_could_escape_are_400(admin: httpx.Client, name: str) -> None
     v2 = admin.post(f"/v2/repository/models/{name}/load")
     assert v2.status_code == 400
     assert "invalid model name" in v2.json()["error"]
+    body = {"hidden_states": [[0.1] * D_MODEL]}
+    inference = admin.post(f"/v1/models/{name}/topk", json=body)
+    if inference.status_code != 404:  # a path the router does not take (".." and the like)
+        assert inference.status_code == 400, inference.text
+        assert inference.json()["error"]["code"] == "invalid_model_name"
 
 
 def test_a_symlink_out_of_the_repository_is_refused(

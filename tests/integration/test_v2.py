@@ -262,6 +262,13 @@ ERROR_CASES: list[tuple[str, str, bytes, dict[str, str], int]] = [
         400,
     ),
     (
+        "an input given twice",
+        "/v2/models/tied/infer",
+        json.dumps({"inputs": [_hidden_input(1, data=[0.5] * D_MODEL)] * 2}).encode(),
+        {},
+        400,
+    ),
+    (
         "header length of more digits than any body",
         "/v2/models/tied/infer",
         b'{"inputs": []}',
@@ -395,7 +402,7 @@ def test_a_header_length_in_other_digits_is_400(url: str) -> None:
 
 def test_json_outputs_cut_to_their_own_k(url: str, repository: Path) -> None:
     """Outputs narrower than the run's k are strided views of its answer; JSON writes them."""
-    body = {
+    body: dict[str, Any] = {
         "inputs": [_hidden_input(len(HIDDEN), data=HIDDEN.reshape(-1).tolist())],
         "outputs": [
             {"name": "topk_logprobs", "parameters": {"k": 1}},
@@ -415,6 +422,18 @@ def test_json_outputs_cut_to_their_own_k(url: str, repository: Path) -> None:
     )
     best = np.take_along_axis(log_softmax(logits), ids[:, :1], axis=1)[:, 0]
     np.testing.assert_allclose(outputs["topk_logprobs"]["data"], best, rtol=1e-4, atol=1e-4)
+    # The request's k holds for the outputs without their own, beside a wider classification.
+    body["parameters"] = {"k": 2}
+    body["outputs"] = [
+        {"name": "topk_token_ids"},
+        {"name": "logits", "parameters": {"classification": 3}},
+    ]
+    answer = httpx.post(f"{url}/v2/models/tied/infer", json=body)
+    assert answer.status_code == 200, answer.text
+    outputs = {output["name"]: output for output in answer.json()["outputs"]}
+    assert outputs["topk_token_ids"]["shape"] == [len(HIDDEN), 2]
+    assert outputs["topk_token_ids"]["data"] == ids[:, :2].reshape(-1).tolist()
+    assert outputs["logits"]["shape"] == [len(HIDDEN), 3]
 
 
 def test_binary_answer_layout(url: str, repository: Path) -> None:
