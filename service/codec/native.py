@@ -269,7 +269,12 @@ async def _hidden_and_options(
         array = parse_npy(body, HIDDEN)
         values = {k: _query_value(k, v) for k, v in request.query_params.items() if k != "version"}
         arrays = _id_lists(values, booleans=True)
-        return array, options(schema, values, strict=False), arrays
+        typed = {k: v for k, v in values.items() if k in JSON_QUERY}
+        opts = options(schema, {k: v for k, v in values.items() if k not in typed}, strict=False)
+        if typed:  # JSON text holds JSON types: checked as strictly as in a JSON body
+            checked = options(schema, typed)
+            opts = opts.model_copy(update={name: getattr(checked, name) for name in typed})
+        return array, opts, arrays
     return await off_loop(len(body), _json_hidden_and_options, body, schema)
 
 

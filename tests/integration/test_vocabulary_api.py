@@ -132,6 +132,29 @@ def test_greedy_sampling_is_the_argmax_and_npz_carries_draws(url: str, repositor
     np.testing.assert_array_equal(arrays["sampled_token_ids"], expected)
 
 
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        ("logit_bias", '{"5": "1"}', "logit_bias"),
+        ("sample", '{"seed": "12"}', "sample.seed"),
+    ],
+)
+def test_json_in_query_parameters_is_as_strict_as_a_json_body(
+    url: str, name: str, value: str, message: str
+) -> None:
+    """``k=2`` is text by nature; JSON text holds JSON types, so "1" is no number there."""
+    buffer = io.BytesIO()
+    np.save(buffer, HIDDEN)
+    answer = httpx.post(
+        f"{url}/v1/models/tied/topk",
+        params={"k": "2", name: value},
+        content=buffer.getvalue(),
+        headers={"content-type": "application/x-npy"},
+    )
+    assert answer.status_code == 422, answer.text
+    assert message in answer.json()["error"]["message"]
+
+
 def test_restricted_logits_are_the_columns_asked_for(url: str, repository: Path) -> None:
     answer = httpx.post(
         f"{url}/v1/models/untied/logits",
