@@ -55,7 +55,8 @@ from service.messages import (
 )
 from service.metrics import Metrics
 from service.plane import check_token
-from service.registry import ModelRecord, ModelState, Registry
+from service.records import ModelRecord, ModelState
+from service.registry import Registry
 from service.runtime import Projection
 from service.serving import Serving
 from service.settings import Settings

@@ -16,9 +16,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
-from enum import StrEnum
-from functools import cached_property
+from dataclasses import replace
 from typing import Any
 
 from service.allocator import trim_heap
@@ -27,6 +25,7 @@ from service.errors import InvalidModelName, ModelNotFound, ModelNotReady, Versi
 from service.limits import Limits
 from service.loaded_version import LoadedVersion, LoadOptions, VersionLoadError, load_version
 from service.metrics import Metrics
+from service.records import ModelRecord, ModelState
 from service.repository import (
     ModelSource,
     RepositoryError,
@@ -40,65 +39,6 @@ from service.settings import Settings
 
 logger = logging.getLogger("lmhead")
 MAX_REASON_CHARS = 500
-
-
-class ModelState(StrEnum):
-    LOADING = "LOADING"
-    READY = "READY"
-    FAILED = "FAILED"
-    UNAVAILABLE = "UNAVAILABLE"
-
-
-@dataclass(frozen=True)
-class ModelRecord:
-    """An immutable snapshot of one model; replaced whole, never edited."""
-
-    name: str
-    state: ModelState
-    reason: str = ""
-    versions: dict[int, LoadedVersion] = field(default_factory=dict)
-    failed: dict[int, str] = field(default_factory=dict)
-    pinned: int | None = None
-    notes: tuple[str, ...] = ()
-
-    @cached_property  # read on every request; the record never changes
-    def latest(self) -> LoadedVersion | None:
-        if self.pinned in self.versions:
-            return self.versions[self.pinned]
-        return self.versions[max(self.versions)] if self.versions else None
-
-    def describe(self) -> dict[str, Any]:
-        latest = self.latest
-        details = latest.describe() if latest else {}
-        details.pop("version", None)
-        return {
-            "name": self.name,
-            "state": self.state.value,
-            "reason": self.reason,
-            "versions": sorted(self.versions),
-            "served_version": latest.version if latest else None,
-            "pinned_version": self.pinned,
-            "failed_versions": {str(v): reason for v, reason in sorted(self.failed.items())},
-            "notes": list(self.notes),
-            **details,
-        }
-
-    def index_rows(self) -> list[dict[str, Any]]:
-        """Triton's repository index: one row per version (or one for the model)."""
-        rows = [
-            {"name": self.name, "version": str(v), "state": "READY", "reason": ""}
-            for v in sorted(self.versions)
-        ]
-        rows += [
-            {"name": self.name, "version": str(v), "state": "FAILED", "reason": reason}
-            for v, reason in sorted(self.failed.items())
-            if v not in self.versions
-        ]
-        if not rows:
-            rows.append(
-                {"name": self.name, "version": "", "state": self.state.value, "reason": self.reason}
-            )
-        return rows
 
 
 class Registry:
