@@ -17,6 +17,7 @@ never a random head.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,10 +65,7 @@ class Checkpoint:
         self.directory = Path(directory)
         if not self.directory.is_dir():
             raise CheckpointError(f"no checkpoint directory {self.directory}")
-        config_path = self.directory / "config.json"
-        self.config: dict[str, Any] = (
-            json.loads(config_path.read_text()) if config_path.is_file() else {}
-        )
+        self.config = _read_config(self.directory / "config.json")
         self._files = self._tensor_files()
 
     @property
@@ -118,7 +116,7 @@ class Checkpoint:
         if head is not None and head not in self._files:
             raise CheckpointError(f"no tensor {head!r}; the checkpoint has: {_listing(self.names)}")
         if head is None:
-            if self.config.get("tie_word_embeddings", True) is False:
+            if _flag(self.config, "tie_word_embeddings", True) is False:
                 raise CheckpointError(
                     "config.json says tie_word_embeddings: false but no head tensor was found "
                     f"(looked for {', '.join(HEAD_TENSORS)}); refusing to invent a random head"
@@ -131,14 +129,14 @@ class Checkpoint:
 
     def transforms(self, d_model: int) -> HeadTransforms:
         """Head transforms the config asks for (soft-cap, logit scale, T5's rescale)."""
-        softcap = self.config.get("final_logit_softcapping")
-        t5_tied = self.config.get("model_type") == "t5" and self.config.get(
-            "tie_word_embeddings", True
+        softcap = _number(self.config, "final_logit_softcapping")
+        t5_tied = self.config.get("model_type") == "t5" and _flag(
+            self.config, "tie_word_embeddings", True
         )
         return HeadTransforms(
             input_scale=d_model**-0.5 if t5_tied else 1.0,
-            logit_scale=float(self.config.get("logit_scale") or 1.0),
-            softcap=float(softcap) if softcap else None,
+            logit_scale=_number(self.config, "logit_scale") or 1.0,
+            softcap=softcap or None,
         )
 
     def bias(self) -> npt.NDArray[np.float32] | None:
@@ -194,3 +192,33 @@ def _first(candidates: tuple[str, ...], present: dict[str, Path]) -> str | None:
 def _listing(names: list[str]) -> str:
     shown = ", ".join(names[:40])
     return shown + (f", ... ({len(names)} in all)" if len(names) > 40 else "")
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    """``config.json`` as a JSON object (an empty one when the file is absent)."""
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"{path} is not valid JSON ({error})") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path} must hold a JSON object, got a {type(config).__name__}")
+    return config
+
+
+def _flag(config: dict[str, Any], key: str, default: bool) -> bool:
+    value = config.get(key, default)
+    if not isinstance(value, bool):
+        raise CheckpointError(f"config.json: {key} must be true or false, got {value!r:.40}")
+    return value
+
+
+def _number(config: dict[str, Any], key: str) -> float | None:
+    """A finite number from the config, or None when absent or null."""
+    value = config.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise CheckpointError(f"config.json: {key} must be a finite number, got {value!r:.40}")
+    return float(value)

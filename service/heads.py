@@ -46,6 +46,7 @@ NUMPY_DTYPES: dict[str, np.dtype[Any]] = {
 }
 #: Rows converted at a time when widening to float32, so no full float32 copy is held.
 WIDEN_ROWS = 4096
+FINITE_CHECK_ROWS = 4096  # rows checked for NaN/Inf at a time
 
 
 @dataclass(frozen=True)
@@ -141,7 +142,17 @@ def _as_weight(array: npt.ArrayLike, name: str, dtype: np.dtype[Any]) -> npt.NDA
         )
     if not (np.issubdtype(matrix.dtype, np.floating) or matrix.dtype == ml_dtypes.bfloat16):
         raise ValueError(f"{name} must have a floating dtype, got {matrix.dtype}")
-    return np.ascontiguousarray(matrix.astype(dtype, copy=False))
+    with np.errstate(over="ignore"):  # values beyond float16 become Inf, refused below
+        converted = np.ascontiguousarray(matrix.astype(dtype, copy=False))
+    for start in range(0, len(converted), FINITE_CHECK_ROWS):  # bounded scratch memory
+        finite = np.isfinite(converted[start : start + FINITE_CHECK_ROWS])
+        if not finite.all():
+            row = start + int(np.argwhere(~finite)[0][0])
+            raise ValueError(
+                f"{name} holds NaN or Inf (as {np.dtype(dtype).name}) in row {row}: a head of "
+                "it would answer NaN"
+            )
+    return converted
 
 
 def build_head(weights: HeadWeights) -> onnx.ModelProto:

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from service import __version__
 from service.checkpoints import CheckpointError
 from service.cli import commands
-from service.cli.errors import CommandError
+from service.cli.errors import CommandError, model_name, non_negative, positive, repository_path
 from service.demo import DemoSpec
 from service.errors import describe_validation_errors
 from service.inspect import HeadInspectionError
@@ -46,6 +46,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `lmhead ... | head`: the reader left; not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except Exception as error:  # anything else: one line, the traceback only when asked
+        if os.environ.get("LMHEAD_DEBUG"):
+            raise
+        where = "(LMHEAD_DEBUG=1 shows where)"
+        print(f"lmhead: {type(error).__name__}: {error} {where}", file=sys.stderr)
+        return 1
 
 
 def _parser(place: PlaceSettings) -> argparse.ArgumentParser:
@@ -56,7 +62,7 @@ def _parser(place: PlaceSettings) -> argparse.ArgumentParser:
     def repository(command: argparse.ArgumentParser) -> None:
         command.add_argument(
             "--repository",
-            type=Path,
+            type=repository_path,
             default=place.repository,
             help=f"model repository (default: LMHEAD_REPOSITORY, now {place.repository})",
         )
@@ -78,7 +84,7 @@ def _parser(place: PlaceSettings) -> argparse.ArgumentParser:
         )
         command.add_argument(
             "--block-size",
-            type=int,
+            type=positive,
             help=f"values per scale (default: {DEFAULT_BLOCK_SIZE[8]} for int8, "
             f"{DEFAULT_BLOCK_SIZE[4]} for int4)",
         )
@@ -95,9 +101,9 @@ def _parser(place: PlaceSettings) -> argparse.ArgumentParser:
 
     demo = subcommands.add_parser("demo", help="write the demo tied and untied heads")
     repository(demo)
-    demo.add_argument("--vocab-size", type=int, default=DemoSpec.vocab_size)
-    demo.add_argument("--d-model", type=int, default=DemoSpec.d_model)
-    demo.add_argument("--seed", type=int, default=DemoSpec.seed)
+    demo.add_argument("--vocab-size", type=positive, default=DemoSpec.vocab_size)
+    demo.add_argument("--d-model", type=positive, default=DemoSpec.d_model)
+    demo.add_argument("--seed", type=non_negative, default=DemoSpec.seed)
     demo.add_argument("--force", action="store_true", help="rewrite models that exist")
     dtype(demo)
     demo.set_defaults(handler=commands.demo)
@@ -132,9 +138,9 @@ def _parser(place: PlaceSettings) -> argparse.ArgumentParser:
 
     importer = subcommands.add_parser("import", help="make a head from a HF safetensors checkpoint")
     importer.add_argument("checkpoint", type=Path, help="directory with config.json, *.safetensors")
-    importer.add_argument("--name", required=True, help="model name in the repository")
+    importer.add_argument("--name", type=model_name, required=True, help="model name to write")
     repository(importer)
-    importer.add_argument("--version", type=int, help="default: the next free version")
+    importer.add_argument("--version", type=positive, help="default: the next free version")
     importer.add_argument("--embedding-tensor", help="override the input embedding tensor name")
     importer.add_argument("--head-tensor", help="override the output head tensor name")
     tying = importer.add_mutually_exclusive_group()
@@ -148,22 +154,22 @@ def _parser(place: PlaceSettings) -> argparse.ArgumentParser:
     quantize = subcommands.add_parser(
         "quantize", help="write a block-quantized copy of a head as a new version"
     )
-    quantize.add_argument("model", help="model name in the repository")
+    quantize.add_argument("model", type=model_name, help="model name in the repository")
     repository(quantize)
-    quantize.add_argument("--version", type=int, help="version to read (default: the newest)")
-    quantize.add_argument("--to-version", type=int, help="default: the next free version")
+    quantize.add_argument("--version", type=positive, help="version to read (default: the newest)")
+    quantize.add_argument("--to-version", type=positive, help="default: the next free version")
     quantization(quantize, required=True)
     quantize.set_defaults(handler=commands.quantize)
 
     trimming = subcommands.add_parser(
         "trim", help="write a head that keeps only some tokens (answers in original ids)"
     )
-    trimming.add_argument("model", help="model name in the repository")
+    trimming.add_argument("model", type=model_name, help="model name in the repository")
     trimming.add_argument("--keep", required=True, help="ids: FILE (.npy or text) or 0-31999,7")
-    trimming.add_argument("--name", required=True, help="model name for the trimmed head")
+    trimming.add_argument("--name", type=model_name, required=True, help="name of the trimmed head")
     repository(trimming)
-    trimming.add_argument("--version", type=int, help="version to read (default: the newest)")
-    trimming.add_argument("--to-version", type=int, help="default: the next free version")
+    trimming.add_argument("--version", type=positive, help="version to read (default: the newest)")
+    trimming.add_argument("--to-version", type=positive, help="default: the next free version")
     trimming.set_defaults(handler=commands.trim)
 
     versus = subcommands.add_parser(
@@ -173,7 +179,7 @@ def _parser(place: PlaceSettings) -> argparse.ArgumentParser:
     versus.add_argument("model_b")
     versus.add_argument("--hidden", type=Path, required=True, help=".npy of (rows, d_model)")
     versus.add_argument("--targets", type=Path, help=".npy of the real next token ids")
-    versus.add_argument("--k", type=int, default=10)
+    versus.add_argument("--k", type=positive, default=10)
     url(versus)
     repository(versus)
     versus.add_argument("--json", action="store_true")

@@ -142,7 +142,10 @@ def _token_ids(keep: str) -> npt.NDArray[np.int64]:
     path = Path(keep)
     if path.suffix == ".npy" and path.is_file():
         return np.asarray(np.load(path, allow_pickle=False)).reshape(-1).astype(np.int64)
-    text = path.read_text(encoding="utf-8") if path.is_file() else keep
+    try:
+        text = path.read_text(encoding="utf-8") if path.is_file() else keep
+    except UnicodeDecodeError:
+        raise CommandError(f"--keep: {keep[:200]} is no .npy and no text of ids") from None
     parts: list[npt.NDArray[np.int64]] = []
     for part in text.replace(",", " ").split():
         low, _, high = part.partition("-")

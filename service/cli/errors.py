@@ -1,5 +1,49 @@
-"""The one error a command raises on purpose: printed as ``lmhead: message``, exit 1."""
+"""The one error a command raises on purpose (printed as ``lmhead: message``, exit 1), and
+the argument types that refuse bad values before a command starts (argparse: exit 2)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from service.repository import is_valid_name
 
 
 class CommandError(Exception):
     """A command could not do its job for a reason the user can act on (no traceback)."""
+
+
+def positive(text: str) -> int:
+    """An integer >= 1 (versions, sizes, k, block sizes)."""
+    return _integer(text, 1)
+
+
+def non_negative(text: str) -> int:
+    return _integer(text, 0)
+
+
+def _integer(text: str, lowest: int) -> int:
+    if not (text.isascii() and text.lstrip("-").isdigit() and len(text) <= 18):
+        raise argparse.ArgumentTypeError(f"{text[:32]!r} is not an integer")
+    value = int(text)
+    if value < lowest:
+        raise argparse.ArgumentTypeError(f"{value} is below {lowest}")
+    return value
+
+
+def model_name(text: str) -> str:
+    """A model name the service serves (and that stays inside the repository)."""
+    if not is_valid_name(text):
+        raise argparse.ArgumentTypeError(
+            f"{text[:64]!r} is no model name: use letters, digits, '.', '_', '-' (starting with "
+            "a letter or digit)"
+        )
+    return text
+
+
+def repository_path(text: str) -> Path:
+    """A repository directory (created when missing; never an existing file)."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text[:200]} is not a directory")
+    return path

@@ -174,7 +174,10 @@ class Calls:
         return Call(method, path, _npy_bytes(array), headers, params)
 
     def _json(self, path: str, body: dict[str, Any]) -> Call:
-        content = json.dumps(body, default=_jsonable).encode()
+        try:  # Python writes NaN as a literal no JSON parser takes: say so here instead
+            content = json.dumps(body, default=_jsonable, allow_nan=False).encode()
+        except ValueError:
+            raise ValueError("a JSON body cannot carry NaN or Inf; this one holds one") from None
         return Call("POST", path, content, {"content-type": JSON, "accept": JSON})
 
 
@@ -238,7 +241,7 @@ def _query(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, int | float):
         return str(value)
-    return json.dumps(value, default=_jsonable)
+    return json.dumps(value, default=_jsonable, allow_nan=False)
 
 
 def _npy_bytes(array: Any) -> bytes:

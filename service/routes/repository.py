@@ -49,6 +49,15 @@ class LoadRequest(BaseModel):
     version: int | None = Field(default=None, ge=0)
 
 
+class UnloadRequest(BaseModel):
+    """Optional body of ``unload``: Triton's client sends ``{"parameters":
+    {"unload_dependents": ...}}`` (a head has no dependents); anything else is refused."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    parameters: dict[str, Any] | None = None
+
+
 LOAD_BODY = {
     "requestBody": {
         "required": False,
@@ -93,4 +102,6 @@ async def load(request: Request, plane: PlaneDep) -> dict[str, Any]:
 @router.post(**_control("unload", v2=False))
 async def unload(request: Request, plane: PlaneDep) -> dict[str, Any]:
     """Stop serving a model; answers once its versions are drained and released."""
+    body = await read_body(request, LOAD_BODY_LIMIT)
+    options(UnloadRequest, parse_json_object(body) if body.strip() else {})
     return await plane.unload(request.path_params["name"])

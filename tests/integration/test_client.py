@@ -93,6 +93,12 @@ def test_service_errors_come_back_as_their_classes(url: str) -> None:
             client.topk("nope", HIDDEN)
         with pytest.raises(Unauthorized):
             client.load("tied")
+        holes = HIDDEN.copy()
+        holes[0, 0] = np.nan
+        with pytest.raises(ValueError, match="cannot carry NaN or Inf"):  # said before sending
+            client.compare("tied", "untied", holes)
+        with pytest.raises(InvalidInput, match="NaN"):  # a .npy body carries it; the service
+            client.topk("tied", holes)  # says what is wrong with it
     with Client(url, token=TOKEN) as admin:
         assert admin.load("tied")["state"] == "READY"
 

@@ -132,6 +132,16 @@ def test_a_version_can_be_pinned(
         assert admin.post("/v2/repository/models/head/load").json()["served_version"] == 1
 
 
+def test_unload_with_a_body_it_does_not_understand_unloads_nothing(admin: httpx.Client) -> None:
+    body = {"hidden_states": [[0.5] * D_MODEL]}
+    for content in (b"xx", b'{"zzz": 1}', b"[1]"):
+        refused = admin.post("/v2/repository/models/head/unload", content=content)
+        assert refused.status_code == 400, refused.text
+        native = admin.post("/v1/repository/models/head/unload", content=content)
+        assert native.status_code in (400, 422), native.text
+        assert admin.post("/v1/models/head/topk", json=body).status_code == 200
+
+
 def test_unload_then_load_again(admin: httpx.Client) -> None:
     body = {"hidden_states": [[0.5] * D_MODEL]}
     unloaded = admin.post("/v1/repository/models/head/unload")

@@ -182,3 +182,78 @@ def test_cli_import(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "tied head, 300 x 16" in capsys.readouterr().out
     assert main([*args, "--version", "1"]) == 2
     assert "exists already" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ("{bad", "is not valid JSON"),
+        ("[1]", "must hold a JSON object"),
+        ('{"logit_scale": "abc"}', "logit_scale must be a finite number"),
+        ('{"logit_scale": 1e400}', "logit_scale must be a finite number"),  # json reads inf
+        ('{"final_logit_softcapping": true}', "final_logit_softcapping must be a finite"),
+        ('{"tie_word_embeddings": "false"}', "tie_word_embeddings must be true or false"),
+    ],
+)
+def test_a_config_of_the_wrong_kind_is_a_clear_error(
+    tmp_path: Path, config: str, message: str
+) -> None:
+    source = _checkpoint(tmp_path / "ckpt", {"model.embed_tokens.weight": _table()})
+    (source / "config.json").write_text(config)
+    with pytest.raises(CheckpointError, match=message):
+        import_checkpoint(source, tmp_path / "models", "head")
+    assert not (tmp_path / "models" / "head").exists()
+
+
+def test_weights_holding_nan_are_refused(tmp_path: Path) -> None:
+    table = _table()
+    table[7, 3] = np.nan
+    source = _checkpoint(tmp_path / "ckpt", {"model.embed_tokens.weight": table})
+    with pytest.raises(ValueError, match="NaN or Inf .* in row 7"):
+        import_checkpoint(source, tmp_path / "models", "head")
+    big = _table() * 1e6  # finite in float32, beyond float16's range
+    source = _checkpoint(tmp_path / "big", {"model.embed_tokens.weight": big})
+    with pytest.raises(ValueError, match=r"NaN or Inf \(as float16\)"):
+        import_checkpoint(source, tmp_path / "models", "half", ImportOptions(dtype="float16"))
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--name", "../outside"], "is no model name"),
+        (["--name", "bad name!"], "is no model name"),
+        (["--name", "ok", "--version", "-3"], "is below 1"),
+        (["--name", "ok", "--version", "0"], "is below 1"),
+        (["--name", "ok", "--block-size", "0", "--quantize", "int8"], "is below 1"),
+    ],
+)
+def test_cli_refuses_names_and_numbers_the_service_could_not_serve(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str
+) -> None:
+    source = _checkpoint(tmp_path / "ckpt", {"model.embed_tokens.weight": _table()})
+    with pytest.raises(SystemExit) as exit_info:
+        main(["import", str(source), "--repository", str(tmp_path / "models"), *extra])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "outside").exists()
+    assert not (tmp_path / "models").exists()
+
+
+def test_cli_errors_are_one_line_without_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Errors no command foresaw (a model file of garbage bytes) still print one line."""
+    garbage = tmp_path / "models" / "garbage" / "1"
+    garbage.mkdir(parents=True)
+    (garbage / "model.onnx").write_bytes(np.random.default_rng(0).bytes(5000))
+    args = ["quantize", "garbage", "--repository", str(tmp_path / "models"), "--quantize", "int8"]
+    assert main(args) in (1, 2)
+    err = capsys.readouterr().err
+    assert err.startswith("lmhead: "), err
+    assert err.count("\n") == 1, err
+    assert "Traceback" not in err
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a directory")
+    with pytest.raises(SystemExit):
+        main(["demo", "--repository", str(a_file)])
+    assert "is not a directory" in capsys.readouterr().err
