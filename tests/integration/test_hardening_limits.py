@@ -130,8 +130,10 @@ def test_memory_stays_within_the_documented_bound_under_hostile_load(
         with ThreadPoolExecutor(12) as clients:
             statuses = list(clients.map(send, range(36)))
         peak = peak_resident(server)
+        # Which requests of the storm got in is timing (3-12 of 36 here, 1 once in CI); that
+        # the budget came back whole is not: a request alone is served afterwards.
+        assert send(0) == 200
     assert set(statuses) <= {200, 503}
-    assert statuses.count(200) >= 2
     assert 503 in statuses  # the budget did refuse some
     bound = worst_case_extra_bytes(Settings(**settings))  # type: ignore[arg-type]
     print(f"\npeak - loaded: {(peak - models_loaded) / 2**20:.0f} MB, bound {bound / 2**20:.0f} MB")
