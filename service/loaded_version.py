@@ -333,5 +333,7 @@ def _warm(session: HeadSession) -> None:
     result = session.project(np.zeros((1, session.d_model), np.float32), k)
     if result.topk_token_ids.shape != (1, k) or result.logsumexp.shape != (1,):
         raise ValueError(f"warm-up returned shapes {result.topk_token_ids.shape}")
+    if not np.isfinite(result.logsumexp).all():  # 0 x NaN (or Inf) is NaN: any such weight
+        raise ValueError("the head answers NaN to a zero hidden state: its weights hold NaN/Inf")
     if session.embed(np.zeros(1, np.int64)).shape != (1, session.d_model):
         raise ValueError("warm-up embedding has the wrong shape")

@@ -18,6 +18,7 @@ import numpy.typing as npt
 import onnx
 import pytest
 
+from service.graph import EMBEDDING_WEIGHT
 from service.heads import HeadWeights, save_head
 from service.reference import top_k
 from service.repository import CONFIG_FILE, DATA_FILE, MODEL_FILE
@@ -121,6 +122,18 @@ def _bad_transforms(directory: Path, table: npt.NDArray[np.float32]) -> None:
     onnx.save(model, str(path))
 
 
+def _nan_weight(directory: Path, table: npt.NDArray[np.float32]) -> None:
+    """A head exported with one NaN in W (``lmhead import`` refuses such weights; another
+    exporter might not)."""
+    path = save_head(HeadWeights.from_arrays(table), directory)
+    model = onnx.load(str(path))
+    (weight,) = [i for i in model.graph.initializer if i.name == EMBEDDING_WEIGHT]
+    values = onnx.numpy_helper.to_array(weight).copy()
+    values[5, 2] = np.nan
+    weight.CopyFrom(onnx.numpy_helper.from_array(values, weight.name))
+    onnx.save(model, str(path))
+
+
 def test_models_that_could_not_serve_fail_at_load_with_the_reason(
     tmp_path: Path, table: npt.NDArray[np.float32]
 ) -> None:
@@ -128,6 +141,7 @@ def test_models_that_could_not_serve_fail_at_load_with_the_reason(
     _bad_transforms(root / "bad-metadata" / "1", table)
     save_head(HeadWeights.from_arrays(table), root / "big-k" / "1")
     (root / "big-k" / CONFIG_FILE).write_text(json.dumps({"default_k": 60}))
+    _nan_weight(root / "nan-weight" / "1", table)
     save_head(HeadWeights.from_arrays(table), root / "fine" / "1")
     with running_server(root, max_k="50") as url:
         models = {m["name"]: m for m in httpx.get(f"{url}/v1/models").json()["models"]}
@@ -135,6 +149,8 @@ def test_models_that_could_not_serve_fail_at_load_with_the_reason(
     assert "lmhead.transforms must be an object" in models["bad-metadata"]["reason"]
     assert models["big-k"]["state"] == "FAILED"
     assert "default_k 60 is above LMHEAD_MAX_K (50)" in models["big-k"]["reason"]
+    assert models["nan-weight"]["state"] == "FAILED"
+    assert "weights hold NaN/Inf" in models["nan-weight"]["reason"]
     assert models["fine"]["state"] == "READY"
 
 
