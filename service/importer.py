@@ -15,9 +15,10 @@ import numpy as np
 import numpy.typing as npt
 
 from service.checkpoints import Checkpoint, CheckpointError, tokenizer_tokens
+from service.digits import decimal
 from service.heads import HeadWeights, read_head, save_head
 from service.quantize import QuantSpec
-from service.repository import LABELS_FILE, MODEL_FILE, version_number
+from service.repository import LABELS_FILE, MODEL_FILE
 
 #: Above this the weights go to model.onnx.data: written straight from the numpy buffers (no
 #: protobuf copy, so the import peak stays near the checkpoint tensor plus its float32 copy)
@@ -143,7 +144,7 @@ def _tie_warning(table: npt.NDArray[np.float32], head: npt.NDArray[np.float32]) 
 
 
 def _version_dir(model_dir: Path, version: int | None) -> Path:
-    existing = [n for p in model_dir.glob("*") if (n := version_number(p.name)) is not None]
+    existing = [n for p in model_dir.glob("*") if (n := decimal(p.name)) is not None]
     number = version if version is not None else max(existing, default=0) + 1
     directory = model_dir / str(number)
     if directory.exists():
@@ -183,7 +184,7 @@ def quantize_version(
 
 def source_version(model_dir: Path, version: int | None) -> Path:
     """A model's version directory (the newest by default) that holds a head file."""
-    versions = sorted(n for p in model_dir.glob("*") if (n := version_number(p.name)) is not None)
+    versions = sorted(n for p in model_dir.glob("*") if (n := decimal(p.name)) is not None)
     if not versions:
         raise CheckpointError(f"no versions of {model_dir.name!r} in {model_dir.parent}")
     source = model_dir / str(version if version is not None else versions[-1])

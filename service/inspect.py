@@ -21,6 +21,7 @@ from typing import Any, Literal
 import numpy as np
 import onnx
 
+from service.digits import decimal
 from service.graph import HIDDEN_STATES, UNTIED_ON_PURPOSE
 from service.heads import stored_array
 from service.repository import MODEL_FILE
@@ -242,7 +243,7 @@ def _report(
         external_data=external,
         file_bytes=model_path.stat().st_size + data_bytes,
         transforms=_transforms(props.get("lmhead.transforms", "{}")),
-        format=_format_number(props.get("lmhead.format", "")),
+        format=decimal(props.get("lmhead.format", "")) or 0,
         untied_on_purpose=props.get(UNTIED_ON_PURPOSE) == "true",
         quantization=quantization,
     )
@@ -373,9 +374,3 @@ def _external_files(base_dir: Path, weights: dict[str, onnx.TensorProto]) -> set
         for entry in tensor.external_data
         if entry.key == "location"
     }
-
-
-def _format_number(text: str) -> int:
-    """The file's ``lmhead.format`` (0 when absent or not ASCII digits: ``"²"`` is a digit
-    to ``str.isdigit`` but not to ``int``)."""
-    return int(text) if text.isascii() and text.isdigit() and len(text) < 10 else 0

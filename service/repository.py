@@ -38,11 +38,11 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from service.digits import decimal
 from service.errors import describe_validation_errors
 from service.vocabulary import TokenSpace
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-VERSION_NAME = re.compile(r"[0-9]{1,18}")
 #: The repository's file names, defined here only.
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
@@ -168,19 +168,13 @@ def read_source(repository: Path, name: str) -> ModelSource:
     return ModelSource(name, config, ordered, files, config_signature)
 
 
-def version_number(name: str) -> int | None:
-    """A version directory's number: ASCII digits only (``str.isdigit`` takes "²", which
-    ``int`` refuses), at most 18 of them."""
-    return int(name) if VERSION_NAME.fullmatch(name) else None
-
-
 def version_dirs(directory: Path) -> dict[int, Path]:
     """A model directory's complete versions (a number and a model file), by number."""
     if not directory.is_dir():
         return {}
     versions: dict[int, Path] = {}
     for entry in directory.iterdir():
-        number = version_number(entry.name)
+        number = decimal(entry.name)  # "²" or 40 digits: not a version
         if number is not None and entry.is_dir() and (entry / MODEL_FILE).is_file():
             versions[number] = entry
     return dict(sorted(versions.items()))

@@ -12,6 +12,7 @@ import numpy.typing as npt
 
 from service.cli.errors import CommandError
 from service.demo import TIED_NAME, UNTIED_NAME, DemoSpec, write_demo_models
+from service.digits import decimal
 from service.graph import FORMAT
 from service.importer import ImportOptions, import_checkpoint, quantize_version
 from service.inspect import HeadReport, inspect_head
@@ -149,7 +150,7 @@ def _token_ids(keep: str) -> npt.NDArray[np.int64]:
     parts: list[npt.NDArray[np.int64]] = []
     for part in text.replace(",", " ").split():
         low, _, high = part.partition("-")
-        if not _decimal(low) or (high and not _decimal(high)):
+        if decimal(low) is None or (high and decimal(high) is None):
             raise CommandError(f"--keep: {part[:32]!r} is neither an id nor a range like 0-31999")
         first, last = int(low), int(high or low)
         if last >= MAX_TOKEN_ID:
@@ -248,8 +249,3 @@ def format_report(report: HeadReport) -> str:
     ]
     width = max(len(name) for name, _ in rows)
     return "\n".join([report.path] + [f"  {name:<{width}}  {value}" for name, value in rows])
-
-
-def _decimal(text: str) -> bool:
-    """ASCII digits only (``str.isdigit`` takes "²", which ``int`` refuses)."""
-    return text.isascii() and text.isdigit() and len(text) <= 18

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from service.digits import decimal
 from service.repository import is_valid_name
 
 
@@ -23,9 +24,10 @@ def non_negative(text: str) -> int:
 
 
 def _integer(text: str, lowest: int) -> int:
-    if not (text.isascii() and text.lstrip("-").isdigit() and len(text) <= 18):
+    magnitude = decimal(text.removeprefix("-"))
+    if magnitude is None:
         raise argparse.ArgumentTypeError(f"{text[:32]!r} is not an integer")
-    value = int(text)
+    value = -magnitude if text.startswith("-") else magnitude
     if value < lowest:
         raise argparse.ArgumentTypeError(f"{value} is below {lowest}")
     return value

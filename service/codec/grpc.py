@@ -21,7 +21,7 @@ from tritonclient.grpc import service_pb2 as pb
 
 from service.codec import v2
 from service.codec.v2outputs import OutputPlan, select
-from service.codec.wire import VERSION
+from service.digits import decimal
 from service.errors import InvalidInput
 from service.messages import HeadInfo, InferRequest, InferResult, Target
 
@@ -36,9 +36,10 @@ CONTENTS = {
 
 def target(name: str, version: str) -> Target:
     """``model_name`` and ``model_version`` ("" = the served version)."""
-    if version and not VERSION.fullmatch(version):
+    number = decimal(version) if version else None
+    if version and number is None:
         raise InvalidInput(f"model_version must be a non-negative integer, got {version[:32]!r}")
-    return Target(name, int(version) if version else None)
+    return Target(name, number)
 
 
 def parameters(mapping: Mapping[str, Any]) -> dict[str, Any]:

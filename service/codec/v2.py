@@ -28,7 +28,6 @@ from service.codec.v2outputs import (
 )
 from service.codec.v2params import flag, mapping, number, optional_int, vocabulary
 from service.codec.wire import (
-    VERSION,
     float_array,
     header,
     int_array,
@@ -37,6 +36,7 @@ from service.codec.wire import (
     read_body,
     target,
 )
+from service.digits import decimal
 from service.errors import InvalidInput, MalformedBody
 from service.messages import HeadInfo, InferRequest, InferResult, Target
 
@@ -172,9 +172,9 @@ def model_metadata(head: HeadInfo, versions: list[int]) -> dict[str, Any]:
 def _split(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
     if header_length is None:
         return body, b""
-    if not VERSION.fullmatch(header_length):  # ASCII digits: isdigit() takes "²"
+    length = decimal(header_length)
+    if length is None:
         raise MalformedBody(f"{HEADER_LENGTH} must be a byte count, got {header_length[:32]!r}")
-    length = int(header_length)
     if length > len(body):
         raise MalformedBody(f"{HEADER_LENGTH} is {length} but the body has only {len(body)} bytes")
     return body[:length], body[length:]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import io
-import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
@@ -20,6 +19,7 @@ import orjson
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 
+from service.digits import decimal
 from service.errors import (
     InvalidInput,
     MalformedBody,
@@ -35,7 +35,6 @@ from service.npyio import read_npy
 JSON = "application/json"
 NPY = "application/x-npy"
 NPZ = "application/x-npz"
-VERSION = re.compile(r"[0-9]{1,18}")  # ASCII digits only: str.isdigit() takes "²"
 MAX_DEPTH = 8  # the deepest array an endpoint takes is 3-D; numpy is never shown more
 #: Parsing or encoding more than this runs in a worker thread, off the event loop.
 OFFLOAD_BYTES = 1 << 20
@@ -70,16 +69,18 @@ def target(request: Request) -> Target:
     raw = params.get("version")
     if raw is None and request.scope["query_string"]:  # parsing an empty query costs ~10 us
         raw = request.query_params.get("version")
-    if raw is not None and not VERSION.fullmatch(raw):
+    version = None if raw is None else decimal(raw)
+    if raw is not None and version is None:
         raise InvalidInput(f"version must be a non-negative integer, got {raw[:32]!r}")
-    return Target(params["name"], None if raw is None else int(raw))
+    return Target(params["name"], version)
 
 
 async def read_body(request: Request, limit: int) -> bytes:
     """The body, refused with 413 as soon as it is known to exceed ``limit`` bytes."""
     declared = header(request, b"content-length")
-    if declared is not None and VERSION.fullmatch(declared) and int(declared) > limit:
-        raise PayloadTooLarge(f"request body is {int(declared)} bytes; the limit is {limit}")
+    size = None if declared is None else decimal(declared)
+    if size is not None and size > limit:
+        raise PayloadTooLarge(f"request body is {size} bytes; the limit is {limit}")
     chunks, size = [], 0
     while True:  # the ASGI messages themselves: Request.stream() costs more for one chunk
         message = await request.receive()
