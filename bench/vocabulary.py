@@ -29,10 +29,11 @@ import numpy as np
 import numpy.typing as npt
 
 from bench.machine import describe_machine
+from service.allocator import peak_resident_bytes, reset_peak
 from service.heads import HeadWeights, save_head
 from service.layout import Placement, open_head
 from service.limits import Limits
-from service.memory import peak_resident_bytes, reset_peak, resident_bytes
+from service.memory import resident_bytes
 from service.runtime import HeadSession
 from service.scoring import score_rows
 from service.trim import trim_version

@@ -1,4 +1,5 @@
-"""glibc allocator settings every lmhead process applies (no-ops elsewhere).
+"""glibc allocator settings every lmhead process applies (no-ops elsewhere), and the
+resident high-water mark the memory measurements read (Linux).
 
 Kept apart from ``service.memory`` (the footprint measurements) so a front process, which
 holds no head, applies them without importing onnxruntime.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+from pathlib import Path
 
 
 def trim_heap() -> None:
@@ -42,3 +44,16 @@ def _glibc() -> ctypes.CDLL | None:
     except OSError:
         return None
     return libc if hasattr(libc, "mallopt") else None
+
+
+def reset_peak() -> None:
+    """Reset this process's resident high-water mark (VmHWM) to its current RSS (Linux)."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def peak_resident_bytes(pid: int | str = "self") -> int:
+    """A process's resident high-water mark since start or ``reset_peak`` (Linux)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")

@@ -14,12 +14,11 @@ import resource
 import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 
 import numpy as np
 import psutil
 
-from service.allocator import settle_allocator, trim_heap
+from service.allocator import peak_resident_bytes, reset_peak, settle_allocator, trim_heap
 from service.heads import HeadWeights, save_head
 from service.inspect import inspect_head
 from service.layout import Placement, open_head
@@ -122,19 +121,6 @@ def _scoring_peak(session: HeadSession, positions: int) -> tuple[int, int]:
     for start in range(0, positions, step):
         session.score(hidden[start : start + step], targets[start : start + step], 10)
     return step, peak_resident_bytes() - before
-
-
-def reset_peak() -> None:
-    """Reset this process's resident high-water mark (VmHWM) to its current RSS (Linux)."""
-    Path("/proc/self/clear_refs").write_text("5")
-
-
-def peak_resident_bytes() -> int:
-    """This process's resident high-water mark since start or ``reset_peak`` (Linux)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -24,6 +24,8 @@ from typing import IO, TypeVar
 import httpx
 import psutil
 
+from service.allocator import peak_resident_bytes
+
 READY_DEADLINE_S = 60.0
 POLL_INTERVAL_S = 0.05
 
@@ -58,10 +60,7 @@ def server_process(url: str) -> psutil.Process:
 
 def peak_resident(process: psutil.Process) -> int:
     """VmHWM: the peak resident set of a process so far, in bytes."""
-    status = Path(f"/proc/{process.pid}/status").read_text()
-    match = re.search(r"^VmHWM:\s+(\d+) kB", status, re.MULTILINE)
-    assert match is not None, "no VmHWM in /proc (Linux only)"
-    return int(match.group(1)) * 1024
+    return peak_resident_bytes(process.pid)
 
 
 def anonymous_peak(process: psutil.Process, action: Callable[[], T]) -> tuple[T, int]:

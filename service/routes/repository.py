@@ -93,8 +93,7 @@ def _control(action: str, v2: bool) -> dict[str, Any]:
 @router.post(**_control("load", v2=False))
 async def load(request: Request, plane: PlaneDep) -> dict[str, Any]:
     """Load or reload a model from the repository; body ``{"version": N}`` pins a version."""
-    body = await read_body(request, LOAD_BODY_LIMIT)
-    pin: LoadRequest = options(LoadRequest, parse_json_object(body) if body.strip() else {})
+    pin: LoadRequest = await _body(request, LoadRequest)
     return await plane.load(request.path_params["name"], pin.version)
 
 
@@ -102,6 +101,11 @@ async def load(request: Request, plane: PlaneDep) -> dict[str, Any]:
 @router.post(**_control("unload", v2=False))
 async def unload(request: Request, plane: PlaneDep) -> dict[str, Any]:
     """Stop serving a model; answers once its versions are drained and released."""
-    body = await read_body(request, LOAD_BODY_LIMIT)
-    options(UnloadRequest, parse_json_object(body) if body.strip() else {})
+    await _body(request, UnloadRequest)
     return await plane.unload(request.path_params["name"])
+
+
+async def _body(request: Request, schema: type[BaseModel]) -> Any:
+    """The optional JSON body of a control call, checked (an empty body: the defaults)."""
+    body = await read_body(request, LOAD_BODY_LIMIT)
+    return options(schema, parse_json_object(body) if body.strip() else {})
