@@ -8,7 +8,10 @@ here: 2 ms on a 24 ms run of 64 rows). It also stops waiting once the batch hold
 requests as the previous one: closed-loop clients (each waits for its answer before sending
 again) are then all back, and waiting longer would only add ``max_wait`` to every cycle.
 The merged run happens in the inference executor, never on the event loop. While it runs,
-new requests queue up, so under load the next batch fills without waiting at all. The
+new requests queue up, so under load the next batch fills without waiting at all; and when a
+run ends with requests queued, their run starts before the finished batch is answered (the
+answers wake the callers' processes, and onnxruntime should not wait for them: measured here,
+the run was in flight 95% of the time under load before, 100% after). The
 results are split back per request: k is the batch's largest k (top-k is sorted, so each
 request keeps its first k columns) and the graph takes one temperature per row, so requests
 with different options still share a run.
@@ -93,7 +96,8 @@ class Batcher:
         self._last_batch_requests = 0
         self._queued_rows = 0
         self._task: asyncio.Task[None] | None = None
-        self._running: asyncio.Future[None] | None = None
+        self._running: asyncio.Future[_Started | None] | None = None
+        self._closing = False
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop(), name=self._label)
@@ -136,12 +140,15 @@ class Batcher:
         return future
 
     async def close(self) -> None:
-        """Stop taking batches; the running batch finishes, requests still queued are failed."""
+        """Stop taking batches; started runs finish and deliver, requests still queued fail."""
+        self._closing = True  # a run ending now starts no other
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         if self._running is not None:
-            await asyncio.gather(self._running, return_exceptions=True)
+            (upcoming,) = await asyncio.gather(self._running, return_exceptions=True)
+            if isinstance(upcoming, _Started):  # started before the close, not yet awaited
+                await self._finish(upcoming)
         pending = self._collecting + ([self._carry] if self._carry else [])
         self._collecting, self._carry = [], None
         while not self._queue.empty():
@@ -151,13 +158,14 @@ class Batcher:
                 item.future.set_exception(ModelNotReady(f"{self._label} was unloaded"))
 
     async def _loop(self) -> None:
+        started: _Started | None = None
         while True:
-            batch = await self._collect()
-            self._collecting = []
-            self._queued_rows -= sum(len(item.rows) for item in batch)
+            if started is None:
+                started = self._start(await self._collect())
+                self._collecting = []
             # Shielded: closing the batcher stops the loop but lets a started run deliver.
-            self._running = asyncio.ensure_future(self._execute(batch))
-            await asyncio.shield(self._running)
+            self._running = asyncio.ensure_future(self._finish(started))
+            started = await asyncio.shield(self._running)
 
     async def _collect(self) -> list[_Pending]:
         """Gather the next batch; ``_collecting`` holds it so ``close`` can fail it."""
@@ -182,6 +190,22 @@ class Batcher:
             rows += len(item.rows)
         return batch
 
+    def _queued_now(self) -> list[_Pending]:
+        """The next batch from what is queued already, without waiting (empty if nothing is)."""
+        batch: list[_Pending] = []
+        rows = 0
+        while self._carry is not None or not self._queue.empty():
+            item = self._carry or self._queue.get_nowait()
+            self._carry = None
+            if batch and rows + len(item.rows) > self._limits.max_batch_rows:
+                self._carry = item
+                break
+            batch.append(item)
+            rows += len(item.rows)
+            if not self._limits.merge:
+                break
+        return batch
+
     async def _next_before(self, deadline: float) -> _Pending | None:
         if not self._queue.empty():
             return self._queue.get_nowait()
@@ -193,27 +217,41 @@ class Batcher:
         except TimeoutError:
             return None
 
-    async def _execute(self, batch: list[_Pending]) -> None:
-        started = time.monotonic()
+    def _start(self, batch: list[_Pending]) -> _Started:
+        """Hand a batch's merged rows to the inference executor (the run starts at once)."""
+        self._queued_rows -= sum(len(item.rows) for item in batch)
         self._last_batch_requests = len(batch)
         rows = batch[0].rows if len(batch) == 1 else np.concatenate([p.rows for p in batch])
-        k = max(item.k for item in batch)
-        full_logits = any(item.full_logits for item in batch)
         temperature = np.repeat(
             np.array([item.temperature for item in batch], np.float32),
             [len(item.rows) for item in batch],
         )
-        loop = asyncio.get_running_loop()
-        failed = False
+        run = asyncio.get_running_loop().run_in_executor(
+            self._executor,
+            self._run,
+            rows,
+            max(item.k for item in batch),
+            any(item.full_logits for item in batch),
+            temperature,
+        )
+        return _Started(batch, len(rows), run)
+
+    async def _finish(self, started: _Started) -> _Started | None:
+        """Wait for a run, start the next one if requests are queued, then answer the callers.
+
+        The next run starts before the answers go out: answering wakes the callers' processes
+        (the fronts, the clients), and onnxruntime should not wait for them to run."""
+        batch = started.batch
         try:
-            result = await loop.run_in_executor(
-                self._executor, self._run, rows, k, full_logits, temperature
-            )
+            result = await started.run
         except Exception:
             logger.exception(
-                "inference failed for %s on a batch of %d rows", self._label, len(rows)
+                "inference failed for %s on a batch of %d rows", self._label, started.rows
             )
-            failed = True
+            result = None
+        following = [] if self._closing else self._queued_now()
+        upcoming = self._start(following) if following else None
+        if result is None:
             for item in batch:
                 if not item.future.done():
                     item.future.set_exception(
@@ -223,13 +261,24 @@ class Batcher:
             _deliver(batch, result)
         self._on_batch(
             BatchStats(
-                rows=len(rows),
+                rows=started.rows,
                 requests=len(batch),
-                queue_seconds=[started - item.enqueued for item in batch],
-                run_seconds=time.monotonic() - started,
-                failed=failed,
+                queue_seconds=[started.at - item.enqueued for item in batch],
+                run_seconds=time.monotonic() - started.at,
+                failed=result is None,
             )
         )
+        return upcoming
+
+
+@dataclass
+class _Started:
+    """A batch whose run is in the inference executor."""
+
+    batch: list[_Pending]
+    rows: int
+    run: asyncio.Future[Projection]
+    at: float = field(default_factory=time.monotonic)
 
 
 def _deliver(batch: list[_Pending], result: Projection) -> None:

@@ -11,6 +11,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -241,3 +242,39 @@ def test_requests_at_other_temperatures_share_a_run_and_keep_their_own(tied_path
         np.testing.assert_array_equal(result.topk_token_ids, alone.topk_token_ids)
         np.testing.assert_allclose(result.topk_logits, alone.topk_logits, rtol=1e-5)
         np.testing.assert_allclose(result.logsumexp, alone.logsumexp, rtol=1e-5)
+
+
+class CountingExecutor(ThreadPoolExecutor):
+    """Counts the runs handed to it."""
+
+    def __init__(self) -> None:
+        super().__init__(1)
+        self.submitted = 0
+
+    def submit(self, *args: Any, **kwargs: Any) -> Any:
+        self.submitted += 1
+        return super().submit(*args, **kwargs)
+
+
+def test_the_next_run_starts_before_the_last_batch_is_answered(tied_path: Path) -> None:
+    """Answering wakes the callers (fronts, clients): the queued batch's run goes first, so
+    onnxruntime does not sit idle while they run."""
+    run = GatedRun(HeadSession(tied_path, tied=True))
+
+    async def main() -> tuple[int, list[int]]:
+        with CountingExecutor() as executor:
+            batcher = Batcher(run, executor, BatchLimits(max_batch_rows=1), label="t/1")
+            batcher.start()
+            first = batcher.enqueue(_rows(1, 0), 3)
+            await run.wait_started()
+            second = batcher.enqueue(_rows(1, 1), 3)
+            run.gate.set()
+            await first
+            submitted_when_answered = executor.submitted
+            await second
+            await batcher.close()
+            return submitted_when_answered, run.calls
+
+    submitted_when_answered, calls = asyncio.run(main())
+    assert submitted_when_answered == 2
+    assert calls == [1, 1]
