@@ -106,6 +106,11 @@ class Batcher:
     def queued_rows(self) -> int:
         return self._queued_rows
 
+    @property
+    def room(self) -> int:
+        """Rows that may still be queued before requests are refused (``QueueFull``)."""
+        return self._limits.max_queue_rows - self._queued_rows
+
     async def submit(
         self,
         rows: npt.NDArray[np.float32],

@@ -9,7 +9,8 @@ and encode the result. This module alone owns the inference rules:
   request materialises (``/logits``, score, compare and shadow alike), via ``Limits``;
 * shadow sampling, and the replay of sampled rows on the shadow head;
 * per-call metrics by model, version, verb and outcome;
-* the control API's rules: who may load and unload, and when.
+* the control API's rules: who may load and unload, and when (``service.control``);
+* top-k calls that differ only in their rows served as one (``topk_group``, ``service.grouping``).
 
 Nothing here knows HTTP: errors are ``ServiceError`` subclasses that each front end maps once.
 """
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
@@ -26,12 +27,12 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from service import compare, distribution, scoring
+from service import compare, distribution, grouping, scoring
+from service.control import ControlAPI
 from service.errors import (
-    Forbidden,
     InvalidInput,
-    ModelLoadFailed,
     ModelNotReady,
+    ServiceError,
 )
 from service.limits import LOGIT_BYTES, Limits, MemoryBudget, Reservation, charge
 from service.loaded_version import LoadedVersion
@@ -54,8 +55,6 @@ from service.messages import (
     VocabularyOptions,
 )
 from service.metrics import Metrics
-from service.plane import check_token
-from service.records import ModelRecord, ModelState
 from service.registry import Registry
 from service.runtime import Projection
 from service.serving import Serving
@@ -69,12 +68,11 @@ SHADOW_CLOSE_S = 2.0
 ANSWER_COPIES = 4
 
 
-class DataPlane:
+class DataPlane(ControlAPI):
     """Inference and control for every front end; see the module docstring."""
 
     def __init__(self, registry: Registry, settings: Settings, metrics: Metrics) -> None:
-        self._registry = registry
-        self._settings = settings
+        super().__init__(registry, settings)
         self._limits = Limits.from_settings(settings)
         self._budget = MemoryBudget(self._limits.max_inflight_bytes)
         self._metrics = metrics
@@ -93,10 +91,16 @@ class DataPlane:
         await self._shadow.settle()
 
     @contextmanager
-    def admit(self) -> Iterator[Reservation]:
-        """Front ends: hold one request's memory (body, logits, answer) until answered."""
-        with self._metrics.requests_in_flight.track_inprogress(), self._budget.request() as held:
-            yield held
+    def admit(self, calls: int = 1) -> Iterator[Reservation]:
+        """Front ends: hold a request's memory (body, logits, answer) until answered (or that
+        of ``calls`` requests served together, counted in flight each)."""
+        in_flight = self._metrics.requests_in_flight
+        in_flight.inc(calls)
+        try:
+            with self._budget.request() as held:
+                yield held
+        finally:
+            in_flight.dec(calls)
 
     def reserve(self) -> AbstractContextManager[Reservation]:
         """The engine process, per forwarded metadata or control call: the memory it holds
@@ -129,16 +133,56 @@ class DataPlane:
     # -- inference --------------------------------------------------------------------------
 
     async def topk(self, request: TopKRequest) -> TopKResult:
-        with self._serving("topk", request.target) as (model,):
-            hidden = self._limits.hidden_states(request.hidden_states, model.d_model)
-            k = self._limits.k(request.k, model.default_k)
-            temperature = self._limits.temperature(request.temperature)
-            if request.vocabulary is not None:
-                return await self._shaped(
-                    model, hidden, k, temperature, request.vocabulary, request.tokens
-                )
-            projection = await self._project(model, hidden, k, temperature, full_logits=False)
-            return self._topk_result(model, projection, request.logprobs, request.tokens)
+        if request.vocabulary is not None:
+            return await self._shaped_topk(request, request.vocabulary)
+        (outcome,) = await self.topk_group([request])
+        if isinstance(outcome, ServiceError):
+            raise outcome
+        return outcome
+
+    async def topk_group(self, requests: Sequence[TopKRequest]) -> list[TopKResult | ServiceError]:
+        """``topk`` for calls that differ only in their rows (same target, k, temperature and
+        answer options; no vocabulary options), as one: one lookup and lease, one projection
+        of every row that passes its checks. Each call keeps its own answer or error, and its
+        own metrics. The engine process serves the calls a front sends together this way: per
+        call, ``topk``'s own bookkeeping costs more than a one-row run of a small head."""
+        first = requests[0]
+        answers: list[TopKResult | ServiceError | None] = [None] * len(requests)
+        serving = Serving(self._registry, self._metrics, "topk", (first.target,), len(requests))
+        try:
+            with serving as (model,):
+                kept = grouping.checked_rows(self._limits, self._metrics, model, requests, answers)
+                serving.calls = len(kept)
+                k = self._limits.k(first.k, model.default_k)
+                temperature = self._limits.temperature(first.temperature)
+                rows = sum(math.prod(hidden.shape[:-1]) for _, hidden in kept)
+                outcomes: list[TopKResult | ServiceError] = []
+                if len(kept) > 1 and rows > model.queue_room():
+                    serving.calls = 0  # each call is queued, or refused, alone: as it would be
+                    calls = [requests[index] for index, _ in kept]
+                    outcomes = await grouping.one_by_one(self.topk, calls)
+                elif kept:
+                    outcomes = list(await self._grouped(model, kept, k, temperature, first))
+                for (index, _), outcome in zip(kept, outcomes, strict=True):
+                    answers[index] = outcome
+        except ServiceError as error:
+            return [error if answer is None else answer for answer in answers]
+        return [answer for answer in answers if answer is not None]
+
+    async def _grouped(
+        self,
+        model: LoadedVersion,
+        kept: list[tuple[int, npt.NDArray[np.float32]]],
+        k: int,
+        temperature: float,
+        options: TopKRequest,
+    ) -> Iterator[TopKResult]:
+        """One projection of the calls' rows together, split back into one result per call."""
+        flat = [hidden.reshape(-1, model.d_model) for _, hidden in kept]
+        rows = flat[0] if len(flat) == 1 else np.concatenate(flat)
+        projection = await self._project(model, rows, k, temperature, full_logits=False)
+        parts = grouping.split(projection, [hidden.shape[:-1] for _, hidden in kept])
+        return (self._topk_result(model, part, options.logprobs, options.tokens) for part in parts)
 
     async def logits(self, request: LogitsRequest) -> LogitsResult:
         with self._serving("logits", request.target) as (model,):
@@ -252,39 +296,6 @@ class DataPlane:
                     block["speed_rows"] = SPEED_ROWS
             return CompareResult(agreement, blocks, wins)
 
-    # -- control ----------------------------------------------------------------------------
-
-    def authorize(self, presented: str | None) -> None:
-        """The control API needs the admin token when one is set (constant-time compare)."""
-        token = self._settings.admin_token
-        check_token(None if token is None else token.get_secret_value(), presented)
-
-    async def index(self) -> list[dict[str, Any]]:
-        return self._registry.index()
-
-    async def load(self, name: str, version: int | None = None) -> dict[str, Any]:
-        """(Re)load a model, or pin one version; the old version serves until the new one is
-        published, and keeps serving if the load fails (then ``ModelLoadFailed``)."""
-        self._check_writable()
-        record = await self._registry.load(name, version)
-        if record.state is not ModelState.READY or record.reason:
-            raise ModelLoadFailed(
-                f"loading {name!r} failed: {record.reason}"
-                + ("; the previous version keeps serving" if record.versions else "")
-            )
-        return record.describe()
-
-    async def unload(self, name: str) -> dict[str, Any]:
-        self._check_writable()
-        record: ModelRecord = await self._registry.unload(name)
-        return record.describe()
-
-    def _check_writable(self) -> None:
-        if self._settings.read_only:
-            raise Forbidden("the service is read-only (LMHEAD_READ_ONLY); load/unload are disabled")
-        if self._settings.control_mode == "none":
-            raise Forbidden("LMHEAD_CONTROL_MODE is none; load/unload are disabled")
-
     # -- the rules' helpers -----------------------------------------------------------------
 
     def _serving(self, verb: str, *targets: Target) -> Serving:
@@ -314,6 +325,13 @@ class DataPlane:
             assert projection.logits is not None
             self._shadow.submit(model, hidden, projection.logits, temperature)
         return projection
+
+    async def _shaped_topk(self, request: TopKRequest, options: VocabularyOptions) -> TopKResult:
+        with self._serving("topk", request.target) as (model,):
+            hidden = self._limits.hidden_states(request.hidden_states, model.d_model)
+            k = self._limits.k(request.k, model.default_k)
+            temperature = self._limits.temperature(request.temperature)
+            return await self._shaped(model, hidden, k, temperature, options, request.tokens)
 
     async def _shaped(
         self,

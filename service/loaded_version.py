@@ -167,6 +167,11 @@ class LoadedVersion:
         if self.batcher is not None:
             await self.batcher.close()
 
+    def queue_room(self) -> int:
+        """Rows this version may still queue before its requests are refused."""
+        assert self.batcher is not None, "start() the version before serving it"
+        return self.batcher.room
+
     async def project(
         self,
         hidden: npt.NDArray[np.float32],

@@ -193,9 +193,9 @@ class Metrics:
         self._http: dict[tuple[str, int], tuple[Counter, Histogram]] = {}
 
     def observe_call(
-        self, model: str, version: str, verb: str, outcome: str, seconds: float
+        self, model: str, version: str, verb: str, outcome: str, seconds: float, calls: int = 1
     ) -> None:
-        """Count and time one data-plane call (hot path)."""
+        """Count and time data-plane calls that took ``seconds`` together (hot path)."""
         key = (model, version, verb, outcome)
         children = self._calls.get(key)
         if children is None:
@@ -204,8 +204,11 @@ class Metrics:
                 self.request_duration.labels(model, verb),
             )
             self._calls[key] = children
-        children[0].inc()
-        children[1].observe(seconds)
+        if calls <= 0:
+            return
+        children[0].inc(calls)
+        for _ in range(calls):
+            children[1].observe(seconds)
 
     def observe_http(self, endpoint: str, status: int, seconds: float) -> None:
         """Count and time one HTTP request by route template (hot path)."""

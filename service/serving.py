@@ -18,10 +18,17 @@ class Serving:
     """
 
     def __init__(
-        self, registry: Registry, metrics: Metrics, verb: str, targets: tuple[Target, ...]
+        self,
+        registry: Registry,
+        metrics: Metrics,
+        verb: str,
+        targets: tuple[Target, ...],
+        calls: int = 1,
     ) -> None:
         self._registry, self._metrics = registry, metrics
         self._verb, self._targets = verb, targets
+        #: Calls this context serves together (``DataPlane.topk_group``); each is recorded.
+        self.calls = calls
         self._heads: list[LoadedVersion] = []
         self._started = perf_counter()
 
@@ -51,4 +58,5 @@ class Serving:
             self._verb,
             outcome,
             perf_counter() - self._started,
+            self.calls,
         )

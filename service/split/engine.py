@@ -20,12 +20,15 @@ import pickle
 import signal
 import socket
 import struct
+from collections.abc import Coroutine, Hashable
 from multiprocessing.synchronize import Event
 from typing import Any
 
 from service.dataplane import DataPlane
 from service.engine import running_engine
 from service.errors import ServiceError
+from service.grouping import group_key
+from service.messages import TopKRequest
 from service.metrics import Metrics
 from service.plane import REMOTE_CALLS
 from service.settings import Settings
@@ -41,6 +44,8 @@ from service.split.processes import become
 logger = logging.getLogger("lmhead")
 #: Calls counted in ``lmhead_requests_in_flight`` (metadata and control calls are not).
 INFERENCE_CALLS = frozenset({"topk", "logits", "embed", "infer", "score", "compare"})
+#: The outcome of a call that raised something other than a ``ServiceError`` (a bug).
+FAILED = object()
 INTERNAL: tuple[str, str, dict[str, str]] = (
     "internal_error",
     "the engine failed on this request (see its log)",
@@ -59,27 +64,64 @@ class FrontConnection(FrameProtocol):
     def on_frame(self, released: list[int], messages: list[Any], block: int | None) -> None:
         for offset in released:
             self.outgoing.free(offset)
-        loop = asyncio.get_running_loop()
+        groups: dict[Hashable, list[tuple[int, TopKRequest]]] = {}
         for _, call_id, method, arguments in messages:
-            task = loop.create_task(self._answer(call_id, method, arguments))
-            self.calls.add(task)
-            task.add_done_callback(self.calls.discard)
+            key = group_key(method, arguments)
+            if key is None:
+                self._spawn(self._answer(call_id, method, arguments))
+            else:
+                groups.setdefault(key, []).append((call_id, arguments[0]))
+        for members in groups.values():
+            if len(members) == 1:
+                call_id, request = members[0]
+                self._spawn(self._answer(call_id, "topk", (request,)))
+            else:
+                self._spawn(self._answer_group(members))
+
+    def _spawn(self, answering: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(answering)
+        self.calls.add(task)
+        task.add_done_callback(self.calls.discard)
+
+    async def _answer_group(self, members: list[tuple[int, TopKRequest]]) -> None:
+        """Top-k calls that differ only in their rows, served as one (``topk_group``)."""
+        outcomes: list[Any]
+        try:
+            with self._plane.admit(len(members)):
+                outcomes = await self._plane.topk_group([request for _, request in members])
+        except Exception:
+            logger.exception("engine call topk failed for %d grouped calls", len(members))
+            outcomes = [FAILED] * len(members)
+        for (call_id, _), outcome in zip(members, outcomes, strict=True):
+            self._reply(_message(call_id, outcome))
 
     async def _answer(self, call_id: int, method: str, arguments: tuple[Any, ...]) -> None:
+        outcome: Any
         try:
             if method not in REMOTE_CALLS:
                 raise ServiceError(f"the engine has no call {method!r}")
             hold = self._plane.admit if method in INFERENCE_CALLS else self._plane.reserve
             with hold():
-                result = await getattr(self._plane, method)(*arguments)
-            message: tuple[Any, ...] = ("ok", call_id, result)
+                outcome = await getattr(self._plane, method)(*arguments)
         except ServiceError as error:
-            message = ("error", call_id, (error.code, error.message, error.headers))
+            outcome = error
         except Exception:
             logger.exception("engine call %s failed", method)
-            message = ("error", call_id, INTERNAL)
+            outcome = FAILED
+        self._reply(_message(call_id, outcome))
+
+    def _reply(self, message: tuple[Any, ...]) -> None:
         with contextlib.suppress(ConnectionError):  # the front is gone: nobody to answer
             self.post(message)  # with the other answers of this turn, in one frame
+
+
+def _message(call_id: int, outcome: Any) -> tuple[Any, ...]:
+    """The answer to one call: its result, its error, or the engine's own failure."""
+    if isinstance(outcome, ServiceError):
+        return ("error", call_id, (outcome.code, outcome.message, outcome.headers))
+    if outcome is FAILED:
+        return ("error", call_id, INTERNAL)
+    return ("ok", call_id, outcome)
 
 
 class EngineServer:

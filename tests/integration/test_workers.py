@@ -10,6 +10,7 @@ memory behind.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -205,6 +206,41 @@ def test_metrics_sum_over_every_process(two: str) -> None:
     http_after = metric(two, "lmhead_http_requests_total", endpoint="/v1/models/{name}/topk")
     assert (after - before, http_after - http_before) == (12, 12)
     assert metric(two, "lmhead_model_loaded", model="tied") == 1
+    assert metric(two, "lmhead_requests_in_flight") == 0
+
+
+def test_concurrent_calls_each_get_their_own_answer_or_error(two: str, repository: Path) -> None:
+    """Calls a front sends the engine together are served as one where they can be: each
+    still gets its own rows' answer, or its own 422, and its own metric."""
+    rows = np.random.default_rng(21).standard_normal((4, D_MODEL)).astype(np.float32)
+    bodies: list[dict[str, object]] = [{"hidden_states": [row.tolist()], "k": 4} for row in rows]
+    bodies.insert(1, {"hidden_states": [[1e39] + [0.0] * (D_MODEL - 1)], "k": 4})
+    bodies.insert(3, {"hidden_states": [[0.5] * (D_MODEL - 1)], "k": 4})
+    labels = {"model": "untied", "verb": "topk"}
+    before = {
+        o: metric(two, "lmhead_requests_total", outcome=o, **labels)
+        for o in ("ok", "invalid_input")
+    }
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(
+            base_url=two, limits=httpx.Limits(max_connections=8)
+        ) as client:
+            path = "/v1/models/untied/topk"
+            return list(await asyncio.gather(*(client.post(path, json=body) for body in bodies)))
+
+    answers = asyncio.run(burst())
+    assert [answer.status_code for answer in answers] == [200, 422, 200, 422, 200, 200]
+    assert "NaN, Inf or null" in answers[1].json()["error"]["message"]
+    assert f"d_model={D_MODEL}" in answers[3].json()["error"]["message"]
+    ids = top_k(reference_logits(repository / "untied" / "1", rows), 4)[1]
+    served = [a.json()["results"][0]["token_ids"] for a in answers if a.status_code == 200]
+    np.testing.assert_array_equal(np.array(served), ids)
+    after = {
+        o: metric(two, "lmhead_requests_total", outcome=o, **labels)
+        for o in ("ok", "invalid_input")
+    }
+    assert {o: after[o] - before[o] for o in after} == {"ok": 4, "invalid_input": 2}
     assert metric(two, "lmhead_requests_in_flight") == 0
 
 

@@ -29,6 +29,7 @@ from service.errors import (
     InvalidInput,
     ModelNotFound,
     PayloadTooLarge,
+    ServiceError,
     Unauthorized,
     VersionNotFound,
 )
@@ -307,3 +308,79 @@ def test_control_api_guards(repository: Path) -> None:
         assert (await plane.topk(TopKRequest(TIED, _hidden(1)))).head.version == 1
 
     _run(_settings(repository, read_only=True), read_only)
+
+
+@pytest.mark.parametrize("target", [TIED, UNTIED])
+def test_topk_calls_served_as_one_keep_their_own_answers_errors_and_metrics(
+    repository: Path, target: Target
+) -> None:
+    """``topk_group`` (the engine's path for the calls a front sends together) answers each
+    call as ``topk`` would alone: its rows' numbers, its own error, one metric per call."""
+    nan = _hidden(1, seed=9)
+    nan[0, 3] = np.nan
+    hiddens: list[npt.NDArray[Any]] = [
+        _hidden(1, seed=1),
+        nan,
+        _hidden(6, seed=2).reshape(2, 3, D_MODEL),
+        _hidden(1, seed=3)[:, :-1],  # wrong d_model
+        _hidden(65, seed=4),  # over max_rows
+        _hidden(4, seed=5),
+    ]
+    requests = [TopKRequest(target, h, k=5, temperature=0.7, logprobs=True) for h in hiddens]
+
+    async def scenario(plane: DataPlane, metrics: Metrics) -> list[Any]:
+        grouped = await plane.topk_group(requests)
+        await plane.shadow_settled()
+        labels = {"model": target.model, "version": "1", "verb": "topk"}
+        registry = metrics.registry
+        assert _sample(registry, "lmhead_requests_total", outcome="ok", **labels) == 3
+        assert _sample(registry, "lmhead_requests_total", outcome="invalid_input", **labels) == 2
+        assert (
+            _sample(registry, "lmhead_requests_total", outcome="payload_too_large", **labels) == 1
+        )
+        count = _sample(
+            registry, "lmhead_request_duration_seconds_count", model=target.model, verb="topk"
+        )
+        assert count == 6
+        alone: list[Any] = []
+        for request in requests:
+            try:
+                alone.append(await plane.topk(request))
+            except ServiceError as error:
+                alone.append(error)
+        return list(zip(grouped, alone, strict=True))
+
+    pairs = _run(_settings(repository), scenario)
+    for hidden, (grouped, alone) in zip(hiddens, pairs, strict=True):
+        if isinstance(alone, ServiceError):
+            assert type(grouped) is type(alone)
+            assert grouped.message == alone.message
+            continue
+        logits = reference_logits(repository / target.model / "1", hidden) / 0.7
+        values, ids = top_k(logits, 5)
+        np.testing.assert_array_equal(grouped.token_ids, ids)
+        np.testing.assert_allclose(grouped.logits, values, rtol=1e-4, atol=1e-4)
+        expected = np.take_along_axis(log_softmax(logits), ids, axis=-1)
+        np.testing.assert_allclose(grouped.logprobs, expected, rtol=1e-4, atol=1e-4)
+        assert grouped.logsumexp.shape == hidden.shape[:-1]
+        np.testing.assert_array_equal(grouped.token_ids, alone.token_ids)
+    assert [type(grouped).__name__ for grouped, _ in pairs] == [
+        "TopKResult",
+        "InvalidInput",
+        "TopKResult",
+        "InvalidInput",
+        "PayloadTooLarge",
+        "TopKResult",
+    ]
+
+
+def test_topk_calls_served_as_one_share_a_lookup_or_argument_error(repository: Path) -> None:
+    async def scenario(plane: DataPlane, _: Metrics) -> list[list[Any]]:
+        unknown = [TopKRequest(Target("nope"), _hidden(1)) for _ in range(3)]
+        bad_k = [TopKRequest(TIED, _hidden(1, seed=i), k=0) for i in range(3)]
+        return [await plane.topk_group(unknown), await plane.topk_group(bad_k)]
+
+    unknown, bad_k = _run(_settings(repository), scenario)
+    assert all(isinstance(outcome, ModelNotFound) for outcome in unknown)
+    assert all(isinstance(outcome, InvalidInput) for outcome in bad_k)
+    assert "k must be between 1 and 50" in bad_k[0].message

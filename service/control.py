@@ -1,0 +1,51 @@
+"""The control API's rules: who may load and unload models, and when (``DataPlane`` inherits
+them; every front end's control routes call them through the data plane)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from service.errors import Forbidden, ModelLoadFailed
+from service.plane import check_token
+from service.records import ModelRecord, ModelState
+from service.registry import Registry
+from service.settings import Settings
+
+
+class ControlAPI:
+    """Load, unload and the repository index, behind the admin token and the read-only modes."""
+
+    def __init__(self, registry: Registry, settings: Settings) -> None:
+        self._registry = registry
+        self._settings = settings
+
+    def authorize(self, presented: str | None) -> None:
+        """The control API needs the admin token when one is set (constant-time compare)."""
+        token = self._settings.admin_token
+        check_token(None if token is None else token.get_secret_value(), presented)
+
+    async def index(self) -> list[dict[str, Any]]:
+        return self._registry.index()
+
+    async def load(self, name: str, version: int | None = None) -> dict[str, Any]:
+        """(Re)load a model, or pin one version; the old version serves until the new one is
+        published, and keeps serving if the load fails (then ``ModelLoadFailed``)."""
+        self._check_writable()
+        record = await self._registry.load(name, version)
+        if record.state is not ModelState.READY or record.reason:
+            raise ModelLoadFailed(
+                f"loading {name!r} failed: {record.reason}"
+                + ("; the previous version keeps serving" if record.versions else "")
+            )
+        return record.describe()
+
+    async def unload(self, name: str) -> dict[str, Any]:
+        self._check_writable()
+        record: ModelRecord = await self._registry.unload(name)
+        return record.describe()
+
+    def _check_writable(self) -> None:
+        if self._settings.read_only:
+            raise Forbidden("the service is read-only (LMHEAD_READ_ONLY); load/unload are disabled")
+        if self._settings.control_mode == "none":
+            raise Forbidden("LMHEAD_CONTROL_MODE is none; load/unload are disabled")
