@@ -133,19 +133,24 @@ class DataPlane(ControlAPI):
     # -- inference --------------------------------------------------------------------------
 
     async def topk(self, request: TopKRequest) -> TopKResult:
-        if request.vocabulary is not None:
-            return await self._shaped_topk(request, request.vocabulary)
-        (outcome,) = await self.topk_group([request])
-        if isinstance(outcome, ServiceError):
-            raise outcome
-        return outcome
+        with self._serving("topk", request.target) as (model,):
+            hidden = self._limits.hidden_states(request.hidden_states, model.d_model)
+            k = self._limits.k(request.k, model.default_k)
+            temperature = self._limits.temperature(request.temperature)
+            if request.vocabulary is not None:
+                return await self._shaped(
+                    model, hidden, k, temperature, request.vocabulary, request.tokens
+                )
+            projection = await self._project(model, hidden, k, temperature, full_logits=False)
+            return self._topk_result(model, projection, request.logprobs, request.tokens)
 
     async def topk_group(self, requests: Sequence[TopKRequest]) -> list[TopKResult | ServiceError]:
         """``topk`` for calls that differ only in their rows (same target, k, temperature and
         answer options; no vocabulary options), as one: one lookup and lease, one projection
         of every row that passes its checks. Each call keeps its own answer or error, and its
         own metrics. The engine process serves the calls a front sends together this way: per
-        call, ``topk``'s own bookkeeping costs more than a one-row run of a small head."""
+        call, ``topk``'s own bookkeeping costs more than a one-row run of a small head. The
+        rules are ``topk``'s, in its order (rows, then k, then temperature)."""
         first = requests[0]
         answers: list[TopKResult | ServiceError | None] = [None] * len(requests)
         serving = Serving(self._registry, self._metrics, "topk", (first.target,), len(requests))
@@ -155,14 +160,13 @@ class DataPlane(ControlAPI):
                 serving.calls = len(kept)
                 k = self._limits.k(first.k, model.default_k)
                 temperature = self._limits.temperature(first.temperature)
-                rows = sum(math.prod(hidden.shape[:-1]) for _, hidden in kept)
                 outcomes: list[TopKResult | ServiceError] = []
-                if len(kept) > 1 and rows > model.queue_room():
+                if len(kept) > 1 and grouping.rows(kept) > model.queue_room():
                     serving.calls = 0  # each call is queued, or refused, alone: as it would be
                     calls = [requests[index] for index, _ in kept]
                     outcomes = await grouping.one_by_one(self.topk, calls)
                 elif kept:
-                    outcomes = list(await self._grouped(model, kept, k, temperature, first))
+                    outcomes = await self._grouped(model, kept, k, temperature, first)
                 for (index, _), outcome in zip(kept, outcomes, strict=True):
                     answers[index] = outcome
         except ServiceError as error:
@@ -172,17 +176,16 @@ class DataPlane(ControlAPI):
     async def _grouped(
         self,
         model: LoadedVersion,
-        kept: list[tuple[int, npt.NDArray[np.float32]]],
+        kept: list[grouping.Kept],
         k: int,
         temperature: float,
         options: TopKRequest,
-    ) -> Iterator[TopKResult]:
+    ) -> list[TopKResult | ServiceError]:
         """One projection of the calls' rows together, split back into one result per call."""
-        flat = [hidden.reshape(-1, model.d_model) for _, hidden in kept]
-        rows = flat[0] if len(flat) == 1 else np.concatenate(flat)
+        rows = np.concatenate([hidden.reshape(-1, model.d_model) for _, hidden in kept])
         projection = await self._project(model, rows, k, temperature, full_logits=False)
         parts = grouping.split(projection, [hidden.shape[:-1] for _, hidden in kept])
-        return (self._topk_result(model, part, options.logprobs, options.tokens) for part in parts)
+        return [self._topk_result(model, part, options.logprobs, options.tokens) for part in parts]
 
     async def logits(self, request: LogitsRequest) -> LogitsResult:
         with self._serving("logits", request.target) as (model,):
@@ -325,13 +328,6 @@ class DataPlane(ControlAPI):
             assert projection.logits is not None
             self._shadow.submit(model, hidden, projection.logits, temperature)
         return projection
-
-    async def _shaped_topk(self, request: TopKRequest, options: VocabularyOptions) -> TopKResult:
-        with self._serving("topk", request.target) as (model,):
-            hidden = self._limits.hidden_states(request.hidden_states, model.d_model)
-            k = self._limits.k(request.k, model.default_k)
-            temperature = self._limits.temperature(request.temperature)
-            return await self._shaped(model, hidden, k, temperature, options, request.tokens)
 
     async def _shaped(
         self,

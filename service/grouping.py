@@ -60,6 +60,11 @@ def checked_rows(
     return kept
 
 
+def rows(kept: list[Kept]) -> int:
+    """The rows of the kept calls together."""
+    return sum(math.prod(hidden.shape[:-1]) for _, hidden in kept)
+
+
 def split(projection: Projection, shapes: list[tuple[int, ...]]) -> Iterator[Projection]:
     """The (rows, k) projection of concatenated calls, back in one part per call, each with
     its call's leading dims."""
