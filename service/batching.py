@@ -108,8 +108,9 @@ class Batcher:
 
     @property
     def room(self) -> int:
-        """Rows that may still be queued before requests are refused (``QueueFull``)."""
-        return self._limits.max_queue_rows - self._queued_rows
+        """Rows one more entry may hold and still be queued (not ``QueueFull``) and run in
+        one batch (not alone, as a larger request does)."""
+        return min(self._limits.max_queue_rows - self._queued_rows, self._limits.max_batch_rows)
 
     async def submit(
         self,

@@ -161,8 +161,8 @@ class DataPlane(ControlAPI):
                 k = self._limits.k(first.k, model.default_k)
                 temperature = self._limits.temperature(first.temperature)
                 outcomes: list[TopKResult | ServiceError] = []
-                if len(kept) > 1 and grouping.rows(kept) > model.queue_room():
-                    serving.calls = 0  # each call is queued, or refused, alone: as it would be
+                if len(kept) > 1 and grouping.rows(kept) > model.group_room():
+                    serving.calls = 0  # each call is queued (or refused) and batched alone
                     calls = [requests[index] for index, _ in kept]
                     outcomes = await grouping.one_by_one(self.topk, calls)
                 elif kept:

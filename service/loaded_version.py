@@ -167,8 +167,9 @@ class LoadedVersion:
         if self.batcher is not None:
             await self.batcher.close()
 
-    def queue_room(self) -> int:
-        """Rows this version may still queue before its requests are refused."""
+    def group_room(self) -> int:
+        """Rows calls served as one may hold (``DataPlane.topk_group``): what the queue takes
+        now, and one batch."""
         assert self.batcher is not None, "start() the version before serving it"
         return self.batcher.room
 
