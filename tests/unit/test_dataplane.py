@@ -46,6 +46,7 @@ from service.messages import (
 from service.metrics import Metrics
 from service.reference import log_softmax, top_k
 from service.registry import Registry
+from service.repository import LABELS_FILE
 from service.settings import Settings
 from tests.conftest import D_MODEL, VOCAB, reference_logits
 
@@ -406,3 +407,19 @@ def test_topk_calls_too_many_rows_for_one_batch_are_queued_one_by_one(repository
     for hidden, outcome in zip(hiddens, outcomes, strict=True):
         logits = reference_logits(repository / "untied" / "1", hidden)
         np.testing.assert_array_equal(outcome.token_ids, top_k(logits, 3)[1])
+
+
+def test_tokens_come_from_the_labels_file_and_are_none_past_it(repository: Path) -> None:
+    """A labels file may stop short of the vocabulary (padded heads): those ids get None."""
+    labels = [f"t{i}" for i in range(VOCAB - 100)]
+    (repository / "untied" / "1" / LABELS_FILE).write_text("\n".join(labels) + "\n")
+    hidden = _hidden(3, seed=6)
+
+    async def scenario(plane: DataPlane, _: Metrics) -> Any:
+        return await plane.topk(TopKRequest(UNTIED, hidden, k=VOCAB, tokens=True))
+
+    result = _run(_settings(repository, max_k=VOCAB), scenario)
+    assert result.tokens is not None
+    for ids, tokens in zip(result.token_ids.tolist(), result.tokens, strict=True):
+        assert tokens == [labels[i] if i < len(labels) else None for i in ids]
+    assert any(token is None for token in result.tokens[0])
