@@ -108,9 +108,12 @@ class Batcher:
 
     @property
     def room(self) -> int:
-        """Rows one more entry may hold and still be queued (not ``QueueFull``) and run in
-        one batch (not alone, as a larger request does)."""
-        return min(self._limits.max_queue_rows - self._queued_rows, self._limits.max_batch_rows)
+        """Rows one more entry (calls served as one) may hold: what the queue still takes (not
+        ``QueueFull``), and half a batch. Entries of at most half a batch pack batches at
+        least half full; a full-batch entry queued behind a half-batch one runs as two
+        half-empty runs (measured: 64-row calls from 16 clients, 122 rows per run, not 128)."""
+        half = max(1, self._limits.max_batch_rows // 2)
+        return min(self._limits.max_queue_rows - self._queued_rows, half)
 
     async def submit(
         self,

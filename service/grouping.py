@@ -7,9 +7,9 @@ entry, one result split back. Per call, ``topk``'s own bookkeeping (lookup, leas
 metrics, a batcher future, a task) costs more than a one-row run of a small head: measured
 on 2 cores, 64 one-row JSON clients through two fronts, the engine's event loop spent 100 us
 per call alone and 60 us grouped. Each call still gets its own checks, answer or error, and
-metrics; when the group's rows would not fit in one batch, or the queue cannot take them at
-once, the calls are queued one by one, so each is batched, let in or refused as it would be
-alone.
+metrics; when the group's rows pass half a batch (``Batcher.room``), or the queue cannot take
+them at once, the calls are queued one by one, so each is batched, let in or refused as it
+would be alone.
 """
 
 from __future__ import annotations

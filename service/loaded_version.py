@@ -173,7 +173,7 @@ class LoadedVersion:
 
     def group_room(self) -> int:
         """Rows calls served as one may hold (``DataPlane.topk_group``): what the queue takes
-        now, and one batch."""
+        now, and half a batch (``Batcher.room``)."""
         assert self.batcher is not None, "start() the version before serving it"
         return self.batcher.room
 
