@@ -98,6 +98,7 @@ class Batcher:
         self._task: asyncio.Task[None] | None = None
         self._running: asyncio.Future[_Started | None] | None = None
         self._closing = False
+        self._closed: asyncio.Future[None] | None = None
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop(), name=self._label)
@@ -112,6 +113,8 @@ class Batcher:
         ``QueueFull``), and half a batch. Entries of at most half a batch pack batches at
         least half full; a full-batch entry queued behind a half-batch one runs as two
         half-empty runs (measured: 64-row calls from 16 clients, 122 rows per run, not 128)."""
+        if not self._limits.merge:  # batching off: every call runs alone
+            return 0
         half = max(1, self._limits.max_batch_rows // 2)
         return min(self._limits.max_queue_rows - self._queued_rows, half)
 
@@ -149,7 +152,13 @@ class Batcher:
         return future
 
     async def close(self) -> None:
-        """Stop taking batches; started runs finish and deliver, requests still queued fail."""
+        """Stop taking batches; started runs finish and deliver, requests still queued fail.
+        Concurrent calls share one closing (shielded: a cancelled caller does not stop it)."""
+        if self._closed is None:
+            self._closed = asyncio.ensure_future(self._close())
+        await asyncio.shield(self._closed)
+
+    async def _close(self) -> None:
         self._closing = True  # a run ending now starts no other
         if self._task is not None:
             self._task.cancel()
@@ -260,23 +269,23 @@ class Batcher:
             result = None
         following = [] if self._closing else self._queued_now()
         upcoming = self._start(following) if following else None
-        if result is None:
-            for item in batch:
-                if not item.future.done():
-                    item.future.set_exception(
-                        InferenceFailed(f"inference failed for {self._label}; see the server log")
-                    )
-        else:
-            _deliver(batch, result)
-        self._on_batch(
-            BatchStats(
-                rows=started.rows,
-                requests=len(batch),
-                queue_seconds=[started.at - item.enqueued for item in batch],
-                run_seconds=time.monotonic() - started.at,
-                failed=result is None,
+        try:  # whatever happens here, the run just started is handed on (never lost)
+            if result is None:
+                _fail(batch, self._label)
+            else:
+                _deliver(batch, result)
+            self._on_batch(
+                BatchStats(
+                    rows=started.rows,
+                    requests=len(batch),
+                    queue_seconds=[started.at - item.enqueued for item in batch],
+                    run_seconds=time.monotonic() - started.at,
+                    failed=result is None,
+                )
             )
-        )
+        except Exception:
+            logger.exception("answering a batch of %s failed", self._label)
+            _fail(batch, self._label)
         return upcoming
 
 
@@ -288,6 +297,14 @@ class _Started:
     rows: int
     run: asyncio.Future[Projection]
     at: float = field(default_factory=time.monotonic)
+
+
+def _fail(batch: list[_Pending], label: str) -> None:
+    for item in batch:
+        if not item.future.done():
+            item.future.set_exception(
+                InferenceFailed(f"inference failed for {label}; see the server log")
+            )
 
 
 def _deliver(batch: list[_Pending], result: Projection) -> None:

@@ -1,11 +1,13 @@
-"""The control API's rules: who may load and unload models, and when (``DataPlane`` inherits
-them; every front end's control routes call them through the data plane)."""
+"""The calls that read or change what is loaded: readiness, model metadata, the repository
+index, load and unload, with the control API's rules (who may load and unload, and when).
+``DataPlane`` inherits them, so every front end reaches them through the data plane."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from service.errors import Forbidden, ModelLoadFailed
+from service.errors import Forbidden, ModelLoadFailed, ModelNotReady
+from service.messages import HeadInfo, Target
 from service.plane import check_token
 from service.records import ModelRecord, ModelState
 from service.registry import Registry
@@ -13,11 +15,32 @@ from service.settings import Settings
 
 
 class ControlAPI:
-    """Load, unload and the repository index, behind the admin token and the read-only modes."""
+    """Metadata, and load, unload and the index behind the admin token and read-only modes."""
 
     def __init__(self, registry: Registry, settings: Settings) -> None:
         self._registry = registry
         self._settings = settings
+
+    async def check_ready(self) -> None:
+        """503 until start-up loading is done (or for good, with the reason, if it failed)."""
+        if self._registry.startup_error is not None:
+            raise ModelNotReady(f"start-up failed: {self._registry.startup_error}")
+        if not self._registry.ready:
+            raise ModelNotReady("models are still loading")
+
+    async def models(self) -> list[dict[str, Any]]:
+        return [record.describe() for record in self._registry.records()]
+
+    async def model(self, name: str) -> dict[str, Any]:
+        return self._registry.record(name).describe()
+
+    async def head(self, target: Target) -> HeadInfo:
+        """The version a target resolves to (404 unknown, 503 not ready)."""
+        return self._registry.get(target.model, target.version).info
+
+    async def versions(self, name: str) -> list[int]:
+        """The loaded versions of a model."""
+        return sorted(self._registry.record(name).versions)
 
     def authorize(self, presented: str | None) -> None:
         """The control API needs the admin token when one is set (constant-time compare)."""

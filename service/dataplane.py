@@ -9,7 +9,8 @@ and encode the result. This module alone owns the inference rules:
   request materialises (``/logits``, score, compare and shadow alike), via ``Limits``;
 * shadow sampling, and the replay of sampled rows on the shadow head;
 * per-call metrics by model, version, verb and outcome;
-* the control API's rules: who may load and unload, and when (``service.control``);
+* readiness, metadata and the control API's rules: who may load and unload, and when
+  (``service.control``, inherited);
 * top-k calls that differ only in their rows served as one (``topk_group``, ``service.grouping``).
 
 Nothing here knows HTTP: errors are ``ServiceError`` subclasses that each front end maps once.
@@ -31,7 +32,6 @@ from service import compare, distribution, grouping, scoring
 from service.control import ControlAPI
 from service.errors import (
     InvalidInput,
-    ModelNotReady,
     ServiceError,
 )
 from service.limits import LOGIT_BYTES, Limits, MemoryBudget, Reservation, charge
@@ -42,7 +42,6 @@ from service.messages import (
     CompareResult,
     EmbedRequest,
     EmbedResult,
-    HeadInfo,
     InferRequest,
     InferResult,
     LogitsRequest,
@@ -107,29 +106,6 @@ class DataPlane(ControlAPI):
         (inference calls are ``admit``ted: counted in flight; the front holds the body)."""
         return self._budget.request()
 
-    # -- metadata ---------------------------------------------------------------------------
-
-    async def check_ready(self) -> None:
-        """503 until start-up loading is done (or for good, with the reason, if it failed)."""
-        if self._registry.startup_error is not None:
-            raise ModelNotReady(f"start-up failed: {self._registry.startup_error}")
-        if not self._registry.ready:
-            raise ModelNotReady("models are still loading")
-
-    async def models(self) -> list[dict[str, Any]]:
-        return [record.describe() for record in self._registry.records()]
-
-    async def model(self, name: str) -> dict[str, Any]:
-        return self._registry.record(name).describe()
-
-    async def head(self, target: Target) -> HeadInfo:
-        """The version a target resolves to (404 unknown, 503 not ready)."""
-        return self._registry.get(target.model, target.version).info
-
-    async def versions(self, name: str) -> list[int]:
-        """The loaded versions of a model."""
-        return sorted(self._registry.record(name).versions)
-
     # -- inference --------------------------------------------------------------------------
 
     async def topk(self, request: TopKRequest) -> TopKResult:
@@ -156,7 +132,10 @@ class DataPlane(ControlAPI):
         serving = Serving(self._registry, self._metrics, "topk", (first.target,), len(requests))
         try:
             with serving as (model,):
-                kept = grouping.checked_rows(self._limits, self._metrics, model, requests, answers)
+                kept, failed = grouping.checked_rows(self._limits, model.d_model, requests)
+                for index, error in failed:
+                    answers[index] = error
+                    serving.record(error.code)
                 serving.calls = len(kept)
                 k = self._limits.k(first.k, model.default_k)
                 temperature = self._limits.temperature(first.temperature)
@@ -171,6 +150,9 @@ class DataPlane(ControlAPI):
                     answers[index] = outcome
         except ServiceError as error:
             return [error if answer is None else answer for answer in answers]
+        except Exception as error:  # a bug: the calls not yet answered fail, and only they
+            failure = grouping.internal(error)
+            return [failure if answer is None else answer for answer in answers]
         return [answer for answer in answers if answer is not None]
 
     async def _grouped(
@@ -181,10 +163,22 @@ class DataPlane(ControlAPI):
         temperature: float,
         options: TopKRequest,
     ) -> list[TopKResult | ServiceError]:
-        """One projection of the calls' rows together, split back into one result per call."""
+        """One projection of the calls' rows together, split back into one result per call.
+        Shadow traffic samples each call, as ``_project`` does one call alone."""
+        shapes = [hidden.shape[:-1] for _, hidden in kept]
+        sampled = [
+            self._shadow.wants(
+                model, self._limits.fits_logits(math.prod(shape), model.vocab_size, 2)
+            )
+            for shape in shapes
+        ]
         rows = np.concatenate([hidden.reshape(-1, model.d_model) for _, hidden in kept])
-        projection = await self._project(model, rows, k, temperature, full_logits=False)
-        parts = grouping.split(projection, [hidden.shape[:-1] for _, hidden in kept])
+        projection = await model.project(rows, k, temperature=temperature, full_logits=any(sampled))
+        parts = list(grouping.split(projection, shapes))
+        for (_, hidden), part, wanted in zip(kept, parts, sampled, strict=True):
+            if wanted:
+                assert part.logits is not None
+                self._shadow.submit(model, hidden, part.logits, temperature)
         return [self._topk_result(model, part, options.logprobs, options.tokens) for part in parts]
 
     async def logits(self, request: LogitsRequest) -> LogitsResult:

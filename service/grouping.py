@@ -15,6 +15,7 @@ would be alone.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from collections.abc import Awaitable, Callable, Hashable, Iterator, Sequence
 from typing import Any
@@ -24,11 +25,10 @@ import numpy.typing as npt
 
 from service.errors import ServiceError
 from service.limits import Limits
-from service.loaded_version import LoadedVersion
 from service.messages import TopKRequest, TopKResult
-from service.metrics import Metrics
 from service.runtime import Projection
 
+logger = logging.getLogger("lmhead")
 #: A call kept for the group: its index among the calls, and its checked hidden states.
 Kept = tuple[int, npt.NDArray[np.float32]]
 
@@ -44,21 +44,16 @@ def group_key(method: str, arguments: tuple[Any, ...]) -> Hashable | None:
 
 
 def checked_rows(
-    limits: Limits,
-    metrics: Metrics,
-    model: LoadedVersion,
-    requests: Sequence[TopKRequest],
-    answers: list[TopKResult | ServiceError | None],
-) -> list[Kept]:
-    """Each call's hidden states, checked alone: a bad one gets its error (and its metric)."""
-    kept = []
+    limits: Limits, d_model: int, requests: Sequence[TopKRequest]
+) -> tuple[list[Kept], list[tuple[int, ServiceError]]]:
+    """Each call's hidden states, checked alone: the calls kept, and each bad one's error."""
+    kept, failed = [], []
     for index, request in enumerate(requests):
         try:
-            kept.append((index, limits.hidden_states(request.hidden_states, model.d_model)))
+            kept.append((index, limits.hidden_states(request.hidden_states, d_model)))
         except ServiceError as error:
-            answers[index] = error
-            metrics.observe_call(model.name, str(model.version), "topk", error.code, 0.0)
-    return kept
+            failed.append((index, error))
+    return kept, failed
 
 
 def rows(kept: list[Kept]) -> int:
@@ -67,15 +62,17 @@ def rows(kept: list[Kept]) -> int:
 
 
 def split(projection: Projection, shapes: list[tuple[int, ...]]) -> Iterator[Projection]:
-    """The (rows, k) projection of concatenated calls, back in one part per call, each with
-    its call's leading dims."""
+    """The (rows, k) projection of concatenated calls (and their full logits, if fetched),
+    back in one part per call, each with its call's leading dims."""
     offset = 0
     for leading in shapes:
         end = offset + math.prod(leading)
+        logits = projection.logits
         yield Projection(
             projection.topk_logits[offset:end].reshape(*leading, -1),
             projection.topk_token_ids[offset:end].reshape(*leading, -1),
             projection.logsumexp[offset:end].reshape(leading),
+            None if logits is None else logits[offset:end].reshape(*leading, -1),
         )
         offset = end
 
@@ -83,11 +80,19 @@ def split(projection: Projection, shapes: list[tuple[int, ...]]) -> Iterator[Pro
 async def one_by_one(
     topk: Callable[[TopKRequest], Awaitable[TopKResult]], requests: list[TopKRequest]
 ) -> list[TopKResult | ServiceError]:
-    """``topk`` for each call, concurrently (each gets its own answer or error)."""
+    """``topk`` for each call, concurrently: each gets its own answer or error (a call that
+    fails on a bug gets ``internal``'s error, the others their answers)."""
     outcomes = await asyncio.gather(*map(topk, requests), return_exceptions=True)
     answers: list[TopKResult | ServiceError] = []
     for outcome in outcomes:
         if isinstance(outcome, BaseException) and not isinstance(outcome, ServiceError):
-            raise outcome
-        answers.append(outcome)
+            answers.append(internal(outcome))
+        else:
+            answers.append(outcome)
     return answers
+
+
+def internal(error: BaseException) -> ServiceError:
+    """The answer to a call that failed on a bug (logged with its traceback)."""
+    logger.error("a top-k call failed", exc_info=error)
+    return ServiceError("the service failed on this call; see its log")

@@ -196,6 +196,8 @@ class Metrics:
         self, model: str, version: str, verb: str, outcome: str, seconds: float, calls: int = 1
     ) -> None:
         """Count and time data-plane calls that took ``seconds`` together (hot path)."""
+        if calls <= 0:
+            return
         key = (model, version, verb, outcome)
         children = self._calls.get(key)
         if children is None:
@@ -204,8 +206,6 @@ class Metrics:
                 self.request_duration.labels(model, verb),
             )
             self._calls[key] = children
-        if calls <= 0:
-            return
         children[0].inc(calls)
         for _ in range(calls):
             children[1].observe(seconds)

@@ -43,6 +43,13 @@ class Serving:
             raise
         return self._heads
 
+    def record(self, outcome: str) -> None:
+        """Record one call of this context's group now, with its own outcome (not counted in
+        ``calls``: a call that failed its own checks)."""
+        head = self._heads[0]
+        seconds = perf_counter() - self._started
+        self._metrics.observe_call(head.name, str(head.version), self._verb, outcome, seconds)
+
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, _: object
     ) -> None:

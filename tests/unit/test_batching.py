@@ -278,3 +278,26 @@ def test_the_next_run_starts_before_the_last_batch_is_answered(tied_path: Path) 
     submitted_when_answered, calls = asyncio.run(main())
     assert submitted_when_answered == 2
     assert calls == [1, 1]
+
+
+def test_concurrent_closes_finish_each_run_once(tied_path: Path) -> None:
+    """Closing right as a run ends (its successor already started): each run is finished,
+    answered and counted once, however many callers close the batcher."""
+    run = GatedRun(HeadSession(tied_path, tied=True))
+    run.gate.set()
+    stats: list[BatchStats] = []
+
+    async def main() -> list[object]:
+        with ThreadPoolExecutor(1) as executor:
+            batcher = Batcher(
+                run, executor, BatchLimits(max_batch_rows=1), label="t/1", on_batch=stats.append
+            )
+            batcher.start()
+            futures = [batcher.enqueue(_rows(1, i), 1) for i in range(2)]
+            await futures[0]  # the second run started before this answer
+            await asyncio.gather(batcher.close(), batcher.close())
+            return list(await asyncio.gather(*futures, return_exceptions=True))
+
+    outcomes = asyncio.run(main())
+    assert all(isinstance(outcome, Projection) for outcome in outcomes)
+    assert [(s.rows, s.requests) for s in stats] == [(1, 1), (1, 1)]

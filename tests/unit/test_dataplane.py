@@ -22,6 +22,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 
+from service import grouping
 from service.compare import kl_rows
 from service.dataplane import DataPlane
 from service.errors import (
@@ -425,3 +426,50 @@ def test_tokens_come_from_the_labels_file_and_are_none_past_it(repository: Path)
     for ids, tokens in zip(result.token_ids.tolist(), result.tokens, strict=True):
         assert tokens == [labels[i] if i < len(labels) else None for i in ids]
     assert any(token is None for token in result.tokens[0])
+
+
+def test_topk_calls_are_not_served_as_one_with_batching_off(repository: Path) -> None:
+    """``LMHEAD_BATCHING=false``: every call runs alone, grouped by a front or not."""
+
+    async def scenario(plane: DataPlane, metrics: Metrics) -> None:
+        calls = [TopKRequest(UNTIED, _hidden(1, seed=s), k=3) for s in range(3)]
+        outcomes = await plane.topk_group(calls)
+        assert all(not isinstance(outcome, Exception) for outcome in outcomes)
+        labels = {"model": "untied", "version": "1"}
+        assert _sample(metrics.registry, "lmhead_batch_rows_count", **labels) == 3
+        assert _sample(metrics.registry, "lmhead_batch_rows_sum", **labels) == 3
+
+    _run(_settings(repository, batching=False), scenario)
+
+
+def test_topk_calls_served_as_one_are_each_sampled_for_the_shadow(repository: Path) -> None:
+    """tied is shadowed by twin at fraction 1: each call of a group is a replay of its own."""
+
+    async def scenario(plane: DataPlane, metrics: Metrics) -> None:
+        calls = [TopKRequest(TIED, _hidden(1 + s, seed=s), temperature=0.5) for s in range(3)]
+        await plane.topk_group(calls)
+        await plane.shadow_settled()
+        registry, pair = metrics.registry, {"primary": "tied", "shadow": "twin"}
+        assert _sample(registry, "lmhead_shadow_requests_total", outcome="ran", **pair) == 3
+        assert _sample(registry, "lmhead_shadow_top1_rows_total", agree="true", **pair) == 6
+        assert _sample(registry, "lmhead_shadow_kl_sum", **pair) == pytest.approx(0, abs=1e-6)
+
+    _run(_settings(repository), scenario)
+
+
+def test_a_call_failing_on_a_bug_fails_alone() -> None:
+    async def topk(request: TopKRequest) -> Any:
+        if request.k == 2:
+            raise RuntimeError("a bug")
+        if request.k == 3:
+            raise InvalidInput("bad")
+        return request.k
+
+    calls = [TopKRequest(TIED, _hidden(1), k=k) for k in (1, 2, 3, 4)]
+    outcomes: list[Any] = asyncio.run(grouping.one_by_one(topk, calls))
+    assert outcomes[0] == 1
+    assert outcomes[3] == 4
+    assert type(outcomes[1]) is ServiceError
+    assert outcomes[1].code == "internal_error"
+    assert "a bug" not in outcomes[1].message
+    assert isinstance(outcomes[2], InvalidInput)
