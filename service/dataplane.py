@@ -11,7 +11,7 @@ and encode the result. This module alone owns the inference rules:
 * per-call metrics by model, version, verb and outcome;
 * readiness, metadata and the control API's rules: who may load and unload, and when
   (``service.control``, inherited);
-* top-k calls that differ only in their rows served as one (``topk_group``, ``service.grouping``).
+* top-k (and V2 infer) calls that differ only in their rows served as one (``topk_group``).
 
 Nothing here knows HTTP: errors are ``ServiceError`` subclasses that each front end maps once.
 """
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
@@ -120,16 +120,19 @@ class DataPlane(ControlAPI):
             projection = await self._project(model, hidden, k, temperature, full_logits=False)
             return self._topk_result(model, projection, request.logprobs, request.tokens)
 
-    async def topk_group(self, requests: Sequence[TopKRequest]) -> list[TopKResult | ServiceError]:
-        """``topk`` for calls that differ only in their rows (same target, k, temperature and
-        answer options; no vocabulary options), as one: one lookup and lease, one projection
-        of every row that passes its checks. Each call keeps its own answer or error, and its
-        own metrics. The engine process serves the calls a front sends together this way: per
-        call, ``topk``'s own bookkeeping costs more than a one-row run of a small head. The
-        rules are ``topk``'s, in its order (rows, then k, then temperature)."""
+    async def topk_group(
+        self,
+        requests: Sequence[TopKRequest],
+        verb: str = "topk",
+        alone: Callable[[int], Awaitable[Any]] | None = None,
+    ) -> list[Any]:
+        """``topk`` for calls that differ only in their rows, as one (``service.grouping``):
+        one lookup and lease, one projection of every row that passes its checks; each call
+        keeps its own answer or error and metrics. The rules are ``topk``'s, in its order
+        (rows, k, temperature). ``verb`` and ``alone`` (call ``i`` by itself): for V2 infer."""
         first = requests[0]
         answers: list[TopKResult | ServiceError | None] = [None] * len(requests)
-        serving = Serving(self._registry, self._metrics, "topk", (first.target,), len(requests))
+        serving = Serving(self._registry, self._metrics, verb, (first.target,), len(requests))
         try:
             with serving as (model,):
                 kept, failed = grouping.checked_rows(self._limits, model.d_model, requests)
@@ -139,11 +142,11 @@ class DataPlane(ControlAPI):
                 serving.calls = len(kept)
                 k = self._limits.k(first.k, model.default_k)
                 temperature = self._limits.temperature(first.temperature)
-                outcomes: list[TopKResult | ServiceError] = []
+                outcomes: list[Any] = []
                 if len(kept) > 1 and grouping.rows(kept) > model.group_room():
                     serving.calls = 0  # each call is queued (or refused) and batched alone
-                    calls = [requests[index] for index, _ in kept]
-                    outcomes = await grouping.one_by_one(self.topk, calls)
+                    by_itself = alone or (lambda index: self.topk(requests[index]))
+                    outcomes = await grouping.one_by_one([by_itself(i) for i, _ in kept])
                 elif kept:
                     outcomes = await self._grouped(model, kept, k, temperature, first)
                 for (index, _), outcome in zip(kept, outcomes, strict=True):

@@ -17,30 +17,61 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Awaitable, Callable, Hashable, Iterator, Sequence
-from typing import Any
+from collections.abc import Awaitable, Hashable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
 from service.errors import ServiceError
 from service.limits import Limits
-from service.messages import TopKRequest, TopKResult
+from service.messages import InferRequest, InferResult, TopKRequest, TopKResult
 from service.runtime import Projection
 
+if TYPE_CHECKING:
+    from service.dataplane import DataPlane
+
 logger = logging.getLogger("lmhead")
+T = TypeVar("T")
 #: A call kept for the group: its index among the calls, and its checked hidden states.
 Kept = tuple[int, npt.NDArray[np.float32]]
 
 
 def group_key(method: str, arguments: tuple[Any, ...]) -> Hashable | None:
-    """What top-k calls must share to be served as one: all but their rows (None: alone)."""
-    if method != "topk" or len(arguments) != 1 or type(arguments[0]) is not TopKRequest:
+    """What calls must share to be served as one: all but their rows (None: alone). Top-k
+    calls without vocabulary options group; so do V2 ``infer`` calls that ask only that."""
+    if len(arguments) != 1:
         return None
-    request: TopKRequest = arguments[0]
-    if request.vocabulary is not None:
-        return None
-    return (request.target, request.k, request.temperature, request.logprobs, request.tokens)
+    request = arguments[0]
+    if method == "topk" and type(request) is TopKRequest and request.vocabulary is None:
+        return (
+            method,
+            request.target,
+            request.k,
+            request.temperature,
+            request.logprobs,
+            request.tokens,
+        )
+    if method == "infer" and type(request) is InferRequest and _top_k_only(request):
+        return (method, request.target, request.k, request.temperature, request.tokens)
+    return None
+
+
+def _top_k_only(request: InferRequest) -> bool:
+    return (
+        request.hidden_states is not None
+        and request.input_ids is None
+        and not request.full_logits
+        and request.vocabulary is None
+    )
+
+
+def as_topk(request: InferRequest) -> TopKRequest:
+    """A top-k-only ``infer`` call as the ``topk`` call it amounts to (log-probs included)."""
+    assert request.hidden_states is not None
+    return TopKRequest(
+        request.target, request.hidden_states, request.k, request.temperature, True, request.tokens
+    )
 
 
 def checked_rows(
@@ -77,13 +108,11 @@ def split(projection: Projection, shapes: list[tuple[int, ...]]) -> Iterator[Pro
         offset = end
 
 
-async def one_by_one(
-    topk: Callable[[TopKRequest], Awaitable[TopKResult]], requests: list[TopKRequest]
-) -> list[TopKResult | ServiceError]:
-    """``topk`` for each call, concurrently: each gets its own answer or error (a call that
+async def one_by_one(calls: list[Awaitable[T]]) -> list[T | ServiceError]:
+    """Calls served alone, concurrently: each gets its own answer or error (a call that
     fails on a bug gets ``internal``'s error, the others their answers)."""
-    outcomes = await asyncio.gather(*map(topk, requests), return_exceptions=True)
-    answers: list[TopKResult | ServiceError] = []
+    outcomes = await asyncio.gather(*calls, return_exceptions=True)
+    answers: list[T | ServiceError] = []
     for outcome in outcomes:
         if isinstance(outcome, BaseException) and not isinstance(outcome, ServiceError):
             answers.append(internal(outcome))
@@ -96,3 +125,10 @@ def internal(error: BaseException) -> ServiceError:
     """The answer to a call that failed on a bug (logged with its traceback)."""
     logger.error("a top-k call failed", exc_info=error)
     return ServiceError("the service failed on this call; see its log")
+
+
+async def infer_group(plane: DataPlane, requests: Sequence[InferRequest]) -> list[Any]:
+    """V2 ``infer`` calls that ask only the top-k of their rows, served as one."""
+    calls = [as_topk(request) for request in requests]
+    outcomes = await plane.topk_group(calls, "infer", lambda i: plane.infer(requests[i]))
+    return [InferResult(o.head, o) if isinstance(o, TopKResult) else o for o in outcomes]

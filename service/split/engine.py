@@ -27,8 +27,7 @@ from typing import Any
 from service.dataplane import DataPlane
 from service.engine import running_engine
 from service.errors import ServiceError
-from service.grouping import group_key
-from service.messages import TopKRequest
+from service.grouping import group_key, infer_group
 from service.metrics import Metrics
 from service.plane import REMOTE_CALLS
 from service.settings import Settings
@@ -64,33 +63,38 @@ class FrontConnection(FrameProtocol):
     def on_frame(self, released: list[int], messages: list[Any], block: int | None) -> None:
         for offset in released:
             self.outgoing.free(offset)
-        groups: dict[Hashable, list[tuple[int, TopKRequest]]] = {}
+        groups: dict[Hashable, list[tuple[int, Any]]] = {}
         for _, call_id, method, arguments in messages:
             key = group_key(method, arguments)
             if key is None:
                 self._spawn(self._answer(call_id, method, arguments))
             else:
                 groups.setdefault(key, []).append((call_id, arguments[0]))
-        for members in groups.values():
+        for key, members in groups.items():
+            method = key[0]  # type: ignore[index]  # group keys are tuples, method first
             if len(members) == 1:
                 call_id, request = members[0]
-                self._spawn(self._answer(call_id, "topk", (request,)))
+                self._spawn(self._answer(call_id, method, (request,)))
             else:
-                self._spawn(self._answer_group(members))
+                self._spawn(self._answer_group(method, members))
 
     def _spawn(self, answering: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(answering)
         self.calls.add(task)
         task.add_done_callback(self.calls.discard)
 
-    async def _answer_group(self, members: list[tuple[int, TopKRequest]]) -> None:
-        """Top-k calls that differ only in their rows, served as one (``topk_group``)."""
+    async def _answer_group(self, method: str, members: list[tuple[int, Any]]) -> None:
+        """Calls that differ only in their rows, served as one (``DataPlane.topk_group``)."""
         outcomes: list[Any]
+        requests = [request for _, request in members]
         try:
             with self._plane.admit(len(members)):
-                outcomes = await self._plane.topk_group([request for _, request in members])
+                if method == "topk":
+                    outcomes = await self._plane.topk_group(requests)
+                else:
+                    outcomes = await infer_group(self._plane, requests)
         except Exception:
-            logger.exception("engine call topk failed for %d grouped calls", len(members))
+            logger.exception("engine call %s failed for %d grouped calls", method, len(members))
             outcomes = [FAILED] * len(members)
         for (call_id, _), outcome in zip(members, outcomes, strict=True):
             self._reply(_message(call_id, outcome))

@@ -244,6 +244,33 @@ def test_concurrent_calls_each_get_their_own_answer_or_error(two: str, repositor
     assert metric(two, "lmhead_requests_in_flight") == 0
 
 
+def test_concurrent_v2_calls_each_get_their_own_answer_or_error(two: str, repository: Path) -> None:
+    """V2 infer calls a front sends together are served as one too: each its own answer."""
+    rows = np.random.default_rng(22).standard_normal((3, D_MODEL)).astype(np.float32)
+    datas = [row.tolist() for row in rows]
+    datas.insert(1, [1e39] + [0.5] * (D_MODEL - 1))  # beyond float32: refused by the engine
+
+    def body(data: list[float]) -> dict[str, object]:
+        shape = [1, len(data)]
+        tensor = {"name": "hidden_states", "shape": shape, "datatype": "FP32", "data": data}
+        return {"inputs": [tensor], "parameters": {"k": 3}}
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=two) as client:
+            calls = [client.post("/v2/models/untied/infer", json=body(d)) for d in datas]
+            return list(await asyncio.gather(*calls))
+
+    answers = asyncio.run(burst())
+    assert [answer.status_code for answer in answers] == [200, 400, 200, 200]  # V2: 400
+    assert "NaN, Inf or null" in answers[1].json()["error"]
+    ids = top_k(reference_logits(repository / "untied" / "1", rows), 3)[1]
+    served = []
+    for answer in (a for a in answers if a.status_code == 200):
+        (output,) = [o for o in answer.json()["outputs"] if o["name"] == "topk_token_ids"]
+        served.append(output["data"])
+    np.testing.assert_array_equal(np.array(served), ids)
+
+
 def test_control_api_and_its_token_through_the_fronts(two: str) -> None:
     with Client(two) as anonymous, pytest.raises(ServiceError, match="admin token"):
         anonymous.load("untied")

@@ -465,11 +465,71 @@ def test_a_call_failing_on_a_bug_fails_alone() -> None:
             raise InvalidInput("bad")
         return request.k
 
-    calls = [TopKRequest(TIED, _hidden(1), k=k) for k in (1, 2, 3, 4)]
-    outcomes: list[Any] = asyncio.run(grouping.one_by_one(topk, calls))
+    async def main() -> list[Any]:
+        calls: list[Awaitable[Any]] = [
+            topk(TopKRequest(TIED, _hidden(1), k=k)) for k in (1, 2, 3, 4)
+        ]
+        return await grouping.one_by_one(calls)
+
+    outcomes = asyncio.run(main())
     assert outcomes[0] == 1
     assert outcomes[3] == 4
     assert type(outcomes[1]) is ServiceError
     assert outcomes[1].code == "internal_error"
     assert "a bug" not in outcomes[1].message
     assert isinstance(outcomes[2], InvalidInput)
+
+
+def test_v2_infer_calls_served_as_one_answer_as_infer_alone(repository: Path) -> None:
+    """Top-k-only V2 infer calls group like topk calls; each answer equals ``infer`` alone,
+    and the calls are counted under the verb infer, with their own errors."""
+    bad = _hidden(1, seed=7)[:, :-1]
+    hiddens = [_hidden(1, seed=1), bad, _hidden(4, seed=2).reshape(2, 2, D_MODEL)]
+    requests = [InferRequest(UNTIED, h, k=4, temperature=0.8, tokens=False) for h in hiddens]
+
+    async def scenario(plane: DataPlane, metrics: Metrics) -> list[Any]:
+        grouped = await grouping.infer_group(plane, requests)
+        labels = {"model": "untied", "version": "1", "verb": "infer"}
+        for outcome, calls in (("ok", 2), ("invalid_input", 1)):
+            assert (
+                _sample(metrics.registry, "lmhead_requests_total", outcome=outcome, **labels)
+                == calls
+            )
+        alone: list[Any] = []
+        for request in requests:
+            try:
+                alone.append(await plane.infer(request))
+            except ServiceError as error:
+                alone.append(error)
+        return list(zip(grouped, alone, strict=True))
+
+    for grouped, alone in _run(_settings(repository), scenario):
+        if isinstance(alone, ServiceError):
+            assert (type(grouped), grouped.message) == (type(alone), alone.message)
+            continue
+        assert grouped.topk is not None
+        assert alone.topk is not None
+        np.testing.assert_array_equal(grouped.topk.token_ids, alone.topk.token_ids)
+        np.testing.assert_allclose(grouped.topk.logprobs, alone.topk.logprobs, rtol=1e-5, atol=1e-5)
+        assert (grouped.logits, grouped.embeddings) == (None, None)
+
+
+def test_which_calls_may_be_served_as_one() -> None:
+    hidden = _hidden(1)
+
+    def key(method: str, request: object) -> object:
+        return grouping.group_key(method, (request,))
+
+    three = key("topk", TopKRequest(TIED, hidden, k=3))
+    assert three == key("topk", TopKRequest(TIED, hidden * 2, k=3))
+    assert three != key("topk", TopKRequest(TIED, hidden, k=4))
+    assert three != key("topk", TopKRequest(Target("tied", 1), hidden, k=3))
+    assert key("infer", InferRequest(TIED, hidden)) is not None
+    assert key("infer", InferRequest(TIED, hidden)) != key("topk", TopKRequest(TIED, hidden))
+    for alone in (
+        InferRequest(TIED, hidden, input_ids=np.array([1])),
+        InferRequest(TIED, hidden, full_logits=True),
+        InferRequest(TIED, None, input_ids=np.array([1])),
+    ):
+        assert key("infer", alone) is None
+    assert key("logits", LogitsRequest(TIED, hidden)) is None
