@@ -3,13 +3,13 @@
 A front sends every call of one event-loop turn in one frame. Top-k calls in a frame that
 differ only in their rows (same target, k, temperature and answer options, no vocabulary
 options), and V2 ``infer`` calls that ask only that, go through ``DataPlane.topk_group``
-together: one lookup and lease, one batcher entry, one result split back. Per call, ``topk``'s own bookkeeping (lookup, lease, limits,
-metrics, a batcher future, a task) costs more than a one-row run of a small head: measured
-on 2 cores, 64 one-row JSON clients through two fronts, the engine's event loop spent 100 us
-per call alone and 60 us grouped. Each call still gets its own checks, answer or error, and
-metrics; when the group's rows pass half a batch (``Batcher.room``), or the queue cannot take
-them at once, the calls are queued one by one, so each is batched, let in or refused as it
-would be alone.
+together: one lookup and lease, one batcher entry, one result split back. Per call,
+``topk``'s own bookkeeping (lookup, lease, limits, metrics, a batcher future, a task) costs
+more than a one-row run of a small head: measured on 2 cores, 64 one-row JSON clients
+through two fronts, the engine's event loop spent 100 us per call alone and 60 us grouped.
+Each call still gets its own checks, answer or error, and metrics; when the group's rows
+pass half a batch (``Batcher.room``), or the queue cannot take them at once, the calls are
+queued one by one, so each is batched, let in or refused as it would be alone.
 """
 
 from __future__ import annotations
