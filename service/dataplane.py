@@ -249,7 +249,9 @@ class DataPlane(ControlAPI):
         rows within the row limit, never a (rows x vocab) tensor for the whole request."""
         with self._serving("score", request.target) as (model,):
             hidden = self._limits.hidden_states(request.hidden_states, model.d_model)
-            targets = self._targets(request.target_ids, hidden, model)
+            targets = distribution.row_targets(
+                request.target_ids, hidden, model.space, self._limits
+            )
             rows = hidden.reshape(-1, model.d_model)
             candidates = None
             if request.candidate_ids is not None:
@@ -278,7 +280,9 @@ class DataPlane(ControlAPI):
             hidden = self._limits.hidden_states(request.hidden_states, a.d_model)
             targets = None
             if request.target_ids is not None:
-                targets = self._targets(request.target_ids, hidden, a)
+                targets = distribution.row_targets(
+                    request.target_ids, hidden, a.space, self._limits
+                )
             k = self._limits.k(request.k, request.k)
             full = [await self._full(head, hidden, copies=2) for head in heads]
             (logits_a, _), (logits_b, _) = full
@@ -369,16 +373,6 @@ class DataPlane(ControlAPI):
 
     async def _statistics(self, function: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._stats, function, *args)
-
-    def _targets(
-        self, raw: npt.NDArray[Any], hidden: npt.NDArray[np.float32], model: LoadedVersion
-    ) -> npt.NDArray[np.int64]:
-        if raw.shape != hidden.shape[:-1]:
-            raise InvalidInput(
-                f"target_ids must have shape {list(hidden.shape[:-1])} (one per row), "
-                f"got {list(raw.shape)[:8]}"
-            )
-        return distribution.token_ids(raw, model.space, self._limits, "target_ids").reshape(-1)
 
     def _topk_result(
         self, model: LoadedVersion, projection: Projection, logprobs: bool, tokens: bool

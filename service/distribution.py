@@ -114,6 +114,18 @@ def token_ids(raw: npt.NDArray[Any], space: TokenSpace, limits: Limits, field: s
     return space.local(limits.token_ids(raw, space.size, field), field)
 
 
+def row_targets(
+    raw: npt.NDArray[Any], hidden: npt.NDArray[Any], space: TokenSpace, limits: Limits
+) -> Ids:
+    """``target_ids``: one id per row of ``hidden``, checked, as columns (flat)."""
+    if raw.shape != hidden.shape[:-1]:
+        raise InvalidInput(
+            f"target_ids must have shape {list(hidden.shape[:-1])} (one per row), "
+            f"got {list(raw.shape)[:8]}"
+        )
+    return token_ids(raw, space, limits, "target_ids").reshape(-1)
+
+
 def token_lists(raw: Ids, rows: int, space: TokenSpace, limits: Limits, field: str) -> Ids:
     """One list of ids for every row (n,), or one list per row (rows, n), as columns."""
     if raw.ndim not in (1, 2) or raw.shape[-1] > space.size:
