@@ -104,6 +104,17 @@ def _run(settings: Settings, scenario: Callable[[DataPlane, Metrics], Awaitable[
     return asyncio.run(main())
 
 
+async def _each_alone(call: Callable[[Any], Awaitable[Any]], requests: list[Any]) -> list[Any]:
+    """Each request sent by itself, one after another: its result or its service error."""
+    outcomes: list[Any] = []
+    for request in requests:
+        try:
+            outcomes.append(await call(request))
+        except ServiceError as error:
+            outcomes.append(error)
+    return outcomes
+
+
 def _sample(registry: CollectorRegistry, name: str, **labels: str) -> float:
     return registry.get_sample_value(name, labels) or 0.0
 
@@ -344,12 +355,7 @@ def test_topk_calls_served_as_one_keep_their_own_answers_errors_and_metrics(
             registry, "lmhead_request_duration_seconds_count", model=target.model, verb="topk"
         )
         assert count == 6
-        alone: list[Any] = []
-        for request in requests:
-            try:
-                alone.append(await plane.topk(request))
-            except ServiceError as error:
-                alone.append(error)
+        alone = await _each_alone(plane.topk, requests)
         return list(zip(grouped, alone, strict=True))
 
     pairs = _run(_settings(repository), scenario)
@@ -495,12 +501,7 @@ def test_v2_infer_calls_served_as_one_answer_as_infer_alone(repository: Path) ->
                 _sample(metrics.registry, "lmhead_requests_total", outcome=outcome, **labels)
                 == calls
             )
-        alone: list[Any] = []
-        for request in requests:
-            try:
-                alone.append(await plane.infer(request))
-            except ServiceError as error:
-                alone.append(error)
+        alone = await _each_alone(plane.infer, requests)
         return list(zip(grouped, alone, strict=True))
 
     for grouped, alone in _run(_settings(repository), scenario):
