@@ -17,8 +17,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Awaitable, Hashable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Awaitable, Callable, Hashable, Iterator, Sequence
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -27,9 +27,6 @@ from service.errors import ServiceError
 from service.limits import Limits
 from service.messages import InferRequest, InferResult, TopKRequest, TopKResult
 from service.runtime import Projection
-
-if TYPE_CHECKING:
-    from service.dataplane import DataPlane
 
 logger = logging.getLogger("lmhead")
 T = TypeVar("T")
@@ -127,7 +124,20 @@ def internal(error: BaseException) -> ServiceError:
     return ServiceError("the service failed on this call; see its log")
 
 
-async def infer_group(plane: DataPlane, requests: Sequence[InferRequest]) -> list[Any]:
+class Plane(Protocol):
+    """What ``infer_group`` needs of the data plane (named here: the data plane imports us)."""
+
+    async def topk_group(
+        self,
+        requests: Sequence[TopKRequest],
+        verb: str = ...,
+        alone: Callable[[int], Awaitable[Any]] | None = ...,
+    ) -> list[Any]: ...
+
+    async def infer(self, request: InferRequest) -> InferResult: ...
+
+
+async def infer_group(plane: Plane, requests: Sequence[InferRequest]) -> list[Any]:
     """V2 ``infer`` calls that ask only the top-k of their rows, served as one."""
     calls = [as_topk(request) for request in requests]
     outcomes = await plane.topk_group(calls, "infer", lambda i: plane.infer(requests[i]))
