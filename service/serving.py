@@ -43,12 +43,18 @@ class Serving:
             raise
         return self._heads
 
-    def record(self, outcome: str) -> None:
-        """Record one call of this context's group now, with its own outcome (not counted in
-        ``calls``: a call that failed its own checks)."""
-        head = self._heads[0]
-        seconds = perf_counter() - self._started
-        self._metrics.observe_call(head.name, str(head.version), self._verb, outcome, seconds)
+    def record(self, outcome: str, calls: int = 1) -> None:
+        """Record ``calls`` calls now, with this outcome (``__exit__`` records ``calls``; a
+        call of a group that failed its own checks is recorded alone, and not counted there)."""
+        first = self._heads[0] if self._heads else None
+        self._metrics.observe_call(
+            first.name if first else "",
+            str(first.version) if first else "",
+            self._verb,
+            outcome,
+            perf_counter() - self._started,
+            calls,
+        )
 
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, _: object
@@ -58,12 +64,4 @@ class Serving:
         outcome = "ok" if error is None else "internal_error"
         if isinstance(error, ServiceError):
             outcome = error.code
-        first = self._heads[0] if self._heads else None
-        self._metrics.observe_call(
-            first.name if first else "",
-            str(first.version) if first else "",
-            self._verb,
-            outcome,
-            perf_counter() - self._started,
-            self.calls,
-        )
+        self.record(outcome, self.calls)
