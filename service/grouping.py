@@ -34,7 +34,7 @@ T = TypeVar("T")
 Kept = tuple[int, npt.NDArray[np.float32]]
 
 
-def group_key(method: str, arguments: tuple[Any, ...]) -> Hashable | None:
+def group_key(method: str, arguments: tuple[Any, ...]) -> tuple[Hashable, ...] | None:
     """What calls must share to be served as one: all but their rows (None: alone). Top-k
     calls without vocabulary options group; so do V2 ``infer`` calls that ask only that."""
     if len(arguments) != 1:

@@ -63,7 +63,7 @@ class FrontConnection(FrameProtocol):
     def on_frame(self, released: list[int], messages: list[Any], block: int | None) -> None:
         for offset in released:
             self.outgoing.free(offset)
-        groups: dict[Hashable, list[tuple[int, Any]]] = {}
+        groups: dict[tuple[Hashable, ...], list[tuple[int, Any]]] = {}
         for _, call_id, method, arguments in messages:
             key = group_key(method, arguments)
             if key is None:
@@ -71,7 +71,7 @@ class FrontConnection(FrameProtocol):
             else:
                 groups.setdefault(key, []).append((call_id, arguments[0]))
         for key, members in groups.items():
-            method = key[0]  # type: ignore[index]  # group keys are tuples, method first
+            method = str(key[0])  # a group key starts with its method
             if len(members) == 1:
                 call_id, request = members[0]
                 self._spawn(self._answer(call_id, method, (request,)))
