@@ -89,11 +89,20 @@ def anonymous_resident(process: psutil.Process) -> int:
     return int(match.group(1)) * 1024
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
+    """A loopback port free now and never handed out before in this test process: the kernel
+    may give the same ephemeral port to two probes in a row, and a test that picks a gRPC
+    port, then starts a server that picks its HTTP port, had both on one port (CI: errno 98)."""
+    while True:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port: int = probe.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 @contextmanager
