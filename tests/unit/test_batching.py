@@ -301,3 +301,87 @@ def test_concurrent_closes_finish_each_run_once(tied_path: Path) -> None:
     outcomes = asyncio.run(main())
     assert all(isinstance(outcome, Projection) for outcome in outcomes)
     assert [(s.rows, s.requests) for s in stats] == [(1, 1), (1, 1)]
+
+
+class RecordingRun:
+    """A real session run that records which batcher's rows it ran, in order."""
+
+    def __init__(self, session: HeadSession, name: str, order: list[str]) -> None:
+        self.session, self.name, self.order = session, name, order
+
+    def __call__(
+        self,
+        rows: npt.NDArray[np.float32],
+        k: int,
+        full: bool,
+        temperature: npt.NDArray[np.float32] | float = 1.0,
+    ) -> Projection:
+        self.order.append(self.name)
+        return self.session.project(rows, k, temperature=temperature, full_logits=full)
+
+
+def test_runs_chained_from_the_inference_thread_answer_every_request(tied_path: Path) -> None:
+    """Requests keep arriving while runs chain one into the next from the inference thread:
+    every request is answered with its own rows, each run holds at most a batch, and the
+    rows of all runs add up to the rows sent."""
+    session = HeadSession(tied_path, tied=True)
+    order: list[str] = []
+    stats: list[BatchStats] = []
+    sizes = [1 + (i * 7) % 5 for i in range(120)]
+
+    async def scenario(batcher: Batcher) -> list[Projection]:
+        async def client(index: int) -> Projection:
+            await asyncio.sleep(0)  # clients interleave with the runs' answers
+            return await batcher.enqueue(_rows(sizes[index], index), 3)
+
+        return list(await asyncio.gather(*(client(i) for i in range(len(sizes)))))
+
+    limits = BatchLimits(max_batch_rows=8, max_wait_s=0.001)
+    results = _with_batcher(RecordingRun(session, "a", order), limits, scenario, stats.append)
+    assert isinstance(results, list)
+    assert sum(s.rows for s in stats) == sum(sizes)
+    assert sum(s.requests for s in stats) == len(sizes)
+    assert all(s.rows <= 8 for s in stats)
+    assert len(order) == len(stats)
+    for index, result in enumerate(results):
+        alone = session.project(_rows(sizes[index], index), 3)
+        np.testing.assert_array_equal(result.topk_token_ids, alone.topk_token_ids)
+        np.testing.assert_allclose(result.topk_logits, alone.topk_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_a_chain_of_runs_leaves_turns_to_another_version_in_the_same_executor(
+    tied_path: Path,
+) -> None:
+    """Two versions share one inference thread (A/B): a version whose runs chain into each
+    other queues each next run behind what is already waiting, so the other version's run
+    goes between them rather than after the whole chain."""
+    session = HeadSession(tied_path, tied=True)
+    order: list[str] = []
+    gate = GatedRun(session)
+
+    async def main() -> None:
+        with ThreadPoolExecutor(1) as executor:
+            limits = BatchLimits(max_batch_rows=1)
+            a = Batcher(RecordingRun(session, "a", order), executor, limits, label="a/1")
+            b = Batcher(RecordingRun(session, "b", order), executor, limits, label="b/1")
+            a.start()
+            b.start()
+            holder = asyncio.get_running_loop().run_in_executor(
+                executor, gate, _rows(1, 0), 1, False
+            )
+            await gate.wait_started()  # the inference thread is busy: both queue behind it
+            first_a = a.enqueue(_rows(1, 1), 2)
+            more_a = [a.enqueue(_rows(1, 2 + i), 2) for i in range(3)]
+            while a.queued_rows != 3:  # a's task hands its first run to the executor
+                await asyncio.sleep(0)
+            only_b = b.enqueue(_rows(1, 9), 2)
+            while b.queued_rows:  # and b's task its only one, behind a's
+                await asyncio.sleep(0)
+            gate.gate.set()
+            await asyncio.gather(holder, first_a, only_b, *more_a)
+            await asyncio.gather(a.close(), b.close())
+
+    asyncio.run(main())
+    assert order.index("b") < len(order) - 1, order  # b did not wait for all of a's runs
+    assert order.count("a") == 4
+    assert order.count("b") == 1
