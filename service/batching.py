@@ -68,6 +68,11 @@ class _Pending:
     enqueued: float = field(default_factory=time.monotonic)
 
 
+#: Runs of one version that may be finished or running while the event loop has not yet
+#: answered them, before the inference thread stops starting runs itself.
+MAX_UNANSWERED = 3
+
+
 @dataclass(frozen=True)
 class BatchLimits:
     merge: bool = True
@@ -107,6 +112,7 @@ class Batcher:
         self._task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._spell: asyncio.Future[None] | None = None
+        self._unanswered = 0  # runs launched whose answers have not been given yet
         self._closing = False
         self._closed: asyncio.Future[None] | None = None
 
@@ -117,6 +123,11 @@ class Batcher:
     @property
     def queued_rows(self) -> int:
         return self._queued_rows
+
+    @property
+    def closing(self) -> bool:
+        """True once ``close`` has begun: no run starts after the one in progress."""
+        return self._closing
 
     @property
     def room(self) -> int:
@@ -190,6 +201,8 @@ class Batcher:
         """Collect the first batch of each busy spell and wait for the spell to end."""
         while True:
             batch = await self._collect()
+            if self._closing:  # ``close`` fails what was collected
+                return
             self._collecting = []
             assert self._loop is not None
             self._spell = self._loop.create_future()
@@ -227,8 +240,9 @@ class Batcher:
             if remaining <= 0:
                 return None
             self._arrived.clear()
-            try:
-                await asyncio.wait_for(self._arrived.wait(), remaining)
+            try:  # not ``wait_for``: on 3.11 it drops a cancel that comes as the wait ends
+                async with asyncio.timeout(remaining):
+                    await self._arrived.wait()
             except TimeoutError:
                 return None
         return self._take_fitting(room)
@@ -261,12 +275,19 @@ class Batcher:
         with self._lock:
             self._queued_rows -= sum(len(item.rows) for item in batch)
             self._last_batch_requests = len(batch)
+            self._unanswered += 1
         try:
             started = _Started.merge(batch)
-            self._executor.submit(self._execute, started)
+            work = self._executor.submit(self._execute, started)
         except Exception:  # the executor was shut down, or the rows would not merge
             logger.exception("could not start a run for %s", self._label)
-            self._answer_soon(_Started(batch), None, 0.0, spell_over=True)
+            self._answer_soon(_Started(batch), None, 0.0)
+            return
+        # A run the executor drops unstarted (``shutdown(cancel_futures=True)``) fails its
+        # callers, and the spell still ends.
+        work.add_done_callback(
+            lambda work: self._answer_soon(started, None, 0.0) if work.cancelled() else None
+        )
 
     def _execute(self, started: _Started) -> None:
         """In the inference thread: run a batch, then start the next queued one before the
@@ -279,6 +300,7 @@ class Batcher:
         answering comes last, and nothing but bookkeeping stands between it and the next
         run, which lets the GIL go for as long as it runs."""
         result: Projection | None = None
+        started.at = time.monotonic()  # queued until now, in the executor too
         try:
             result = self._run(
                 started.rows_array, started.k, started.full_logits, started.temperature
@@ -289,24 +311,31 @@ class Batcher:
             )
         finally:
             seconds = time.monotonic() - started.at
-            following = [] if self._closing else self._queued_now()
+            following = self._queued_now() if self._may_chain() else []
             if following:
                 self._launch(following)
-            self._answer_soon(started, result, seconds, spell_over=not following)
+            self._answer_soon(started, result, seconds)
 
-    def _answer_soon(
-        self, started: _Started, result: Projection | None, seconds: float, *, spell_over: bool
-    ) -> None:
+    def _may_chain(self) -> bool:
+        """Whether the inference thread may start the next run itself: not while closing or
+        once the event loop is gone, and not while ``MAX_UNANSWERED`` runs wait for the loop
+        to answer them (a stalled loop would otherwise pile up results, each up to rows x
+        vocab; the loop then starts the next spell once it has caught up)."""
+        assert self._loop is not None
+        return (
+            not self._closing and not self._loop.is_closed() and self._unanswered < MAX_UNANSWERED
+        )
+
+    def _answer_soon(self, started: _Started, result: Projection | None, seconds: float) -> None:
         assert self._loop is not None
         try:
-            self._loop.call_soon_threadsafe(self._answer, started, result, seconds, spell_over)
+            self._loop.call_soon_threadsafe(self._answer, started, result, seconds)
         except RuntimeError:  # the event loop is closed: nobody waits for these answers
             logger.debug("%s: a batch finished after the event loop closed", self._label)
 
-    def _answer(
-        self, started: _Started, result: Projection | None, seconds: float, spell_over: bool
-    ) -> None:
-        """On the event loop: answer a finished batch; end the spell if no run followed it."""
+    def _answer(self, started: _Started, result: Projection | None, seconds: float) -> None:
+        """On the event loop: answer a finished batch; the spell ends with its last answer
+        (counted, not flagged: with several inference threads answers may come in any order)."""
         batch = started.batch
         try:
             if result is None:
@@ -326,6 +355,9 @@ class Batcher:
             logger.exception("answering a batch of %s failed", self._label)
             _fail(batch, self._label)
         finally:
+            with self._lock:
+                self._unanswered -= 1
+                spell_over = self._unanswered == 0
             if spell_over and self._spell is not None and not self._spell.done():
                 self._spell.set_result(None)
 

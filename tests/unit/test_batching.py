@@ -208,6 +208,8 @@ def test_close_lets_the_running_batch_finish_and_fails_the_queued(tied_path: Pat
             futures = [batcher.enqueue(_rows(1, i), 1) for i in range(3)]
             await run.wait_started()
             closing = asyncio.ensure_future(batcher.close())
+            while not batcher.closing:  # the run must end after the close began
+                await asyncio.sleep(0)
             run.gate.set()
             await closing
             return list(await asyncio.gather(*futures, return_exceptions=True)), batcher
@@ -385,3 +387,101 @@ def test_a_chain_of_runs_leaves_turns_to_another_version_in_the_same_executor(
     assert order.index("b") < len(order) - 1, order  # b did not wait for all of a's runs
     assert order.count("a") == 4
     assert order.count("b") == 1
+
+
+def test_the_next_run_starts_while_the_event_loop_is_busy(tied_path: Path) -> None:
+    """A run that ends with requests queued starts theirs from the inference thread: the event
+    loop (busy with HTTP in a server, blocked outright here) is not needed in between."""
+    session = HeadSession(tied_path, tied=True)
+    first = GatedRun(session)
+    second_started = threading.Event()
+
+    def run(
+        rows: npt.NDArray[np.float32], k: int, full: bool, temperature: npt.NDArray[np.float32]
+    ) -> Projection:
+        if first.calls:
+            second_started.set()
+            return session.project(rows, k, temperature=temperature, full_logits=full)
+        return first(rows, k, full, temperature)
+
+    async def scenario(batcher: Batcher) -> list[Projection]:
+        queued = [batcher.enqueue(_rows(1, 0), 2)]
+        await first.wait_started()
+        queued.append(batcher.enqueue(_rows(1, 1), 2))
+        first.gate.set()
+        assert second_started.wait(WAIT)  # blocks the event loop until the second run starts
+        return list(await asyncio.gather(*queued))
+
+    results = _with_batcher(run, BatchLimits(max_batch_rows=1), scenario)
+    assert isinstance(results, list)
+    assert len(results) == 2
+
+
+class HoldingExecutor(ThreadPoolExecutor):
+    """Two inference threads; one that queues a chained run is then held (as the OS or the GIL
+    may hold it) until ``release`` is set, so the chained run finishes and is answered first."""
+
+    def __init__(self) -> None:
+        super().__init__(2)
+        self.release = threading.Event()
+
+    def submit(self, *args: Any, **kwargs: Any) -> Any:
+        work = super().submit(*args, **kwargs)
+        if threading.current_thread() is not threading.main_thread():
+            self.release.wait(WAIT)
+        return work
+
+
+def test_close_waits_for_every_answer_when_chained_runs_finish_out_of_order(
+    tied_path: Path,
+) -> None:
+    session = HeadSession(tied_path, tied=True)
+
+    def run(
+        rows: npt.NDArray[np.float32], k: int, full: bool, temperature: npt.NDArray[np.float32]
+    ) -> Projection:
+        return session.project(rows, k, temperature=temperature, full_logits=full)
+
+    async def main() -> tuple[bool, list[object]]:
+        with HoldingExecutor() as executor:
+            batcher = Batcher(run, executor, BatchLimits(max_batch_rows=1), label="t/1")
+            batcher.start()
+            futures = [batcher.enqueue(_rows(1, i), 2) for i in range(2)]
+            await futures[1]  # the chained run, answered while the first is held
+            closing = asyncio.ensure_future(batcher.close())
+            for _ in range(20):  # room for a close that would not wait for the first answer
+                await asyncio.sleep(0)
+            closed_early = closing.done()
+            executor.release.set()
+            await closing
+            return closed_early, [future.result() for future in futures]
+
+    closed_early, results = asyncio.run(main())
+    assert not closed_early
+    assert all(isinstance(result, Projection) for result in results)
+
+
+def test_runs_the_executor_drops_fail_their_callers_and_close_ends(tied_path: Path) -> None:
+    """An executor shut down with ``cancel_futures`` drops a queued run: its callers get an
+    error and the batcher still closes (nothing waits for a run that will never come)."""
+    run = GatedRun(HeadSession(tied_path, tied=True))
+
+    async def main() -> list[object]:
+        executor = ThreadPoolExecutor(1)
+        batcher = Batcher(run, executor, BatchLimits(max_batch_rows=1), label="t/1")
+        batcher.start()
+        futures = [batcher.enqueue(_rows(1, i), 2) for i in range(2)]
+        await run.wait_started()
+        hold = threading.Event()
+        blocker = executor.submit(hold.wait, WAIT)  # the chained run queues behind it
+        run.gate.set()
+        await futures[0]
+        executor.shutdown(wait=False, cancel_futures=True)
+        hold.set()
+        await asyncio.wait_for(batcher.close(), WAIT)
+        assert blocker.result() is True
+        return list(await asyncio.gather(*futures, return_exceptions=True))
+
+    outcomes = asyncio.run(main())
+    assert isinstance(outcomes[0], Projection)
+    assert isinstance(outcomes[1], InferenceFailed)
