@@ -32,12 +32,15 @@ def _rows(count: int, seed: int) -> npt.NDArray[np.float32]:
 class GatedRun:
     """A real session run that signals it started, then waits for the gate to open."""
 
-    def __init__(self, session: HeadSession) -> None:
+    def __init__(
+        self, session: HeadSession, name: str = "", order: list[str] | None = None
+    ) -> None:
         self.session = session
         self.started = threading.Event()
         self.gate = threading.Event()
         self.calls: list[int] = []
         self.temperatures: list[list[float]] = []
+        self.name, self.order = name, order  # runs of several batchers, in the order they ran
 
     def __call__(
         self,
@@ -48,6 +51,8 @@ class GatedRun:
     ) -> Projection:
         self.started.set()
         self.gate.wait(timeout=WAIT)
+        if self.order is not None:
+            self.order.append(self.name)
         self.calls.append(len(rows))
         self.temperatures.append(np.broadcast_to(temperature, len(rows)).tolist())
         return self.session.project(rows, k, temperature=temperature, full_logits=full)
@@ -305,21 +310,11 @@ def test_concurrent_closes_finish_each_run_once(tied_path: Path) -> None:
     assert [(s.rows, s.requests) for s in stats] == [(1, 1), (1, 1)]
 
 
-class RecordingRun:
-    """A real session run that records which batcher's rows it ran, in order."""
-
-    def __init__(self, session: HeadSession, name: str, order: list[str]) -> None:
-        self.session, self.name, self.order = session, name, order
-
-    def __call__(
-        self,
-        rows: npt.NDArray[np.float32],
-        k: int,
-        full: bool,
-        temperature: npt.NDArray[np.float32] | float = 1.0,
-    ) -> Projection:
-        self.order.append(self.name)
-        return self.session.project(rows, k, temperature=temperature, full_logits=full)
+def _open_run(session: HeadSession, name: str = "", order: list[str] | None = None) -> GatedRun:
+    """A run that never waits (its gate open), recording its name in ``order`` if given."""
+    run = GatedRun(session, name, order)
+    run.gate.set()
+    return run
 
 
 def test_runs_chained_from_the_inference_thread_answer_every_request(tied_path: Path) -> None:
@@ -339,7 +334,7 @@ def test_runs_chained_from_the_inference_thread_answer_every_request(tied_path: 
         return list(await asyncio.gather(*(client(i) for i in range(len(sizes)))))
 
     limits = BatchLimits(max_batch_rows=8, max_wait_s=0.001)
-    results = _with_batcher(RecordingRun(session, "a", order), limits, scenario, stats.append)
+    results = _with_batcher(_open_run(session, "a", order), limits, scenario, stats.append)
     assert isinstance(results, list)
     assert sum(s.rows for s in stats) == sum(sizes)
     assert sum(s.requests for s in stats) == len(sizes)
@@ -364,8 +359,8 @@ def test_a_chain_of_runs_leaves_turns_to_another_version_in_the_same_executor(
     async def main() -> None:
         with ThreadPoolExecutor(1) as executor:
             limits = BatchLimits(max_batch_rows=1)
-            a = Batcher(RecordingRun(session, "a", order), executor, limits, label="a/1")
-            b = Batcher(RecordingRun(session, "b", order), executor, limits, label="b/1")
+            a = Batcher(_open_run(session, "a", order), executor, limits, label="a/1")
+            b = Batcher(_open_run(session, "b", order), executor, limits, label="b/1")
             a.start()
             b.start()
             holder = asyncio.get_running_loop().run_in_executor(
@@ -435,12 +430,7 @@ class HoldingExecutor(ThreadPoolExecutor):
 def test_close_waits_for_every_answer_when_chained_runs_finish_out_of_order(
     tied_path: Path,
 ) -> None:
-    session = HeadSession(tied_path, tied=True)
-
-    def run(
-        rows: npt.NDArray[np.float32], k: int, full: bool, temperature: npt.NDArray[np.float32]
-    ) -> Projection:
-        return session.project(rows, k, temperature=temperature, full_logits=full)
+    run = _open_run(HeadSession(tied_path, tied=True))
 
     async def main() -> tuple[bool, list[object]]:
         with HoldingExecutor() as executor:
