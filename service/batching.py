@@ -10,14 +10,11 @@ again) are then all back, and waiting longer would only add ``max_wait`` to ever
 The merged run happens in the inference executor, never on the event loop. While it runs,
 new requests queue up, so under load the next batch fills without waiting at all. A run that
 ends with requests queued starts theirs itself, from the inference thread, before its own
-batch is answered: the answers wake the callers' processes, and a trip through the event
-loop (busy with HTTP) and back cost ~1.6 ms of idle between 30 ms runs (the next run
-waited for the GIL). Measured here, 64-row requests from 16 clients: runs in flight 94.5% of
-the time that way, 99% this way; 1.01x rows/s for one process, 1.07x for two fronts. The
-event loop collects only the first batch of a busy spell (with the waiting above). The
-results are split back per request: k is the batch's largest k (top-k is sorted, so each
-request keeps its first k columns) and the graph takes one temperature per row, so requests
-with different options still share a run.
+batch is answered (``Batcher._execute`` says why); the event loop collects only the first
+batch of a busy spell, with the waiting above. The results are split back per request
+(``service.batch``): k is the batch's largest k (top-k is sorted, so each request keeps its
+first k columns) and the graph takes one temperature per row, so requests with different
+options still share a run.
 
 The queue is bounded in rows: past ``max_queue_rows`` a request is refused at once (503 with
 Retry-After) rather than left to time out. A run that raises fails every caller in its batch
@@ -33,39 +30,19 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
-from service.errors import InferenceFailed, ModelNotReady, QueueFull
+from service.batch import BatchStats, Pending, Started, deliver, fail
+from service.errors import ModelNotReady, QueueFull
 from service.runtime import Projection
 
 logger = logging.getLogger("lmhead")
 
 #: (rows, k, full_logits, one temperature per row) -> the projection of those rows.
 RunBatch = Callable[[npt.NDArray[np.float32], int, bool, npt.NDArray[np.float32]], Projection]
-
-
-@dataclass(frozen=True)
-class BatchStats:
-    """What one run did, for metrics."""
-
-    rows: int
-    requests: int
-    queue_seconds: list[float]
-    run_seconds: float
-    failed: bool
-
-
-@dataclass
-class _Pending:
-    rows: npt.NDArray[np.float32]
-    k: int
-    full_logits: bool
-    future: asyncio.Future[Projection]
-    temperature: float = 1.0
-    enqueued: float = field(default_factory=time.monotonic)
 
 
 #: Runs of one version that may be finished or running while the event loop has not yet
@@ -104,9 +81,9 @@ class Batcher:
         self._on_batch = on_batch
         self._on_reject = on_reject
         self._lock = threading.Lock()
-        self._queue: deque[_Pending] = deque()
+        self._queue: deque[Pending] = deque()
         self._arrived = asyncio.Event()
-        self._collecting: list[_Pending] = []
+        self._collecting: list[Pending] = []
         self._last_batch_requests = 0
         self._queued_rows = 0
         self._task: asyncio.Task[None] | None = None
@@ -171,7 +148,7 @@ class Batcher:
         future: asyncio.Future[Projection] = asyncio.get_running_loop().create_future()
         with self._lock:
             self._queued_rows += count
-            self._queue.append(_Pending(rows, k, full_logits, future, temperature))
+            self._queue.append(Pending(rows, k, full_logits, future, temperature))
         self._arrived.set()
         return future
 
@@ -210,7 +187,7 @@ class Batcher:
             # Shielded: closing the batcher stops this task but lets started runs deliver.
             await asyncio.shield(self._spell)
 
-    async def _collect(self) -> list[_Pending]:
+    async def _collect(self) -> list[Pending]:
         """Gather the next batch; ``_collecting`` holds it so ``close`` can fail it."""
         batch = self._collecting
         while (first := self._take_fitting(0, first=True)) is None:
@@ -232,7 +209,7 @@ class Batcher:
             rows += len(item.rows)
         return batch
 
-    async def _next_before(self, deadline: float, room: int) -> _Pending | None:
+    async def _next_before(self, deadline: float, room: int) -> Pending | None:
         """The next queued request if it fits in ``room`` rows, waiting until ``deadline``
         for one to arrive; None when time is up or the next does not fit (it stays first)."""
         while not self._queue:
@@ -247,7 +224,7 @@ class Batcher:
                 return None
         return self._take_fitting(room)
 
-    def _take_fitting(self, room: int, *, first: bool = False) -> _Pending | None:
+    def _take_fitting(self, room: int, *, first: bool = False) -> Pending | None:
         """Pop the first queued request if it fits in ``room`` rows (``first``: whatever its
         size: a request larger than a batch runs alone)."""
         with self._lock:
@@ -255,9 +232,9 @@ class Batcher:
                 return self._queue.popleft()
             return None
 
-    def _queued_now(self) -> list[_Pending]:
+    def _queued_now(self) -> list[Pending]:
         """The next batch from what is queued already, without waiting (empty if nothing is)."""
-        batch: list[_Pending] = []
+        batch: list[Pending] = []
         rows = 0
         with self._lock:
             while self._queue:
@@ -270,26 +247,28 @@ class Batcher:
                     break
         return batch
 
-    def _launch(self, batch: list[_Pending]) -> None:
+    def _launch(self, batch: list[Pending]) -> None:
         """Merge a batch's rows and hand them to the inference executor (from any thread)."""
         with self._lock:
             self._queued_rows -= sum(len(item.rows) for item in batch)
             self._last_batch_requests = len(batch)
             self._unanswered += 1
         try:
-            started = _Started.merge(batch)
+            started = Started.merge(batch)
             work = self._executor.submit(self._execute, started)
         except Exception:  # the executor was shut down, or the rows would not merge
             logger.exception("could not start a run for %s", self._label)
-            self._answer_soon(_Started(batch), None, 0.0)
+            self._answer_soon(batch, time.monotonic(), None, 0.0)
             return
         # A run the executor drops unstarted (``shutdown(cancel_futures=True)``) fails its
         # callers, and the spell still ends.
         work.add_done_callback(
-            lambda work: self._answer_soon(started, None, 0.0) if work.cancelled() else None
+            lambda work: (
+                self._answer_soon(batch, started.at, None, 0.0) if work.cancelled() else None
+            )
         )
 
-    def _execute(self, started: _Started) -> None:
+    def _execute(self, started: Started) -> None:
         """In the inference thread: run a batch, then start the next queued one before the
         finished batch is answered.
 
@@ -298,23 +277,24 @@ class Batcher:
         lets it go to copy rows) waits until the loop lets it back: measured here, ~1 ms
         between runs of 30 ms. So the next batch is merged and queued in the executor first,
         answering comes last, and nothing but bookkeeping stands between it and the next
-        run, which lets the GIL go for as long as it runs."""
+        run, which lets the GIL go for as long as it runs. Through the event loop, the next run
+        waited ~1.6 ms between 30 ms runs (64-row requests from 16 clients: runs in flight
+        94.5% of the time that way, 99% this way; 1.01x rows/s for one process, 1.07x for
+        two fronts)."""
         result: Projection | None = None
         started.at = time.monotonic()  # queued until now, in the executor too
         try:
-            result = self._run(
-                started.rows_array, started.k, started.full_logits, started.temperature
-            )
+            result = self._run(started.rows, started.k, started.full_logits, started.temperature)
         except Exception:
             logger.exception(
-                "inference failed for %s on a batch of %d rows", self._label, started.rows
+                "inference failed for %s on a batch of %d rows", self._label, len(started.rows)
             )
         finally:
             seconds = time.monotonic() - started.at
             following = self._queued_now() if self._may_chain() else []
             if following:
                 self._launch(following)
-            self._answer_soon(started, result, seconds)
+            self._answer_soon(started.batch, started.at, result, seconds)
 
     def _may_chain(self) -> bool:
         """Whether the inference thread may start the next run itself: not while closing or
@@ -326,91 +306,41 @@ class Batcher:
             not self._closing and not self._loop.is_closed() and self._unanswered < MAX_UNANSWERED
         )
 
-    def _answer_soon(self, started: _Started, result: Projection | None, seconds: float) -> None:
+    def _answer_soon(
+        self, batch: list[Pending], at: float, result: Projection | None, seconds: float
+    ) -> None:
+        """Have the event loop answer a batch whose run began ``at`` and took ``seconds``."""
         assert self._loop is not None
         try:
-            self._loop.call_soon_threadsafe(self._answer, started, result, seconds)
+            self._loop.call_soon_threadsafe(self._answer, batch, at, result, seconds)
         except RuntimeError:  # the event loop is closed: nobody waits for these answers
             logger.debug("%s: a batch finished after the event loop closed", self._label)
 
-    def _answer(self, started: _Started, result: Projection | None, seconds: float) -> None:
+    def _answer(
+        self, batch: list[Pending], at: float, result: Projection | None, seconds: float
+    ) -> None:
         """On the event loop: answer a finished batch; the spell ends with its last answer
         (counted, not flagged: with several inference threads answers may come in any order)."""
-        batch = started.batch
         try:
             if result is None:
-                _fail(batch, self._label)
+                fail(batch, self._label)
             else:
-                _deliver(batch, result)
+                deliver(batch, result)
             self._on_batch(
                 BatchStats(
-                    rows=started.rows,
+                    rows=sum(len(item.rows) for item in batch),
                     requests=len(batch),
-                    queue_seconds=[started.at - item.enqueued for item in batch],
+                    queue_seconds=[at - item.enqueued for item in batch],
                     run_seconds=seconds,
                     failed=result is None,
                 )
             )
         except Exception:
             logger.exception("answering a batch of %s failed", self._label)
-            _fail(batch, self._label)
+            fail(batch, self._label)
         finally:
             with self._lock:
                 self._unanswered -= 1
                 spell_over = self._unanswered == 0
             if spell_over and self._spell is not None and not self._spell.done():
                 self._spell.set_result(None)
-
-
-@dataclass
-class _Started:
-    """A batch handed to the inference executor, its rows merged into one run's inputs."""
-
-    batch: list[_Pending]
-    rows_array: npt.NDArray[np.float32] = field(default_factory=lambda: _NO_ROWS)
-    temperature: npt.NDArray[np.float32] = field(default_factory=lambda: _NO_ROWS)
-    k: int = 1
-    full_logits: bool = False
-    at: float = field(default_factory=time.monotonic)
-
-    @classmethod
-    def merge(cls, batch: list[_Pending]) -> _Started:
-        rows = batch[0].rows if len(batch) == 1 else np.concatenate([p.rows for p in batch])
-        temperature = np.repeat(
-            np.array([item.temperature for item in batch], np.float32),
-            [len(item.rows) for item in batch],
-        )
-        k = max(item.k for item in batch)
-        return cls(batch, rows, temperature, k, any(item.full_logits for item in batch))
-
-    @property
-    def rows(self) -> int:
-        return sum(len(item.rows) for item in self.batch)
-
-
-_NO_ROWS: npt.NDArray[np.float32] = np.zeros(0, np.float32)
-
-
-def _fail(batch: list[_Pending], label: str) -> None:
-    for item in batch:
-        if not item.future.done():
-            item.future.set_exception(
-                InferenceFailed(f"inference failed for {label}; see the server log")
-            )
-
-
-def _deliver(batch: list[_Pending], result: Projection) -> None:
-    offset = 0
-    for item in batch:
-        end = offset + len(item.rows)
-        if not item.future.done():  # a caller that went away has a cancelled future
-            logits = result.logits
-            item.future.set_result(
-                Projection(
-                    topk_logits=result.topk_logits[offset:end, : item.k],
-                    topk_token_ids=result.topk_token_ids[offset:end, : item.k],
-                    logsumexp=result.logsumexp[offset:end],
-                    logits=logits[offset:end] if item.full_logits and logits is not None else None,
-                )
-            )
-        offset = end

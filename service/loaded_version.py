@@ -21,7 +21,8 @@ import numpy as np
 import numpy.typing as npt
 
 from service.allocator import trim_heap
-from service.batching import Batcher, BatchLimits, BatchStats
+from service.batch import BatchStats
+from service.batching import Batcher, BatchLimits
 from service.inspect import HeadReport, inspect_head
 from service.layout import Placement, open_head
 from service.limits import Limits

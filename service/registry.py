@@ -20,7 +20,8 @@ from dataclasses import replace
 from typing import Any
 
 from service.allocator import trim_heap
-from service.batching import BatchLimits, BatchStats
+from service.batch import BatchStats
+from service.batching import BatchLimits
 from service.errors import InvalidModelName, ModelNotFound, ModelNotReady, VersionNotFound
 from service.limits import Limits
 from service.loaded_version import LoadedVersion, LoadOptions, VersionLoadError, load_version

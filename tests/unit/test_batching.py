@@ -17,7 +17,8 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from service.batching import Batcher, BatchLimits, BatchStats, RunBatch
+from service.batch import BatchStats
+from service.batching import Batcher, BatchLimits, RunBatch
 from service.errors import InferenceFailed, ModelNotReady, QueueFull
 from service.runtime import HeadSession, Projection
 from tests.conftest import D_MODEL
