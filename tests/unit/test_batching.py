@@ -62,6 +62,16 @@ class GatedRun:
         assert await asyncio.to_thread(self.started.wait, WAIT)
 
 
+async def _turns_until(condition: Callable[[], bool], turns: int = 100) -> None:
+    """Let the event loop take turns until ``condition`` holds: a bounded count of turns,
+    never the clock (fails if it does not come)."""
+    for _ in range(turns):
+        if condition():
+            return
+        await asyncio.sleep(0)  # one turn of the loop, not a wait
+    raise AssertionError(f"not reached in {turns} turns of the event loop")
+
+
 def _with_batcher(
     run: RunBatch,
     limits: BatchLimits,
@@ -214,8 +224,7 @@ def test_close_lets_the_running_batch_finish_and_fails_the_queued(tied_path: Pat
             futures = [batcher.enqueue(_rows(1, i), 1) for i in range(3)]
             await run.wait_started()
             closing = asyncio.ensure_future(batcher.close())
-            while not batcher.closing:  # the run must end after the close began
-                await asyncio.sleep(0)
+            await _turns_until(lambda: batcher.closing)  # the run ends after the close began
             run.gate.set()
             await closing
             return list(await asyncio.gather(*futures, return_exceptions=True)), batcher
@@ -329,10 +338,12 @@ def test_runs_chained_from_the_inference_thread_answer_every_request(tied_path: 
 
     async def scenario(batcher: Batcher) -> list[Projection]:
         async def client(index: int) -> Projection:
-            await asyncio.sleep(0)  # clients interleave with the runs' answers
+            if index >= 8:  # closed loop: sent once an earlier request was answered
+                await calls[index - 8]
             return await batcher.enqueue(_rows(sizes[index], index), 3)
 
-        return list(await asyncio.gather(*(client(i) for i in range(len(sizes)))))
+        calls = [asyncio.ensure_future(client(i)) for i in range(len(sizes))]
+        return list(await asyncio.gather(*calls))
 
     limits = BatchLimits(max_batch_rows=8, max_wait_s=0.001)
     results = _with_batcher(_open_run(session, "a", order), limits, scenario, stats.append)
@@ -370,11 +381,9 @@ def test_a_chain_of_runs_leaves_turns_to_another_version_in_the_same_executor(
             await gate.wait_started()  # the inference thread is busy: both queue behind it
             first_a = a.enqueue(_rows(1, 1), 2)
             more_a = [a.enqueue(_rows(1, 2 + i), 2) for i in range(3)]
-            while a.queued_rows != 3:  # a's task hands its first run to the executor
-                await asyncio.sleep(0)
+            await _turns_until(lambda: a.queued_rows == 3)  # a's first run goes to the executor
             only_b = b.enqueue(_rows(1, 9), 2)
-            while b.queued_rows:  # and b's task its only one, behind a's
-                await asyncio.sleep(0)
+            await _turns_until(lambda: b.queued_rows == 0)  # and b's only one, behind a's
             gate.gate.set()
             await asyncio.gather(holder, first_a, only_b, *more_a)
             await asyncio.gather(a.close(), b.close())
