@@ -36,7 +36,7 @@ import numpy as np
 import numpy.typing as npt
 
 from service.batch import BatchStats, Pending, Started, deliver, fail
-from service.errors import ModelNotReady, QueueFull
+from service.errors import ModelNotReady, PayloadTooLarge, QueueFull
 from service.runtime import Projection
 
 logger = logging.getLogger("lmhead")
@@ -138,6 +138,11 @@ class Batcher:
         if self._task is None or self._task.done():
             raise ModelNotReady(f"{self._label} is not accepting requests")
         count = len(rows)
+        if count > self._limits.max_queue_rows:  # would never fit: retrying cannot help
+            raise PayloadTooLarge(
+                f"{count} rows are more than {self._label}'s queue holds "
+                f"({self._limits.max_queue_rows} rows); send at most that many per request"
+            )
         if self._queued_rows + count > self._limits.max_queue_rows:
             self._on_reject()
             raise QueueFull(

@@ -78,7 +78,7 @@ class Settings(PlaceSettings):
     max_wait_ms: float = Field(default=2.0, ge=0)
     """How long a batch waits for more requests once the first has arrived."""
     max_queue_rows: int = Field(default=16384, ge=1)
-    """Rows waiting per model before new requests get 503 with Retry-After."""
+    """Rows waiting per model before new requests get 503 with Retry-After; at least max_rows."""
     inference_threads: int = Field(default=1, ge=1)
     """Threads that run onnxruntime sessions (keep x intra_op_threads <= cores)."""
     intra_op_threads: int = Field(default=0, ge=0)
@@ -123,6 +123,11 @@ class Settings(PlaceSettings):
     def _check_limits(self) -> Self:
         if self.default_k > self.max_k:
             raise ValueError(f"default_k ({self.default_k}) must be <= max_k ({self.max_k})")
+        if self.max_queue_rows < self.max_rows:  # such a request would get 503 forever
+            raise ValueError(
+                f"max_queue_rows ({self.max_queue_rows}) must be >= max_rows ({self.max_rows}): "
+                "a request of max_rows rows must fit in a model's queue"
+            )
         if self.admin_api_writable and self.admin_token is None and not self.loopback:
             raise ValueError(
                 f"host {self.host} exposes the repository load/unload API without a token: "

@@ -1,5 +1,5 @@
 """``service.client`` against a real server: every call equals the float64 reference, errors come
-back as their classes, retries ride out a full queue and a server that is still starting."""
+back as their classes, retries ride out a 503 and a server that is still starting."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 
 from service.client import AsyncClient, Client
 from service.demo import demo_tokens
-from service.errors import InvalidInput, ModelNotFound, QueueFull, Unauthorized
+from service.errors import InvalidInput, ModelNotFound, ModelNotReady, Unauthorized
 from service.reference import log_softmax, top_k
 from tests.conftest import D_MODEL, VOCAB, reference_logits
 from tests.server import free_port, running_server, running_server_on
@@ -103,19 +103,24 @@ def test_service_errors_come_back_as_their_classes(url: str) -> None:
         assert admin.load("tied")["state"] == "READY"
 
 
-def test_a_full_queue_is_retried_then_raised(repository: Path) -> None:
-    """Two rows never fit a one-row queue: the client tries 1 + 2 times, then raises."""
+def test_a_503_is_retried_then_raised(repository: Path) -> None:
+    """An unloaded model answers 503: the client tries 1 + 2 times, then raises its class."""
     with (
-        running_server(repository, max_queue_rows="1") as base_url,
+        running_server(repository) as base_url,
         Client(base_url, retries=2, backoff_s=0.01) as client,
     ):
-        with pytest.raises(QueueFull, match="limit 1"):
-            client.topk("tied", HIDDEN[0, :2])
+        client.unload("untied")
+        with pytest.raises(ModelNotReady, match="unloaded"):
+            client.topk("untied", HIDDEN[0, :2])
         metrics = httpx.get(f"{base_url}/metrics").text
-    rejected = [
-        line for line in metrics.splitlines() if line.startswith("lmhead_queue_full_total{")
+    refused = [
+        line
+        for line in metrics.splitlines()
+        if line.startswith("lmhead_http_requests_total{")
+        and 'status="503"' in line
+        and "topk" in line  # not the readiness probes of start-up
     ]
-    assert sum(float(line.split()[-1]) for line in rejected) == 3
+    assert sum(float(line.split()[-1]) for line in refused) == 3
 
 
 def test_calls_ride_out_a_server_that_is_still_starting(repository: Path) -> None:

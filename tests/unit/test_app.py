@@ -133,6 +133,8 @@ def test_settings_fail_fast_on_inconsistent_values() -> None:
         Settings(memory_mode="tiny")
     with pytest.raises(ValidationError, match="max_wait_ms"):
         Settings(max_wait_ms=-1)
+    with pytest.raises(ValidationError, match=r"max_queue_rows \(8\) must be >= max_rows \(16\)"):
+        Settings(max_queue_rows=8, max_rows=16)  # a 16-row request would get 503 forever
 
 
 def test_demo_heads_are_written_into_an_empty_repository_when_asked(tmp_path: Path) -> None:

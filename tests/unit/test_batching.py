@@ -19,7 +19,7 @@ import pytest
 
 from service.batch import BatchStats
 from service.batching import Batcher, BatchLimits, RunBatch
-from service.errors import InferenceFailed, ModelNotReady, QueueFull
+from service.errors import InferenceFailed, ModelNotReady, PayloadTooLarge, QueueFull
 from service.runtime import HeadSession, Projection
 from tests.conftest import D_MODEL
 
@@ -193,6 +193,27 @@ def test_a_failing_run_fails_every_caller_and_the_next_batch_runs(tied_path: Pat
     assert all(isinstance(error, InferenceFailed) for error in failed)
     assert "onnxruntime exploded" not in str(failed[0])
     assert after.topk_token_ids.shape == (1, 1)
+
+
+def test_a_request_larger_than_the_queue_is_413_not_a_503_to_retry(tied_path: Path) -> None:
+    """Retrying cannot help a request that never fits: it is refused as too large, and the
+    batcher goes on serving (settings keep ``max_rows`` <= ``max_queue_rows``; this guards
+    embedders that build their own limits)."""
+    run = GatedRun(HeadSession(tied_path, tied=True))
+    run.gate.set()
+
+    async def scenario(batcher: Batcher) -> tuple[PayloadTooLarge, Projection]:
+        with pytest.raises(PayloadTooLarge) as refused:
+            batcher.enqueue(_rows(5, 0), 1)
+        return refused.value, await batcher.enqueue(_rows(4, 1), 1)
+
+    outcome = _with_batcher(run, BatchLimits(max_queue_rows=4), scenario)
+    assert isinstance(outcome, tuple)
+    error, served = outcome
+    assert "5 rows are more than" in error.message
+    assert "(4 rows)" in error.message
+    assert error.headers == {}
+    assert served.topk_token_ids.shape == (4, 1)
 
 
 def test_a_full_queue_refuses_at_once_with_retry_after(tied_path: Path) -> None:
