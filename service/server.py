@@ -9,7 +9,8 @@ made normal requests fail. ``LimitedHttp`` adds, per connection:
 * a head not complete within ``header_timeout_s`` of its first byte (or of the connection,
   for the first request) -> 408 and close; a body that stalls for ``body_timeout_s`` -> 408;
 * connections beyond ``max_connections`` -> 503 at once and close (uvicorn's own
-  ``limit_concurrency`` answers only once a request arrives, holding the descriptor).
+  ``limit_concurrency`` answers only once a request arrives, holding the descriptor); with
+  ``LMHEAD_WORKERS`` > 1 the cap holds for all fronts together (``SharedConnections``).
 
 ``run(settings)`` starts the app with these limits; ``uvicorn --factory`` runs without them.
 """
@@ -20,6 +21,7 @@ import asyncio
 import logging
 import resource
 import socket
+from collections.abc import MutableSequence
 from typing import Any
 
 import uvicorn
@@ -42,28 +44,50 @@ def run(settings: Settings) -> None:
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, **_options(settings))
 
 
-def run_on(app: FastAPI, settings: Settings, listener: socket.socket) -> None:
+def run_on(
+    app: FastAPI, settings: Settings, listener: socket.socket, shared: SharedConnections
+) -> None:
     """Serve ``app`` on a socket already listening (a front process of ``LMHEAD_WORKERS``,
-    whose port the fronts share), with the same limits as ``run``."""
+    whose port the fronts share), with the same limits as ``run``, the connection cap counted
+    over every front."""
     _raise_descriptor_limit(settings.max_connections + FD_MARGIN)
     settle_allocator()
-    uvicorn.Server(uvicorn.Config(app, **_options(settings))).run(sockets=[listener])
+    uvicorn.Server(uvicorn.Config(app, **_options(settings, shared))).run(sockets=[listener])
 
 
-def _options(settings: Settings) -> dict[str, Any]:
+class SharedConnections:
+    """The open connections of every front, so ``max_connections`` caps their sum, as it caps
+    one process's connections: one counter per front in shared memory, each written by its
+    own front only (no lock that a front dying at the wrong moment could leave held). A front
+    publishes its new count before it adds up the others', so two connections arriving at
+    once on two fronts near the cap may both be refused, and never both let past it."""
+
+    def __init__(self, counts: MutableSequence[int], index: int) -> None:
+        self._counts = counts
+        self._index = index
+
+    def publish(self, mine: int) -> int:
+        """Set this front's count; the count of every front."""
+        self._counts[self._index] = mine
+        return sum(self._counts)
+
+
+def _options(settings: Settings, shared: SharedConnections | None = None) -> dict[str, Any]:
     return {
         "log_level": settings.log_level,
         "access_log": settings.access_log,
         "timeout_graceful_shutdown": 10,
         "timeout_keep_alive": int(settings.keep_alive_s),
-        "http": limited_protocol(settings),
+        "http": limited_protocol(settings, shared),
         # X-Forwarded-* would only rewrite the client address that access logs show; the
         # middleware that reads them wraps every request (~3% of a one-row request's CPU).
         "proxy_headers": settings.access_log,
     }
 
 
-def limited_protocol(settings: Settings) -> type[HttpToolsProtocol]:
+def limited_protocol(
+    settings: Settings, shared: SharedConnections | None = None
+) -> type[HttpToolsProtocol]:
     """``LimitedHttp`` with this service's limits (uvicorn builds one per connection)."""
     return type(
         "LMHeadHttp",
@@ -73,6 +97,7 @@ def limited_protocol(settings: Settings) -> type[HttpToolsProtocol]:
             "header_timeout_s": settings.header_timeout_s,
             "body_timeout_s": settings.body_timeout_s,
             "max_connections": settings.max_connections,
+            "shared": shared,
         },
     )
 
@@ -84,6 +109,7 @@ class LimitedHttp(HttpToolsProtocol):
     header_timeout_s = 10.0
     body_timeout_s = 30.0
     max_connections = 1000
+    shared: SharedConnections | None = None  # the other fronts' connections count too
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -94,7 +120,7 @@ class LimitedHttp(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        if len(self.connections) > self.max_connections:
+        if self._open_connections() > self.max_connections:
             self._refuse(503, "too many connections; retry shortly")
             return
         self._arm(self.header_timeout_s, "the request head did not arrive in time")
@@ -102,6 +128,12 @@ class LimitedHttp(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         super().connection_lost(exc)
+        self._open_connections()
+
+    def _open_connections(self) -> int:
+        """Connections open now (this one included, until it is lost), over all fronts."""
+        mine = len(self.connections)
+        return mine if self.shared is None else self.shared.publish(mine)
 
     def data_received(self, data: bytes) -> None:
         if self.transport.is_closing():

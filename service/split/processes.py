@@ -7,20 +7,26 @@ from __future__ import annotations
 import ctypes
 import signal
 import socket
+from collections.abc import MutableSequence
 
 from service.settings import Settings
 
 
-def front_main(settings: Settings, engine_socket: str) -> None:
-    """Spawned by the supervisor; SIGTERM drains this front's requests, then it exits."""
+def front_main(
+    settings: Settings, engine_socket: str, connections: MutableSequence[int], index: int
+) -> None:
+    """Spawned by the supervisor; SIGTERM drains this front's requests, then it exits.
+    ``connections[index]`` is this front's count of open connections (see
+    ``SharedConnections``)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor turns Ctrl-C into SIGTERM
     become("lmhead-front")
     from service.app import create_app
-    from service.server import run_on
+    from service.server import SharedConnections, run_on
     from service.split.front import connected_plane
 
     app = create_app(settings, front=lambda: connected_plane(engine_socket, settings))
-    run_on(app, settings, listener(settings.host, settings.port))
+    shared = SharedConnections(connections, index)
+    run_on(app, settings, listener(settings.host, settings.port), shared)
 
 
 def listener(host: str, port: int) -> socket.socket:

@@ -69,6 +69,8 @@ class Group:
         self._backoff: dict[int | None, float] = {}
         self._stopping = False
         self._wake_r, self._wake_w = socket.socketpair()
+        # Each front's open connections (``service.server.SharedConnections``).
+        self._connections = self._spawn.RawArray("q", settings.workers)
 
     def run(self) -> int:
         for number in (signal.SIGTERM, signal.SIGINT):
@@ -115,8 +117,11 @@ class Group:
     def _start_front(self, index: int) -> None:
         from service.split.processes import front_main
 
+        self._connections[index] = 0  # a dead front's connections went with it
         front = self._spawn.Process(
-            target=front_main, args=(self._settings, self._path), name=f"lmhead-front-{index}"
+            target=front_main,
+            args=(self._settings, self._path, self._connections, index),
+            name=f"lmhead-front-{index}",
         )
         front.start()
         self._fronts[index], self._started[index] = front, time.monotonic()

@@ -2,10 +2,10 @@
 
 Answers equal the numpy reference through 1, 2 and 3 fronts (native, V2 binary and gRPC);
 only the engine holds onnxruntime and the heads, and it maps one request arena per front; the
-limits answer exactly as one process does; metrics sum over the processes; swaps under load
-fail nothing; a killed front is replaced without touching the engine; a killed engine fails
-readiness, then comes back; SIGTERM drains every front and leaves no process and no shared
-memory behind.
+limits answer exactly as one process does (the connection cap counts every front's); metrics
+sum over the processes; swaps under load fail nothing; a killed front is replaced without
+touching the engine; a killed engine fails readiness, then comes back; SIGTERM drains every
+front and leaves no process and no shared memory behind.
 """
 
 from __future__ import annotations
@@ -192,6 +192,37 @@ def test_limits_answer_as_one_process(two: str, repository: Path) -> None:
         400,
     ]
     assert answers == expected
+
+
+def test_the_connection_cap_holds_for_all_fronts_together(repository: Path) -> None:
+    """``LMHEAD_MAX_CONNECTIONS`` caps every front's connections together, as it caps one
+    process's: connections opened one after another (each asks once, then stays open) get 200
+    up to the cap and 503 beyond it, whichever of the 3 fronts the kernel hands them to."""
+    with running_server(repository, workers="3", max_connections="4") as url:
+        _all_fronts_connected(url, 3)
+        statuses = poll(lambda: _open_in_turn(url, 12), "4 connections served once idle")
+        assert statuses == [200] * 4 + [503] * 8
+        with Client(url) as client:  # the 4 closed: their places are free again
+            assert poll(lambda: client.models() or None, "a connection after they closed")
+
+
+def _open_in_turn(url: str, count: int) -> list[int] | None:
+    """Open ``count`` connections one by one, each asking for liveness; the statuses, or None
+    when one of the first 4 was refused (the readiness probes' connections still closing)."""
+    host, port = url.removeprefix("http://").split(":")
+    opened: list[socket.socket] = []
+    statuses: list[int] = []
+    try:
+        for _ in range(count):
+            opened.append(socket.create_connection((host, int(port)), timeout=10))
+            opened[-1].sendall(b"GET /health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+            statuses.append(int(opened[-1].recv(65536).split(b" ", 2)[1]))
+            if len(statuses) <= 4 and statuses[-1] != 200:
+                return None
+        return statuses
+    finally:
+        for sock in opened:
+            sock.close()
 
 
 def test_metrics_sum_over_every_process(two: str) -> None:
