@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from service.dataplane import DataPlane
 from service.demo import write_demo_models
+from service.journal import ControlJournal
 from service.metrics import Metrics
 from service.poller import RepositoryPoller
 from service.registry import Registry
@@ -36,10 +37,13 @@ class Engine:
 
 
 @asynccontextmanager
-async def running_engine(settings: Settings, metrics: Metrics) -> AsyncIterator[Engine]:
-    """The engine, loading in the background; everything stopped and released on exit."""
+async def running_engine(
+    settings: Settings, metrics: Metrics, journal: ControlJournal | None = None
+) -> AsyncIterator[Engine]:
+    """The engine, loading in the background; everything stopped and released on exit.
+    ``journal``: where control calls are noted for an engine started after this one."""
     executor = ThreadPoolExecutor(settings.inference_threads, thread_name_prefix="lmhead-infer")
-    registry = Registry(settings, executor, metrics)
+    registry = Registry(settings, executor, metrics, journal)
     plane = DataPlane(registry, settings, metrics)
     loading = asyncio.create_task(_start(settings, registry), name="lmhead-startup-load")
     background = [loading]

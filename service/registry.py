@@ -23,6 +23,7 @@ from service.allocator import trim_heap
 from service.batch import BatchStats
 from service.batching import BatchLimits
 from service.errors import InvalidModelName, ModelNotFound, ModelNotReady, VersionNotFound
+from service.journal import ControlJournal
 from service.limits import Limits
 from service.loaded_version import LoadedVersion, LoadOptions, VersionLoadError, load_version
 from service.metrics import Metrics
@@ -45,8 +46,15 @@ MAX_REASON_CHARS = 500
 class Registry:
     """Loads, swaps and unloads models from the repository and hands out loaded versions."""
 
-    def __init__(self, settings: Settings, executor: Executor, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        executor: Executor,
+        metrics: Metrics,
+        journal: ControlJournal | None = None,
+    ) -> None:
         self._settings = settings
+        self.journal = journal or ControlJournal()
         self._executor = executor
         self._metrics = metrics
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="lmhead-load")
@@ -80,7 +88,9 @@ class Registry:
         return [self._records[name] for name in sorted(self._records)]
 
     async def load_all(self) -> None:
-        """Load every model in the repository, then report ready (failures included).
+        """Load every model in the repository, then report ready (failures included). An
+        engine started again first applies the control calls made of the one before it
+        (``service.journal``): its pins, its unloads, what it loaded by hand.
 
         A repository path that is missing or not a directory is a start-up failure (the
         service reports it in readiness), never a healthy service with nothing to serve.
@@ -99,9 +109,12 @@ class Registry:
                 f"directory (it holds {model_names(repository)[:20]}): expected "
                 f"{only}/<version>/model.onnx"
             )
-        for name in names if self._settings.load_at_start else []:
+        wanted, unloaded = self.journal.plan(names if self._settings.load_at_start else [])
+        for name in unloaded:  # an engine before this one had it unloaded
+            self._records[name] = ModelRecord(name, ModelState.UNAVAILABLE, "unloaded")
+        for name, pin in wanted.items():
             try:
-                await self.load(name)
+                await self.load(name, pin)
             except Exception as error:  # one bad model must not keep the service unready
                 logger.exception("loading %s failed", name)
                 self._records[name] = ModelRecord(name, ModelState.FAILED, self._reason(error))

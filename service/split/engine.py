@@ -22,12 +22,14 @@ import socket
 import struct
 from collections.abc import Coroutine, Hashable
 from multiprocessing.synchronize import Event
+from pathlib import Path
 from typing import Any
 
 from service.dataplane import DataPlane
 from service.engine import running_engine
 from service.errors import ServiceError
 from service.grouping import group_key, infer_group
+from service.journal import ControlJournal
 from service.metrics import Metrics
 from service.plane import REMOTE_CALLS
 from service.settings import Settings
@@ -233,7 +235,10 @@ def engine_main(settings: Settings, path: str, listening: Event) -> None:
 async def _serve(settings: Settings, path: str, listening: Event) -> None:
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-    async with running_engine(settings, Metrics(multiprocess=True)) as engine:
+    # Kept in the supervisor's private directory: an engine started after this one dies
+    # serves what the control API made of this one (``service.journal``).
+    journal = ControlJournal(Path(path).with_name("control.json"))
+    async with running_engine(settings, Metrics(multiprocess=True), journal) as engine:
         server = EngineServer(engine.plane, path, arena_bytes(settings))
         server.start()
         listening.set()

@@ -440,6 +440,40 @@ def test_a_killed_engine_fails_readiness_then_comes_back(
             np.testing.assert_array_equal(client.topk("head", HIDDEN, k=3).token_ids, expected[1])
 
 
+def test_a_restarted_engine_serves_what_the_control_api_left(tmp_path: Path) -> None:
+    """Loads, pins and unloads made through the control API outlive the engine: the one
+    started after it serves the pinned tied version 1 (not the untied 2 on disk), keeps the
+    unloaded model unloaded, and loads what was loaded by hand, before it says ready."""
+    expected = _publish(tmp_path, 1, tied=True)
+    _publish(tmp_path, 2, tied=False)
+    save_head(
+        HeadWeights.from_arrays(np.ones((VOCAB, D_MODEL), np.float32)), tmp_path / "other" / "1"
+    )
+    with running_server(tmp_path, workers="2", load_at_start="false") as url:
+        with Client(url) as admin:
+            assert admin.load("head", 1)["pinned_version"] == 1
+            admin.load("other")
+            admin.unload("other")
+        old = tree(url).engine
+        old.kill()
+        old.wait(10)
+        poll(lambda: _restarted(url, old.pid), "a new engine, ready")
+        with Client(url) as client:
+            top = client.topk("head", HIDDEN, k=3)
+            with pytest.raises(ServiceError, match="unloaded"):
+                client.topk("other", HIDDEN)
+    assert top.version == 1
+    np.testing.assert_array_equal(top.token_ids, expected)
+
+
+def _restarted(url: str, dead: int) -> bool | None:
+    try:
+        engine = tree(url).engine
+    except ValueError:  # between the two engines
+        return None
+    return engine.pid != dead and _ready(url)
+
+
 def _not_ready(url: str, seen: list[int]) -> dict[str, dict[str, str]] | None:
     answer = httpx.get(f"{url}/health/ready")
     seen.append(answer.status_code)

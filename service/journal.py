@@ -1,0 +1,87 @@
+"""What the operator asked of the control API, kept for an engine process started again.
+
+With ``LMHEAD_WORKERS`` > 1 the supervisor restarts an engine that died, and a new engine
+loads what the settings and the repository say. Without this record every load, pin and
+unload made through the control API since start-up would be lost while readiness says 200:
+an unloaded model would serve again, a head pinned to its tied version 1 would come back as
+the untied version 2. The engine notes each call's outcome here, in a small JSON file in the
+supervisor's private directory, and a new engine applies it to its start-up loading before it
+reports ready. One process has nothing to hand on (when it ends, the service ends): its
+journal lives in memory only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Literal
+
+logger = logging.getLogger("lmhead")
+UNLOADED: Literal["unloaded"] = "unloaded"
+#: Per model: loaded with this pinned version (None: the latest), or unloaded.
+Wanted = int | None | Literal["unloaded"]
+
+
+class ControlJournal:
+    """The last control call's outcome per model: loaded (pinned or not) or unloaded."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        self._path = path
+        self._wanted: dict[str, Wanted] = _read(path) if path is not None else {}
+        self._saving = asyncio.Lock()
+
+    async def loaded(self, name: str, pin: int | None) -> None:
+        self._wanted[name] = pin
+        await self._save()
+
+    async def unloaded(self, name: str) -> None:
+        self._wanted[name] = UNLOADED
+        await self._save()
+
+    def plan(self, at_start: list[str]) -> tuple[dict[str, int | None], list[str]]:
+        """Start-up's models as the operator left them: those to load (with their pins),
+        and those to keep unloaded."""
+        load: dict[str, int | None] = dict.fromkeys(at_start)
+        unloaded = []
+        for name, wanted in self._wanted.items():
+            if wanted == UNLOADED:
+                load.pop(name, None)
+                unloaded.append(name)
+            else:
+                load[name] = wanted
+        return load, unloaded
+
+    async def _save(self) -> None:
+        if self._path is None:
+            return
+        async with self._saving:  # the text is taken inside: the last write holds the last call
+            text = json.dumps(self._wanted)
+            await asyncio.to_thread(_write_whole, self._path, text)
+
+
+def _read(path: Path) -> dict[str, Wanted]:
+    """The journal an engine before this one wrote; empty when there is none (a first start)."""
+    try:
+        found = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as error:
+        logger.warning("ignoring the control journal %s: %s", path, error)
+        return {}
+    if not isinstance(found, dict):
+        return {}
+    return {
+        name: wanted
+        for name, wanted in found.items()
+        if wanted is None or wanted == UNLOADED or type(wanted) is int
+    }
+
+
+def _write_whole(path: Path, text: str) -> None:
+    """Replace the file in one step: a crash mid-write leaves the previous journal whole."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text, encoding="utf-8")
+    os.replace(partial, path)
