@@ -243,18 +243,40 @@ def read_head(path: str | Path) -> HeadWeights:
 
 
 def stored_array(tensor: TensorProto, base_dir: Path) -> npt.NDArray[Any]:
-    """A tensor's values; external data is memory-mapped rather than read."""
+    """A tensor's values; external data is memory-mapped rather than read, and only from a
+    plain file beside the model (``check_location``)."""
     if tensor.data_location != TensorProto.EXTERNAL:
         return numpy_helper.to_array(tensor)
     info = {entry.key: entry.value for entry in tensor.external_data}
+    check_location(tensor)
+    data = base_dir / info["location"]
+    if data.is_symlink() or not data.is_file():
+        raise ValueError(
+            f"external data of {tensor.name[:64]!r}: {info['location'][:128]!r} is not a "
+            "plain file beside the model"
+        )
     dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
     return np.memmap(
-        base_dir / info["location"],
+        data,
         dtype=dtype,
         mode="r",
         offset=int(info.get("offset", 0)),
         shape=tuple(int(dim) for dim in tensor.dims),
     )
+
+
+def check_location(tensor: TensorProto) -> None:
+    """External data must be a file in the model's own directory: a plain file name, no
+    ``..``, no absolute path, no subdirectory (whatever the onnxruntime version accepts), so
+    that no head can be made of, or hand out, bytes from elsewhere on the machine."""
+    for entry in tensor.external_data:
+        if entry.key == "location" and (
+            entry.value != Path(entry.value).name or entry.value in ("", ".", "..")
+        ):
+            raise ValueError(
+                f"external data of {tensor.name[:64]!r} must be a file beside the model, "
+                f"got {entry.value[:128]!r}"
+            )
 
 
 def _tensor(name: str, array: npt.NDArray[Any]) -> TensorProto:

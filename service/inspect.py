@@ -23,7 +23,7 @@ import onnx
 
 from service.digits import decimal
 from service.graph import HIDDEN_STATES, UNTIED_ON_PURPOSE
-from service.heads import stored_array
+from service.heads import check_location, stored_array
 from service.repository import MODEL_FILE
 
 PROJECTION_OPS = frozenset({"Gemm", "MatMul", "FusedMatMul"})
@@ -354,17 +354,11 @@ def _all_tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
 
 
 def _check_external_locations(tensors: Iterable[onnx.TensorProto]) -> None:
-    """External data must be a file in the model's own directory: a plain file name, no
-    ``..``, no absolute path, no subdirectory (whatever the onnxruntime version accepts)."""
     for tensor in tensors:
-        for entry in tensor.external_data:
-            if entry.key == "location" and (
-                entry.value != Path(entry.value).name or entry.value in ("", ".", "..")
-            ):
-                raise HeadInspectionError(
-                    f"external data of {tensor.name[:64]!r} must be a file beside the model, "
-                    f"got {entry.value[:128]!r}"
-                )
+        try:
+            check_location(tensor)
+        except ValueError as error:
+            raise HeadInspectionError(str(error)) from None
 
 
 def _external_files(base_dir: Path, weights: dict[str, onnx.TensorProto]) -> set[Path]:

@@ -168,3 +168,25 @@ def test_widening_writes_float32_from_half_weights(
     np.testing.assert_array_equal(stored[EMBEDDING_WEIGHT], half.embedding.astype(np.float32))
     assert half.output is not None
     np.testing.assert_array_equal(stored[OUTPUT_WEIGHT], half.output.astype(np.float32))
+
+
+def test_reading_a_head_takes_no_bytes_from_outside_its_directory(
+    tmp_path: Path, table: npt.NDArray[np.float32]
+) -> None:
+    """``trim`` and ``quantize`` read heads back: external data pointing elsewhere on the
+    machine (a path, or a link beside the model) must be refused, never made into weights."""
+    path = save_head(HeadWeights.from_arrays(table), tmp_path / "m" / "1", external_data=True)
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(b"s" * table.nbytes)
+    (path.parent / "link.bin").symlink_to(secret)
+    model = onnx.load(str(path), load_external_data=False)
+    (entry,) = [e for e in model.graph.initializer[0].external_data if e.key == "location"]
+    for location, refusal in [
+        (str(secret), "must be a file beside the model"),
+        ("../../secret.bin", "must be a file beside the model"),
+        ("link.bin", "is not a plain file beside the model"),
+    ]:
+        entry.value = location
+        onnx.save_model(model, path)
+        with pytest.raises(ValueError, match=refusal):
+            read_head(path)
