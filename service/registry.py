@@ -230,7 +230,7 @@ class Registry:
         except RepositoryError as error:
             return self._failed(name, previous, str(error), {})
         loaded: dict[int, LoadedVersion] = {}
-        failed: dict[int, str] = {}
+        failed: dict[int, str] = dict(source.refused)
         changed: list[str] = []
         for version in selected:
             reused = previous.versions.get(version) if previous else None

@@ -105,6 +105,9 @@ class ModelSource:
     versions: dict[int, Path] = field(default_factory=dict)
     files: dict[int, Signature] = field(default_factory=dict)
     config_file: Signature = ()
+    refused: dict[int, str] = field(default_factory=dict)
+    """Version directories that are no version of this model (each says why): served never,
+    reported as failed, and the model's other versions serve as if they were not there."""
 
     def signature(self, version: int) -> Signature:
         """The version's files with the model's config.json: an edit of either is a change."""
@@ -113,6 +116,8 @@ class ModelSource:
     def selected(self, pin: int | None = None) -> list[int]:
         """The versions to serve: the pinned one, or those the config's policy names."""
         if pin is not None:
+            if pin in self.refused:
+                raise RepositoryError(f"model {self.name!r} version {pin}: {self.refused[pin]}")
             if pin not in self.versions:
                 raise RepositoryError(
                     f"model {self.name!r} has no complete version {pin} on disk; "
@@ -158,26 +163,43 @@ def read_source(repository: Path, name: str) -> ModelSource:
     if not directory.is_dir():
         raise RepositoryError(f"no model directory {name!r} in the repository")
     _check_inside(directory, root)
-    ordered = version_dirs(directory)
-    for entry in ordered.values():
-        _check_inside(entry, root)
+    ordered, refused = _versions(directory)
+    for number, entry in list(ordered.items()):
+        try:
+            _check_inside(entry, root)
+        except RepositoryError as error:  # this version only: the others still serve
+            refused[number] = str(error)
+            del ordered[number]
     config_path = directory / CONFIG_FILE
     config_signature = _file_signature(config_path) if config_path.exists() else ()
     config = read_config(directory, root)
     files = {version: signature(path) for version, path in ordered.items()}
-    return ModelSource(name, config, ordered, files, config_signature)
+    return ModelSource(name, config, ordered, files, config_signature, refused)
 
 
 def version_dirs(directory: Path) -> dict[int, Path]:
     """A model directory's complete versions (a number and a model file), by number."""
+    return _versions(directory)[0]
+
+
+def _versions(directory: Path) -> tuple[dict[int, Path], dict[int, str]]:
+    """Complete versions by number, and the numbers that two directories claim ("6" and
+    "0006"): which one served would depend on the order the file system lists them in."""
     if not directory.is_dir():
-        return {}
-    versions: dict[int, Path] = {}
+        return {}, {}
+    claims: dict[int, list[Path]] = {}
     for entry in directory.iterdir():
         number = decimal(entry.name)  # "²" or 40 digits: not a version
         if number is not None and entry.is_dir() and (entry / MODEL_FILE).is_file():
-            versions[number] = entry
-    return dict(sorted(versions.items()))
+            claims.setdefault(number, []).append(entry)
+    versions = {number: entries[0] for number, entries in claims.items() if len(entries) == 1}
+    refused = {
+        number: f"directories {sorted(e.name[:32] for e in entries)} are all version "
+        f"{number}: rename all but one"
+        for number, entries in claims.items()
+        if len(entries) > 1
+    }
+    return dict(sorted(versions.items())), refused
 
 
 def signature(version_dir: Path) -> Signature:

@@ -188,6 +188,34 @@ def test_repository_tricks_are_refused_and_reasons_name_no_machine_path(
     assert "/tmp/" not in reasons
 
 
+def test_a_bad_version_directory_fails_that_version_only(
+    tmp_path: Path, table: npt.NDArray[np.float32]
+) -> None:
+    """A version directory linked out of the repository, or two directories that are one
+    version ("3" and "0003"), fail those versions; version 1 serves, at start-up and after."""
+    root = tmp_path / "models"
+    save_head(HeadWeights.from_arrays(table), root / "m" / "1")
+    save_head(HeadWeights.from_arrays(table * 2), tmp_path / "outside" / "2")
+    (root / "m" / "2").symlink_to(tmp_path / "outside" / "2")
+    save_head(HeadWeights.from_arrays(table * 3), root / "m" / "3")
+    save_head(HeadWeights.from_arrays(table * 4), root / "m" / "0003")
+    with running_server(root) as url, httpx.Client(base_url=url) as client:
+        model = client.get("/v1/models/m").json()
+        reload = client.post("/v2/repository/models/m/load")
+        pinned = client.post("/v2/repository/models/m/load", json={"version": 2})
+        served = client.post("/v1/models/m/topk", json={"hidden_states": HIDDEN.tolist()})
+        asked = client.post("/v1/models/m/versions/2/topk", json={"hidden_states": HIDDEN.tolist()})
+    assert (model["state"], model["served_version"]) == ("READY", 1)
+    failed = model["failed_versions"]
+    assert "resolves outside the repository" in failed["2"]
+    assert "are all version 3" in failed["3"]
+    assert (reload.status_code, served.status_code, served.json()["version"]) == (200, 200, 1)
+    assert pinned.status_code == 500
+    assert "resolves outside the repository" in pinned.json()["error"]  # V2: a string
+    assert asked.status_code == 503
+    assert "resolves outside" in asked.json()["error"]["message"]
+
+
 def test_config_edits_are_picked_up_by_load(
     served: tuple[Path, httpx.Client], table: npt.NDArray[np.float32]
 ) -> None:
