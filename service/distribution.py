@@ -5,7 +5,8 @@ holds the numpy, this module decides what to fetch from the head).
 Costs, by construction:
 
 * allowed tokens: their rows of W (n x d_model) and a small matmul; a full run only when the
-  log-probs must be over the whole vocabulary (its log-sum-exp);
+  log-probs must be over the whole vocabulary (its log-sum-exp); a quantized head's logits
+  always come from a full run (its graph's numbers; ``layout.candidate_logits`` says why);
 * bias or banned tokens: one run for the top-(k + |B|) and |B| rows of W;
 * sampling: the same run with a wider top (``SAMPLE_PREFIX``); only a row whose kept set may
   reach past it is run again with full logits (a flat distribution, no filter).

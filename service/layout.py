@@ -102,7 +102,13 @@ def candidate_logits(
     come from its one table (the split file's ``pread``, or the session's own Gather), an
     untied head's from its output matrix's bytes in the served file (inline ones moved to
     ``into``, on disk, not in memory). None when the matrix is not stored one row per token
-    (a foreign ``MatMul`` layout): candidates then come from full logits."""
+    (a foreign ``MatMul`` layout): candidates then come from full logits. None for a
+    quantized head too: its projection quantizes the hidden state as well (``MatMulNBits``,
+    accuracy level 4: int8 activations), so logits from its dequantized rows differ from the
+    graph's by up to ~0.1, enough to reorder near ties (a zero ``logit_bias`` changed a top-1);
+    its candidates are the graph's own full logits."""
+    if report.quantization is not None:
+        return None
     transforms = report.transforms
     rows: RowSource | None = session.rows if report.tied else None
     if rows is None and report.tied and report.quantization is None:

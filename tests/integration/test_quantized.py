@@ -140,6 +140,31 @@ def test_served_answers_match_the_dequantized_reference(
     )
 
 
+@pytest.mark.parametrize(("model", "version"), [("small", 1), ("head", 2)])
+def test_a_quantized_head_answers_the_same_with_a_zero_bias_or_its_own_top_allowed(
+    url: str, model: str, version: int
+) -> None:
+    """Bias and allowed tokens take their logits from the graph itself, as plain top-k does:
+    the int8 activations of its projection make dequantized rows differ by up to ~0.1,
+    which reordered near ties (a zero bias changed a top-1)."""
+    hidden = np.random.default_rng(32).standard_normal((24, D_MODEL)).astype(np.float32)
+    path = f"{url}/v1/models/{model}/versions/{version}/topk"
+
+    def top(**options: object) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]:
+        body = {"hidden_states": hidden.tolist(), "k": 5, **options}
+        results = httpx.post(path, json=body).json()["results"]
+        return np.array([r["token_ids"] for r in results]), np.array([r["logits"] for r in results])
+
+    ids, logits = top()
+    for options in (
+        {"logit_bias": {str(token): 0.0 for token in ids[:, 0].tolist()[:8]}},
+        {"allowed_token_ids": ids.tolist()},
+    ):
+        shaped_ids, shaped_logits = top(**options)
+        np.testing.assert_array_equal(shaped_ids, ids)
+        np.testing.assert_allclose(shaped_logits, logits, rtol=1e-5, atol=1e-5)
+
+
 def test_compare_gives_agreement_and_kl_against_the_fp32_twin(
     url: str, table: npt.NDArray[np.float32]
 ) -> None:
