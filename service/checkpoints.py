@@ -146,7 +146,15 @@ class Checkpoint:
     def _tensor_files(self) -> dict[str, Path]:
         index = self.directory / "model.safetensors.index.json"
         if index.is_file():
-            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            weight_map = _json_file(index).get("weight_map")
+            if not isinstance(weight_map, dict) or not all(
+                isinstance(file, str) and file == Path(file).name and file not in ("", ".", "..")
+                for file in weight_map.values()
+            ):
+                raise CheckpointError(
+                    f"{index.name}: weight_map must map tensor names to .safetensors files "
+                    "in the checkpoint's directory"
+                )
             return {name: self.directory / file for name, file in weight_map.items()}
         files = sorted(self.directory.glob("*.safetensors"))
         if not files:
@@ -167,22 +175,41 @@ def tokenizer_tokens(directory: Path, vocab_size: int) -> list[str] | None:
     """Token strings by id from ``tokenizer.json`` or ``vocab.json``; None when neither."""
     vocab: dict[str, int] | None = None
     tokenizer = directory / "tokenizer.json"
+    source = tokenizer if tokenizer.is_file() else directory / "vocab.json"
     if tokenizer.is_file():
-        model = json.loads(tokenizer.read_text(encoding="utf-8")).get("model", {})
-        raw = model.get("vocab")
+        model = _json_file(tokenizer).get("model", {})
+        raw = model.get("vocab") if isinstance(model, dict) else None
         if isinstance(raw, dict):
             vocab = raw
         elif isinstance(raw, list):  # Unigram: [[piece, score], ...]
-            vocab = {entry[0]: i for i, entry in enumerate(raw)}
+            pieces = [entry[0] if isinstance(entry, list) and entry else None for entry in raw]
+            vocab = {piece: i for i, piece in enumerate(pieces) if isinstance(piece, str)}
+            if len(vocab) != len(raw):
+                raise CheckpointError(f"{tokenizer}: a Unigram vocab is [[piece, score], ...]")
     elif (directory / "vocab.json").is_file():
-        vocab = json.loads((directory / "vocab.json").read_text(encoding="utf-8"))
+        vocab = _json_file(directory / "vocab.json")
     if vocab is None:
         return None
     labels = [""] * vocab_size
     for token, index in vocab.items():
+        if type(index) is not int:
+            raise CheckpointError(
+                f"{source}: token {token[:32]!r} has id {str(index)[:32]!r}, not an integer"
+            )
         if 0 <= index < vocab_size:
-            labels[index] = token.replace("\n", "\\n")
+            labels[index] = token.replace("\n", "\\n").replace("\r", "\\r")  # one line each
     return labels
+
+
+def _json_file(path: Path) -> dict[str, Any]:
+    """A tokenizer file as a JSON object, or a ``CheckpointError`` naming it."""
+    try:
+        found = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"{path} is not valid JSON ({error})") from None
+    if not isinstance(found, dict):
+        raise CheckpointError(f"{path} must hold a JSON object, got a {type(found).__name__}")
+    return found
 
 
 def _first(candidates: tuple[str, ...], present: dict[str, Path]) -> str | None:

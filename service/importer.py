@@ -81,26 +81,29 @@ def import_checkpoint(
         )
         shown = transforms.describe() | ({"bias": True} if bias is not None else {})
         notes.append(f"head transforms in the graph: {shown}")
-    directory = _version_dir(Path(repository) / name, options.version)
-    writing = Progress(f"[3/3] writing {directory}")
-    writing(0, 1)
+    labels = tokenizer_tokens(checkpoint.directory, table.shape[0])  # may fail: before writing
     external = options.external_data
     stored = weights.stored_nbytes(options.quantization, options.quantize_table)
     if external is None:
         external = stored > EXTERNAL_DATA_ABOVE_BYTES
-    save_head(
-        weights,
-        directory,
-        external_data=external,
-        quantization=options.quantization,
-        quantize_table=options.quantize_table,
-    )
+
+    def write(staging: Path) -> None:
+        writing = Progress(f"[3/3] writing {name}")
+        writing(0, 1)
+        save_head(
+            weights,
+            staging,
+            external_data=external,
+            quantization=options.quantization,
+            quantize_table=options.quantize_table,
+        )
+        if labels is not None:
+            (staging / LABELS_FILE).write_text("\n".join(labels) + "\n", encoding="utf-8")
+        writing(1, 1)
+
+    directory = write_version(Path(repository) / name, options.version, write)
     if options.quantization is not None:
         notes.append(f"{options.quantization.describe()}: {stored:,} bytes of weights")
-    writing(1, 1)
-    labels = tokenizer_tokens(checkpoint.directory, table.shape[0])
-    if labels is not None:
-        (directory / LABELS_FILE).write_text("\n".join(labels) + "\n", encoding="utf-8")
     vocab_size, d_model = table.shape
     return ImportResult(directory, weights.tied, vocab_size, d_model, labels is not None, notes)
 

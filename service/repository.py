@@ -279,9 +279,13 @@ def read_labels(version_dir: Path, filename: str, vocab_size: int) -> list[str] 
     path = version_dir / filename
     if not path.is_file():
         return None
-    labels = path.read_text(encoding="utf-8").split("\n")
+    # Lines end at "\n" only: ``read_text`` would also end them at a "\r" inside a token
+    # (universal newlines) and shift every later id's string.
+    labels = path.read_bytes().decode("utf-8").split("\n")
     if labels and labels[-1] == "":
         labels.pop()
+    if labels and all(label.endswith("\r") for label in labels):  # a file saved with CRLF
+        labels = [label[:-1] for label in labels]
     if len(labels) > vocab_size:
         raise RepositoryError(
             f"{filename} has {len(labels)} labels but the head has vocab_size {vocab_size}"

@@ -16,6 +16,7 @@ from service.checkpoints import CheckpointError
 from service.cli import main
 from service.importer import ImportOptions, import_checkpoint
 from service.inspect import inspect_head
+from service.repository import read_labels
 from tests.conftest import initializers
 
 VOCAB, D = 300, 16
@@ -163,16 +164,50 @@ def test_corrupt_header_and_mismatched_head_are_errors(tmp_path: Path) -> None:
 
 def test_labels_from_tokenizer_json_and_versions_count_up(tmp_path: Path) -> None:
     source = _checkpoint(tmp_path / "ckpt", {"wte.weight": _table()})
-    vocab = {f"tok{i}": i for i in range(VOCAB)} | {"line\nbreak": 7}
+    vocab = {f"tok{i}": i for i in range(VOCAB)} | {"line\nbreak": 7, "carriage\rreturn": 9}
     (source / "tokenizer.json").write_text(json.dumps({"model": {"vocab": vocab}}))
     first = import_checkpoint(source, tmp_path / "models", "labelled")
     second = import_checkpoint(source, tmp_path / "models", "labelled")
     assert (first.directory.name, second.directory.name) == ("1", "2")
-    labels = (second.directory / "vocab.txt").read_text(encoding="utf-8").splitlines()
+    labels = read_labels(second.directory, "vocab.txt", VOCAB)
+    assert labels is not None
+    assert len(labels) == VOCAB
     assert labels[3] == "tok3"
     assert labels[7] == "line\\nbreak"
+    assert labels[9] == "carriage\\rreturn"
+    assert labels[10] == "tok10"
     with pytest.raises(CheckpointError, match="exists already"):
         import_checkpoint(source, tmp_path / "models", "labelled", ImportOptions(version=1))
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "message"),
+    [
+        ("tokenizer.json", "{bad", "tokenizer.json is not valid JSON"),
+        ("tokenizer.json", "[1]", "tokenizer.json must hold a JSON object"),
+        ("tokenizer.json", '{"model": {"vocab": [["a", 0.0], 7]}}', "a Unigram vocab is"),
+        ("vocab.json", '{"a": "3"}', "token 'a' has id '3', not an integer"),
+        ("model.safetensors.index.json", "{}", "weight_map must map tensor names"),
+        ("model.safetensors.index.json", '{"weight_map": {"wte.weight": "../x"}}', "weight_map"),
+    ],
+)
+def test_a_broken_checkpoint_file_is_a_clear_error_and_writes_nothing(
+    tmp_path: Path, name: str, text: str, message: str
+) -> None:
+    source = _checkpoint(tmp_path / "ckpt", {"wte.weight": _table()})
+    (source / name).write_text(text)
+    with pytest.raises(CheckpointError, match=message):
+        import_checkpoint(source, tmp_path / "models", "broken")
+    assert not list((tmp_path / "models").rglob("*.onnx"))  # no version a server would load
+
+
+def test_labels_end_at_newlines_only(tmp_path: Path) -> None:
+    """A "\\r" inside a token (an operator's own vocab.txt) is part of it, and a file saved
+    with CRLF line ends reads as the same labels."""
+    (tmp_path / "lf.txt").write_bytes(b"a\nb\rc\nd\n")
+    (tmp_path / "crlf.txt").write_bytes(b"a\r\nb\r\nd\r\n")
+    assert read_labels(tmp_path, "lf.txt", 3) == ["a", "b\rc", "d"]
+    assert read_labels(tmp_path, "crlf.txt", 3) == ["a", "b", "d"]
 
 
 def test_cli_import(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
