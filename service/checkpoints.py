@@ -133,11 +133,14 @@ class Checkpoint:
         t5_tied = self.config.get("model_type") == "t5" and _flag(
             self.config, "tie_word_embeddings", True
         )
-        return HeadTransforms(
-            input_scale=d_model**-0.5 if t5_tied else 1.0,
-            logit_scale=_number(self.config, "logit_scale") or 1.0,
-            softcap=softcap or None,
-        )
+        try:
+            return HeadTransforms(
+                input_scale=d_model**-0.5 if t5_tied else 1.0,
+                logit_scale=_number(self.config, "logit_scale") or 1.0,
+                softcap=softcap or None,
+            )
+        except ValueError as error:  # beyond float32, as the graph stores them
+            raise CheckpointError(f"config.json: {error}") from None
 
     def bias(self) -> npt.NDArray[np.float32] | None:
         """The output bias (Phi-2), when the checkpoint has one."""

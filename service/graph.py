@@ -83,6 +83,20 @@ class HeadTransforms:
     logit_scale: float = 1.0
     softcap: float | None = None
 
+    def __post_init__(self) -> None:
+        """The graph holds them as float32: each must be finite and non-zero there (1e300
+        passes a float64 check and becomes Inf, and every logit NaN or Inf)."""
+        named = {"input_scale": self.input_scale, "logit_scale": self.logit_scale}
+        if self.softcap is not None:
+            named["softcap"] = self.softcap
+        for name, value in named.items():
+            as_stored = np.float32(value) if abs(value) < 3.4e38 else np.float32(np.inf)
+            if not np.isfinite(as_stored) or as_stored == 0 or (name == "softcap" and value < 0):
+                raise ValueError(
+                    f"{name} must be a finite{' positive' if name == 'softcap' else ''}, "
+                    f"non-zero float32, got {value!r:.40}"
+                )
+
     @property
     def linear(self) -> bool:
         """True when temperature and scales can be folded into the hidden state."""

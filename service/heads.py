@@ -84,6 +84,9 @@ class HeadWeights:
         vector = None if bias is None else np.ascontiguousarray(bias, dtype=np.float32)
         if vector is not None and vector.shape != (table.shape[0],):
             raise ValueError(f"bias must have shape ({table.shape[0]},), got {vector.shape}")
+        if vector is not None and not np.isfinite(vector).all():
+            first = int(np.argwhere(~np.isfinite(vector))[0][0])
+            raise ValueError(f"bias holds NaN or Inf (as float32) at token {first}")
         return cls(table, head, vector, transforms or HeadTransforms(), twin and head is not None)
 
     @property

@@ -71,14 +71,17 @@ def import_checkpoint(
     transforms = checkpoint.transforms(table.shape[1])
     bias = checkpoint.bias()
     if transforms.describe() or bias is not None or options.dtype != "float32":
-        weights = HeadWeights.from_arrays(
-            weights.embedding,
-            weights.output,
-            bias=bias,
-            transforms=transforms,
-            twin=weights.twin,
-            dtype=options.dtype,
-        )
+        try:
+            weights = HeadWeights.from_arrays(
+                weights.embedding,
+                weights.output,
+                bias=bias,
+                transforms=transforms,
+                twin=weights.twin,
+                dtype=options.dtype,
+            )
+        except ValueError as error:  # NaN or Inf in the bias, or in the weights as --dtype
+            raise CheckpointError(str(error)) from None
         shown = transforms.describe() | ({"bias": True} if bias is not None else {})
         notes.append(f"head transforms in the graph: {shown}")
     labels = tokenizer_tokens(checkpoint.directory, table.shape[0])  # may fail: before writing
@@ -131,6 +134,11 @@ def _weights(
     if np.array_equal(head, table) and not options.untie:
         notes.append(f"{head_name} equals the embedding (a redundant copy): tied")
         return HeadWeights.from_arrays(table)
+    if checkpoint.config.get("tie_word_embeddings") is True and not options.untie:
+        notes.append(
+            f"config.json says tie_word_embeddings, but {head_name} differs from the "
+            "embedding: imported untied, as the weights are (--tie ties it to the embedding)"
+        )
     return HeadWeights.from_arrays(table, head)
 
 

@@ -9,7 +9,14 @@ import numpy.typing as npt
 import onnx
 import pytest
 
-from service.graph import ELEMENT_TYPES, EMBEDDING_WEIGHT, IR_VERSION, OPSET, OUTPUT_WEIGHT
+from service.graph import (
+    ELEMENT_TYPES,
+    EMBEDDING_WEIGHT,
+    IR_VERSION,
+    OPSET,
+    OUTPUT_WEIGHT,
+    HeadTransforms,
+)
 from service.heads import (
     EXTERNAL_ALIGNMENT,
     NUMPY_DTYPES,
@@ -190,3 +197,18 @@ def test_reading_a_head_takes_no_bytes_from_outside_its_directory(
         onnx.save_model(model, path)
         with pytest.raises(ValueError, match=refusal):
             read_head(path)
+
+
+@pytest.mark.parametrize(
+    "transform",
+    [
+        {"logit_scale": float("nan")},
+        {"logit_scale": 1e39},  # finite in float64, Inf as the graph stores it
+        {"input_scale": 0.0},
+        {"softcap": 0.0},
+        {"softcap": -30.0},
+    ],
+)
+def test_head_transforms_must_be_finite_non_zero_float32(transform: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match="must be a finite"):
+        HeadTransforms(**transform)

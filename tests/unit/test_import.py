@@ -201,6 +201,19 @@ def test_a_broken_checkpoint_file_is_a_clear_error_and_writes_nothing(
     assert not list((tmp_path / "models").rglob("*.onnx"))  # no version a server would load
 
 
+def test_a_bias_with_nan_is_refused_and_a_tie_the_weights_break_is_said(tmp_path: Path) -> None:
+    table, bias = _table(), np.zeros(VOCAB, np.float32)
+    bias[5] = np.nan
+    source = _checkpoint(tmp_path / "nan", {"wte.weight": table, "lm_head.bias": bias})
+    with pytest.raises(CheckpointError, match="bias holds NaN or Inf .* at token 5"):
+        import_checkpoint(source, tmp_path / "models", "nan")
+    tied = {"tie_word_embeddings": True}
+    differs = _checkpoint(tmp_path / "t", {"wte.weight": table, "lm_head.weight": _table(1)}, tied)
+    result = import_checkpoint(differs, tmp_path / "models", "differs")
+    assert not result.tied  # as the weights are, and said so
+    assert any("says tie_word_embeddings, but lm_head.weight differs" in n for n in result.notes)
+
+
 def test_labels_end_at_newlines_only(tmp_path: Path) -> None:
     """A "\\r" inside a token (an operator's own vocab.txt) is part of it, and a file saved
     with CRLF line ends reads as the same labels."""
@@ -226,6 +239,7 @@ def test_cli_import(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         ("[1]", "must hold a JSON object"),
         ('{"logit_scale": "abc"}', "logit_scale must be a finite number"),
         ('{"logit_scale": 1e400}', "logit_scale must be a finite number"),  # json reads inf
+        ('{"logit_scale": 1e300}', "logit_scale must be a finite, non-zero float32"),
         ('{"final_logit_softcapping": true}', "final_logit_softcapping must be a finite"),
         ('{"tie_word_embeddings": "false"}', "tie_word_embeddings must be true or false"),
     ],
