@@ -230,6 +230,12 @@ def read_head(path: str | Path) -> HeadWeights:
             f"{path.parent.name}/{path.name} is quantized ({props[QUANTIZATION]}): its float "
             "weights are gone; quantize from the float head it came from"
         )
+    if EMBEDDING_WEIGHT not in tensors:
+        found = ", ".join(sorted(tensors)[:5]) or "none"
+        raise ValueError(
+            f"{path.parent.name}/{path.name} has no {EMBEDDING_WEIGHT!r} initializer (it holds "
+            f"{found[:200]}): lmhead reads back the heads it wrote; import the checkpoint"
+        )
     transforms = json.loads(props.get("lmhead.transforms", "{}"))
     bias = tensors.get(OUTPUT_BIAS)
     return HeadWeights(

@@ -142,7 +142,10 @@ def _token_ids(keep: str) -> npt.NDArray[np.int64]:
     """``--keep``: a .npy of ids, a text file of ids, or ``0-31999,50256`` inline."""
     path = Path(keep)
     if path.suffix == ".npy" and path.is_file():
-        return np.asarray(np.load(path, allow_pickle=False)).reshape(-1).astype(np.int64)
+        ids = np.asarray(np.load(path, allow_pickle=False)).reshape(-1)
+        if ids.dtype.kind not in "iu":  # 1.5 would become 1 silently
+            raise CommandError(f"--keep: {keep[:200]} holds {ids.dtype}, not integer token ids")
+        return ids.astype(np.int64)
     try:
         text = path.read_text(encoding="utf-8") if path.is_file() else keep
     except UnicodeDecodeError:

@@ -9,11 +9,13 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import numpy.typing as npt
+import onnx
 import pytest
 from safetensors.numpy import save_file
 
 from service.checkpoints import CheckpointError
 from service.cli import main
+from service.heads import HeadWeights, save_head
 from service.importer import ImportOptions, import_checkpoint
 from service.inspect import inspect_head
 from service.repository import read_labels
@@ -306,3 +308,27 @@ def test_cli_errors_are_one_line_without_a_traceback(
     with pytest.raises(SystemExit):
         main(["demo", "--repository", str(a_file)])
     assert "is not a directory" in capsys.readouterr().err
+
+
+def test_trim_and_quantize_refuse_what_they_cannot_read_right(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Float ids in a --keep .npy are no ids (1.5 was kept as 1), and a head lmhead did not
+    write (other initializer names) is named as such, not a KeyError."""
+    repository = tmp_path / "models"
+    save_head(HeadWeights.from_arrays(_table()), repository / "head" / "1")
+    np.save(tmp_path / "keep.npy", np.array([1.5, 2.7]))
+    where = ["--repository", str(repository)]
+    assert main(["trim", "head", "--keep", str(tmp_path / "keep.npy"), "--name", "t", *where]) == 1
+    assert "holds float64, not integer token ids" in capsys.readouterr().err
+    foreign = onnx.load(str(repository / "head" / "1" / "model.onnx"))
+    for tensor in foreign.graph.initializer:
+        if tensor.name == "embedding.weight":
+            tensor.name = "transformer.wte.weight"
+    for node in foreign.graph.node:
+        node.input[:] = [
+            "transformer.wte.weight" if n == "embedding.weight" else n for n in node.input
+        ]
+    onnx.save_model(foreign, repository / "head" / "1" / "model.onnx")
+    assert main(["quantize", "head", "--quantize", "int8", *where]) == 2
+    assert "has no 'embedding.weight' initializer" in capsys.readouterr().err
