@@ -55,8 +55,6 @@ class ControlAPI:
         published, and keeps serving if the load fails (then ``ModelLoadFailed``)."""
         self._check_writable()
         record = await self._registry.load(name, version)
-        if record.state is ModelState.READY:  # published, if only in part
-            await self._registry.journal.loaded(name, record.pinned)
         if record.state is not ModelState.READY or record.reason:
             raise ModelLoadFailed(
                 f"loading {name!r} failed: {record.reason}"
@@ -67,7 +65,6 @@ class ControlAPI:
     async def unload(self, name: str) -> dict[str, Any]:
         self._check_writable()
         record: ModelRecord = await self._registry.unload(name)
-        await self._registry.journal.unloaded(name)
         return record.describe()
 
     def _check_writable(self) -> None:

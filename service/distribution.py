@@ -215,9 +215,16 @@ async def candidate_logits(
     candidates = model.session.candidates
     if candidates is not None:
         return await _off_loop(model, candidates, rows, ids, per_row)
-    logits = await full_logits(model, rows, temperature)
     every = np.broadcast_to(ids, (len(rows), ids.shape[-1])) if ids.ndim == 1 else ids
-    return np.take_along_axis(logits, every, axis=1)
+    step = model.rows_per_run  # one run's full logits at a time, never (rows x vocab)
+    charge(min(len(rows), step) * model.vocab_size * LOGIT_BYTES)
+    parts = []
+    for start in range(0, len(rows), step):
+        part = slice(start, start + step)
+        logits = await model.project(rows[part], 1, temperature=temperature, full_logits=True)
+        assert logits.logits is not None
+        parts.append(np.take_along_axis(logits.logits, every[part], axis=1))
+    return np.concatenate(parts) if parts else np.zeros(every.shape, np.float32)
 
 
 async def full_logits(model: LoadedVersion, rows: Floats, temperature: float) -> Floats:

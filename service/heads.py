@@ -219,8 +219,9 @@ def save_head(
     return path
 
 
-def read_head(path: str | Path) -> HeadWeights:
-    """A head lmhead wrote, as ``HeadWeights`` (external data memory-mapped, not read)."""
+def read_head(path: str | Path, root: Path | None = None) -> HeadWeights:
+    """A head lmhead wrote, as ``HeadWeights`` (external data memory-mapped, not read, and
+    from inside ``root`` only, when given)."""
     path = Path(path)
     model = onnx.load(str(path), load_external_data=False)
     tensors = {tensor.name: tensor for tensor in model.graph.initializer}
@@ -239,8 +240,10 @@ def read_head(path: str | Path) -> HeadWeights:
     transforms = json.loads(props.get("lmhead.transforms", "{}"))
     bias = tensors.get(OUTPUT_BIAS)
     return HeadWeights(
-        stored_array(tensors[EMBEDDING_WEIGHT], path.parent),
-        stored_array(tensors[OUTPUT_WEIGHT], path.parent) if OUTPUT_WEIGHT in tensors else None,
+        stored_array(tensors[EMBEDDING_WEIGHT], path.parent, root),
+        stored_array(tensors[OUTPUT_WEIGHT], path.parent, root)
+        if OUTPUT_WEIGHT in tensors
+        else None,
         None if bias is None else numpy_helper.to_array(bias).astype(np.float32),
         HeadTransforms(
             transforms.get("input_scale", 1.0),
@@ -251,18 +254,21 @@ def read_head(path: str | Path) -> HeadWeights:
     )
 
 
-def stored_array(tensor: TensorProto, base_dir: Path) -> npt.NDArray[Any]:
+def stored_array(tensor: TensorProto, base_dir: Path, root: Path | None = None) -> npt.NDArray[Any]:
     """A tensor's values; external data is memory-mapped rather than read, and only from a
-    plain file beside the model (``check_location``)."""
+    file named beside the model (``check_location``) that is a regular file, itself or
+    behind a link that stays inside ``root`` when given (the repository: a link out of it
+    would make a served head of any file on the machine)."""
     if tensor.data_location != TensorProto.EXTERNAL:
         return numpy_helper.to_array(tensor)
     info = {entry.key: entry.value for entry in tensor.external_data}
     check_location(tensor)
     data = base_dir / info["location"]
-    if data.is_symlink() or not data.is_file():
+    outside = root is not None and not data.resolve().is_relative_to(root.resolve())
+    if outside or not data.is_file():
         raise ValueError(
             f"external data of {tensor.name[:64]!r}: {info['location'][:128]!r} is not a "
-            "plain file beside the model"
+            "regular file" + (" inside the repository" if root is not None else "")
         )
     dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
     return np.memmap(

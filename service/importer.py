@@ -158,8 +158,10 @@ def _version_dir(model_dir: Path, version: int | None) -> Path:
     existing = [n for p in model_dir.glob("*") if (n := decimal(p.name)) is not None]
     number = version if version is not None else max(existing, default=0) + 1
     directory = model_dir / str(number)
-    if directory.exists():
-        raise CheckpointError(f"{directory} exists already; choose another --version")
+    if directory.exists() or number in existing:  # "0003" is version 3 too
+        raise CheckpointError(
+            f"version {number} of {model_dir} exists already; choose another --version"
+        )
     return directory
 
 
@@ -195,10 +197,11 @@ def quantize_version(
 
 def source_version(model_dir: Path, version: int | None) -> Path:
     """A model's version directory (the newest by default) that holds a head file."""
-    versions = sorted(n for p in model_dir.glob("*") if (n := decimal(p.name)) is not None)
+    versions = {n: p for p in model_dir.glob("*") if (n := decimal(p.name)) is not None}
     if not versions:
         raise CheckpointError(f"no versions of {model_dir.name!r} in {model_dir.parent}")
-    source = model_dir / str(version if version is not None else versions[-1])
+    number = version if version is not None else max(versions)
+    source = versions.get(number, model_dir / str(number))  # "001" is version 1
     if not (source / MODEL_FILE).is_file():
         raise CheckpointError(f"{source} holds no {MODEL_FILE}")
     return source
@@ -206,7 +209,7 @@ def source_version(model_dir: Path, version: int | None) -> Path:
 
 def read_float_head(source: Path) -> HeadWeights:
     try:
-        return read_head(source / MODEL_FILE)
+        return read_head(source / MODEL_FILE, root=source.parent.parent)
     except ValueError as error:  # already quantized
         raise CheckpointError(f"{error} (--version picks another)") from None
 

@@ -309,7 +309,10 @@ def _duplicate(
 def _same(base_dir: Path, a: onnx.TensorProto, b: onnx.TensorProto, transposed: bool) -> bool:
     """Equal values, ``b`` read transposed if asked; a first-row check rejects almost every
     honest pair before the full pass."""
-    first, second = stored_array(a, base_dir), stored_array(b, base_dir)
+    try:
+        first, second = stored_array(a, base_dir), stored_array(b, base_dir)
+    except ValueError as error:  # a data file that is missing or not a file
+        raise HeadInspectionError(str(error)) from None
     candidate = second.T if transposed else second
     if candidate.shape != first.shape or candidate.dtype != first.dtype:
         return False

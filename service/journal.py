@@ -1,12 +1,13 @@
-"""What the operator asked of the control API, kept for an engine process started again.
+"""What serves, as the control API and the poller left it, for an engine started again.
 
 With ``LMHEAD_WORKERS`` > 1 the supervisor restarts an engine that died, and a new engine
 loads what the settings and the repository say. Without this record every load, pin and
 unload made through the control API since start-up would be lost while readiness says 200:
 an unloaded model would serve again, a head pinned to its tied version 1 would come back as
-the untied version 2. The engine notes each call's outcome here, in a small JSON file in the
-supervisor's private directory, and a new engine applies it to its start-up loading before it
-reports ready. One process has nothing to hand on (when it ends, the service ends): its
+the untied version 2. The registry notes what serves after each load and unload here (whoever
+asked: the control API, the poller, start-up), in a small JSON file in the supervisor's
+private directory, and a new engine applies it to its start-up loading before it reports
+ready. One process has nothing to hand on (when it ends, the service ends): its
 journal lives in memory only.
 """
 
@@ -59,7 +60,10 @@ class ControlJournal:
             return
         async with self._saving:  # the text is taken inside: the last write holds the last call
             text = json.dumps(self._wanted)
-            await asyncio.to_thread(_write_whole, self._path, text)
+            try:
+                await asyncio.to_thread(_write_whole, self._path, text)
+            except OSError as error:  # the call itself succeeded; only a restart would miss it
+                logger.error("could not write the control journal %s: %s", self._path, error)
 
 
 def _read(path: Path) -> dict[str, Wanted]:

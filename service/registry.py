@@ -34,7 +34,7 @@ from service.repository import (
     is_valid_name,
     model_names,
     read_source,
-    version_dirs,
+    version_entries,
 )
 from service.runtime import select_providers
 from service.settings import Settings
@@ -110,11 +110,15 @@ class Registry:
                 f"{only}/<version>/model.onnx"
             )
         wanted, unloaded = self.journal.plan(names if self._settings.load_at_start else [])
+        on_disk = set(names)  # a model gone since the last engine is no more, as for a new one
         for name in unloaded:  # an engine before this one had it unloaded
-            self._records[name] = ModelRecord(name, ModelState.UNAVAILABLE, "unloaded")
+            if name in on_disk:
+                self._records[name] = ModelRecord(name, ModelState.UNAVAILABLE, "unloaded")
         for name, pin in wanted.items():
+            if name not in on_disk:
+                continue
             try:
-                await self.load(name, pin)
+                await self._load_as_left(name, pin)
             except Exception as error:  # one bad model must not keep the service unready
                 logger.exception("loading %s failed", name)
                 self._records[name] = ModelRecord(name, ModelState.FAILED, self._reason(error))
@@ -123,6 +127,16 @@ class Registry:
         if not states:
             logger.warning("the repository %s has no models: nothing is served", repository)
         logger.info("lmhead ready: %s", states or "no models")
+
+    async def _load_as_left(self, name: str, pin: int | None) -> None:
+        """Load as the engine before this one served it; its pinned version may be gone."""
+        try:
+            await self.load(name, pin)
+        except VersionNotFound as error:
+            if pin is None:
+                raise
+            logger.warning("%s: not pinned again (%s); serving as the repository says", name, error)
+            await self.load(name)
 
     async def load(self, name: str, pin: int | None = None) -> ModelRecord:
         """(Re)load ``name`` from disk and publish the result in one step.
@@ -136,8 +150,13 @@ class Registry:
             raise ModelNotFound(f"this server serves only {only!r} (LMHEAD_MODEL_NAME)")
         if name not in self._records and not (self._settings.repository / name).is_dir():
             raise ModelNotFound(f"no model directory {name!r} in the repository")
-        if pin is not None and pin not in version_dirs(self._settings.repository / name):
-            raise VersionNotFound(f"model {name!r} has no complete version {pin} on disk")
+        if pin is not None:
+            root = self._settings.repository
+            found, refused = version_entries(root / name, root.resolve())
+            if pin in refused:
+                raise VersionNotFound(f"model {name!r} version {pin}: {refused[pin]}")
+            if pin not in found:
+                raise VersionNotFound(f"model {name!r} has no complete version {pin} on disk")
         async with self._locks.setdefault(name, asyncio.Lock()):
             started = time.monotonic()
             previous = self._records.get(name)
@@ -145,6 +164,9 @@ class Registry:
                 self._records[name] = ModelRecord(name, ModelState.LOADING)
             record = await self._build_record(name, previous, pin)
             self._records[name] = record
+            # What serves now, whoever asked (operator, poller, start-up); what was asked if
+            # nothing does, so that an engine started again tries it again.
+            await self.journal.loaded(name, record.pinned if record.versions else pin)
             self._metrics.swap_duration.labels(name).observe(time.monotonic() - started)
             kept = {id(version) for version in record.versions.values()}
             for version in previous.versions.values() if previous else ():
@@ -161,6 +183,7 @@ class Registry:
                 raise ModelNotFound(f"model {name!r} is not loaded")
             record = ModelRecord(name, ModelState.UNAVAILABLE, "unloaded")
             self._records[name] = record
+            await self.journal.unloaded(name)
             await asyncio.gather(*(self._retire(v) for v in previous.versions.values()))
             return record
 
@@ -229,6 +252,10 @@ class Registry:
             selected = source.selected(pin)
         except RepositoryError as error:
             return self._failed(name, previous, str(error), {})
+        lost = sorted(set(previous.versions if previous else ()) & set(source.refused))
+        if lost:  # an operator's slip beside a served version: it keeps serving, no roll-back
+            reason = "; ".join(f"version {v}: {source.refused[v]}" for v in lost)
+            return self._failed(name, previous, reason, dict(source.refused))
         loaded: dict[int, LoadedVersion] = {}
         failed: dict[int, str] = dict(source.refused)
         changed: list[str] = []

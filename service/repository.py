@@ -163,13 +163,7 @@ def read_source(repository: Path, name: str) -> ModelSource:
     if not directory.is_dir():
         raise RepositoryError(f"no model directory {name!r} in the repository")
     _check_inside(directory, root)
-    ordered, refused = _versions(directory)
-    for number, entry in list(ordered.items()):
-        try:
-            _check_inside(entry, root)
-        except RepositoryError as error:  # this version only: the others still serve
-            refused[number] = str(error)
-            del ordered[number]
+    ordered, refused = version_entries(directory, root)
     config_path = directory / CONFIG_FILE
     config_signature = _file_signature(config_path) if config_path.exists() else ()
     config = read_config(directory, root)
@@ -180,6 +174,20 @@ def read_source(repository: Path, name: str) -> ModelSource:
 def version_dirs(directory: Path) -> dict[int, Path]:
     """A model directory's complete versions (a number and a model file), by number."""
     return _versions(directory)[0]
+
+
+def version_entries(directory: Path, root: Path) -> tuple[dict[int, Path], dict[int, str]]:
+    """Complete versions by number, and the version directories refused, each with why: one
+    that resolves outside the repository (``root``, resolved), or a number two directories
+    claim. A refused version fails alone; the model's other versions still serve."""
+    ordered, refused = _versions(directory)
+    for number, entry in list(ordered.items()):
+        try:
+            _check_inside(entry, root)
+        except RepositoryError as error:
+            refused[number] = str(error)
+            del ordered[number]
+    return ordered, refused
 
 
 def _versions(directory: Path) -> tuple[dict[int, Path], dict[int, str]]:

@@ -79,6 +79,8 @@ def _options(settings: Settings, shared: SharedConnections | None = None) -> dic
         "timeout_graceful_shutdown": 10,
         "timeout_keep_alive": int(settings.keep_alive_s),
         "http": limited_protocol(settings, shared),
+        # No WebSocket routes: an upgraded connection would escape the limits above.
+        "ws": "none",
         # X-Forwarded-* would only rewrite the client address that access logs show; the
         # middleware that reads them wraps every request (~3% of a one-row request's CPU).
         "proxy_headers": settings.access_log,

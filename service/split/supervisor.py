@@ -117,7 +117,6 @@ class Group:
     def _start_front(self, index: int) -> None:
         from service.split.processes import front_main
 
-        self._connections[index] = 0  # a dead front's connections went with it
         front = self._spawn.Process(
             target=front_main,
             args=(self._settings, self._path, self._connections, index),
@@ -147,6 +146,8 @@ class Group:
         )
         if process.pid is not None:
             multiprocess.mark_process_dead(process.pid)  # type: ignore[no-untyped-call]
+        if index is not None:
+            self._connections[index] = 0  # its connections died with it
         young = time.monotonic() - self._started.get(index, 0.0) < YOUNG_S
         pause = min(2 * self._backoff.get(index, 0.05), MAX_BACKOFF_S) if young else 0.0
         self._backoff[index] = pause or 0.05

@@ -210,10 +210,28 @@ def test_a_bad_version_directory_fails_that_version_only(
     assert "resolves outside the repository" in failed["2"]
     assert "are all version 3" in failed["3"]
     assert (reload.status_code, served.status_code, served.json()["version"]) == (200, 200, 1)
-    assert pinned.status_code == 500
+    assert pinned.status_code == 404  # no such version, and why
     assert "resolves outside the repository" in pinned.json()["error"]  # V2: a string
     assert asked.status_code == 503
     assert "resolves outside" in asked.json()["error"]["message"]
+
+
+def test_a_bad_directory_beside_the_served_version_never_rolls_it_back(
+    tmp_path: Path, table: npt.NDArray[np.float32]
+) -> None:
+    """Version 2 serves; a copy of it named "02" makes version 2 ambiguous: version 2 keeps
+    serving (the reload says why it did not change), it does not fall back to version 1."""
+    root = tmp_path / "models"
+    save_head(HeadWeights.from_arrays(table), root / "m" / "1")
+    save_head(HeadWeights.from_arrays(table * 2), root / "m" / "2")
+    with running_server(root) as url, httpx.Client(base_url=url) as client:
+        shutil.copytree(root / "m" / "2", root / "m" / "02")
+        reload = client.post("/v2/repository/models/m/load")
+        model = client.get("/v1/models/m").json()
+    assert reload.status_code == 500  # a load that changed nothing, as for a broken version
+    assert "previous version keeps serving" in reload.json()["error"]
+    assert (model["served_version"], model["versions"]) == (2, [2])
+    assert "are all version 2" in model["failed_versions"]["2"]
 
 
 def test_config_edits_are_picked_up_by_load(

@@ -181,22 +181,30 @@ def test_reading_a_head_takes_no_bytes_from_outside_its_directory(
     tmp_path: Path, table: npt.NDArray[np.float32]
 ) -> None:
     """``trim`` and ``quantize`` read heads back: external data pointing elsewhere on the
-    machine (a path, or a link beside the model) must be refused, never made into weights."""
-    path = save_head(HeadWeights.from_arrays(table), tmp_path / "m" / "1", external_data=True)
+    machine (a path, or a link out of the repository) is refused, never made into weights;
+    a link that stays inside the repository (a hub cache's blobs) is read."""
+    repository = tmp_path / "models"
+    path = save_head(HeadWeights.from_arrays(table), repository / "m" / "1", external_data=True)
     secret = tmp_path / "secret.bin"
     secret.write_bytes(b"s" * table.nbytes)
-    (path.parent / "link.bin").symlink_to(secret)
+    (path.parent / "out.bin").symlink_to(secret)
+    (repository / "blobs").mkdir()
+    (path.parent / DATA_FILE).rename(repository / "blobs" / "data")
+    (path.parent / "in.bin").symlink_to(repository / "blobs" / "data")
     model = onnx.load(str(path), load_external_data=False)
     (entry,) = [e for e in model.graph.initializer[0].external_data if e.key == "location"]
     for location, refusal in [
         (str(secret), "must be a file beside the model"),
-        ("../../secret.bin", "must be a file beside the model"),
-        ("link.bin", "is not a plain file beside the model"),
+        ("../../../secret.bin", "must be a file beside the model"),
+        ("out.bin", "is not a regular file inside the repository"),
     ]:
         entry.value = location
         onnx.save_model(model, path)
         with pytest.raises(ValueError, match=refusal):
-            read_head(path)
+            read_head(path, root=repository)
+    entry.value = "in.bin"
+    onnx.save_model(model, path)
+    np.testing.assert_array_equal(read_head(path, root=repository).embedding, table)
 
 
 @pytest.mark.parametrize(

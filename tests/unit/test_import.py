@@ -16,8 +16,9 @@ from safetensors.numpy import save_file
 from service.checkpoints import CheckpointError
 from service.cli import main
 from service.heads import HeadWeights, save_head
-from service.importer import ImportOptions, import_checkpoint
+from service.importer import ImportOptions, import_checkpoint, quantize_version
 from service.inspect import inspect_head
+from service.quantize import QuantSpec
 from service.repository import read_labels
 from tests.conftest import initializers
 
@@ -332,3 +333,15 @@ def test_trim_and_quantize_refuse_what_they_cannot_read_right(
     onnx.save_model(foreign, repository / "head" / "1" / "model.onnx")
     assert main(["quantize", "head", "--quantize", "int8", *where]) == 2
     assert "has no 'embedding.weight' initializer" in capsys.readouterr().err
+
+
+def test_version_numbers_count_whatever_their_zeros(tmp_path: Path) -> None:
+    """ "001" is version 1: an import may not add a second version 1 (both would be refused),
+    and quantize finds its source."""
+    repository = tmp_path / "models"
+    save_head(HeadWeights.from_arrays(_table()), repository / "head" / "001")
+    source = _checkpoint(tmp_path / "ckpt", {"wte.weight": _table()})
+    with pytest.raises(CheckpointError, match="version 1 of .* exists already"):
+        import_checkpoint(source, repository, "head", ImportOptions(version=1))
+    written = quantize_version(repository, "head", None, None, QuantSpec.parse("int8"))
+    assert written.name == "2"

@@ -3,9 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
+
+from service.heads import HeadWeights, save_head
 from service.journal import ControlJournal
+from service.metrics import Metrics
+from service.registry import Registry
+from service.settings import Settings
 
 
 def test_a_new_journal_plans_start_up_as_the_last_calls_left_it(tmp_path: Path) -> None:
@@ -35,3 +44,55 @@ def test_without_a_file_or_with_a_broken_one_start_up_is_as_settings_say(tmp_pat
     assert ControlJournal(broken).plan([]) == ({"head": 2}, [])  # only well-formed entries
     assert ControlJournal(tmp_path / "absent.json").plan(["a"]) == ({"a": None}, [])
     assert ControlJournal().plan(["a"]) == ({"a": None}, [])  # one process: memory only
+
+
+def _engines(
+    repository: Path, journal: Path, *steps: Callable[[Registry], Awaitable[None]]
+) -> None:
+    """One registry (an engine) per step, each started from the journal the last one left."""
+
+    async def main() -> None:
+        with ThreadPoolExecutor(1) as executor:
+            for step in steps:
+                settings = Settings(repository=repository)
+                registry = Registry(settings, executor, Metrics(), ControlJournal(journal))
+                await registry.load_all()
+                try:
+                    await step(registry)
+                finally:
+                    await registry.close()
+
+    asyncio.run(main())
+
+
+def _head(repository: Path, name: str, version: int) -> None:
+    table = np.random.default_rng(version).standard_normal((50, 8)).astype(np.float32)
+    save_head(HeadWeights.from_arrays(table), repository / name / str(version))
+
+
+def test_engines_started_again_follow_what_served_and_what_is_left_on_disk(
+    tmp_path: Path,
+) -> None:
+    repository, journal = tmp_path / "models", tmp_path / "control.json"
+    for name, version in [("pinned", 1), ("pinned", 2), ("gone", 1), ("polled", 1)]:
+        _head(repository, name, version)
+
+    async def first(registry: Registry) -> None:
+        await registry.load("pinned", 1)
+        await registry.load("polled", 1)
+        _head(repository, "polled", 2)
+        await registry.load("polled")  # as the poller does: unpinned, whoever pinned before
+        await registry.unload("gone")
+
+    async def second(registry: Registry) -> None:
+        assert registry.get("pinned").version == 1
+        assert registry.get("polled").version == 2  # not the pin the poller's load replaced
+        assert registry.record("gone").reason == "unloaded"
+        shutil.rmtree(repository / "pinned" / "1")  # the pinned version goes
+        shutil.rmtree(repository / "gone")  # and so does the unloaded model
+
+    async def third(registry: Registry) -> None:
+        assert registry.get("pinned").version == 2  # serving, not FAILED for an old pin
+        assert not registry.knows("gone")  # absent, as for a new engine
+
+    _engines(repository, journal, first, second, third)
