@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 
 from service.digits import decimal
-from service.graph import HIDDEN_STATES, UNTIED_ON_PURPOSE
+from service.graph import HIDDEN_STATES, UNTIED_ON_PURPOSE, HeadTransforms
 from service.heads import check_location, stored_array
 from service.repository import MODEL_FILE
 
@@ -339,6 +339,10 @@ def _transforms(text: str) -> dict[str, Any]:
         valid = number is True if key == "bias" else _finite_number(number)
         if not valid:
             raise HeadInspectionError(f"metadata lmhead.transforms.{key} is not valid")
+    try:  # as the graph holds them: finite, non-zero float32
+        HeadTransforms(**{key: float(v) for key, v in value.items() if key != "bias"})
+    except ValueError as error:
+        raise HeadInspectionError(f"metadata lmhead.transforms: {error}") from None
     return value
 
 

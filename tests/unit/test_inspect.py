@@ -222,3 +222,16 @@ def test_external_data_anywhere_but_beside_the_model_is_refused(
     onnx.save(model, str(path))
     with pytest.raises(HeadInspectionError, match="must be a file beside the model"):
         inspect_head(path)
+
+
+@pytest.mark.parametrize("transforms", ['{"logit_scale": 1e39}', '{"softcap": 0}', '{"x": 1}'])
+def test_transforms_metadata_the_graph_could_not_hold_is_refused(
+    tmp_path: Path, table: npt.NDArray[np.float32], transforms: str
+) -> None:
+    """1e39 is finite as JSON but Inf as the float32 the graph holds (every logit Inf)."""
+    path = save_head(HeadWeights.from_arrays(table), tmp_path / "m")
+    model = onnx.load(str(path))
+    helper.set_model_props(model, {"lmhead.transforms": transforms})
+    onnx.save(model, str(path))
+    with pytest.raises(HeadInspectionError, match="lmhead.transforms"):
+        inspect_head(path)
