@@ -205,7 +205,7 @@ def tokenizer_tokens(directory: Path, vocab_size: int) -> list[str] | None:
 
 
 def _json_file(path: Path) -> dict[str, Any]:
-    """A tokenizer file as a JSON object, or a ``CheckpointError`` naming it."""
+    """A checkpoint's JSON file as an object, or a ``CheckpointError`` naming the file."""
     try:
         found = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -226,15 +226,7 @@ def _listing(names: list[str]) -> str:
 
 def _read_config(path: Path) -> dict[str, Any]:
     """``config.json`` as a JSON object (an empty one when the file is absent)."""
-    if not path.is_file():
-        return {}
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise CheckpointError(f"{path} is not valid JSON ({error})") from None
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{path} must hold a JSON object, got a {type(config).__name__}")
-    return config
+    return _json_file(path) if path.is_file() else {}
 
 
 def _flag(config: dict[str, Any], key: str, default: bool) -> bool:

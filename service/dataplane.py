@@ -224,6 +224,8 @@ class DataPlane(ControlAPI):
             if request.hidden_states is not None:
                 hidden = self._limits.hidden_states(request.hidden_states, model.d_model)
                 k = self._limits.k(request.k, model.default_k)
+                if request.at_least_default_k:
+                    k = max(k, model.default_k)
                 temperature = self._limits.temperature(request.temperature)
                 if request.vocabulary is not None:
                     if request.full_logits:

@@ -282,6 +282,8 @@ async def _whole(
     model: LoadedVersion, rows: Floats, k: int, temperature: float, shape: Shape
 ) -> Shaped:
     vocab, bias, spec = model.vocab_size, shape.bias, shape.sample
+    if bias is not None:
+        k = min(k, vocab - bias.banned)  # banned tokens are never listed
     width = max(k, SAMPLE_PREFIX, spec.top_k or 0) if spec is not None else k
     extra = 0 if bias is None else len(bias.ids)
     projection = await model.project(rows, min(vocab, width + extra), temperature=temperature)

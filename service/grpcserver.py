@@ -157,7 +157,14 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: 
     async def RepositoryModelLoad(self, request: Any, context: Any) -> Any:
         async def load() -> Any:
             self._authorize(context)
-            version = codec.parameters(request.parameters).get("version")
+            given = codec.parameters(request.parameters)
+            if set(given) - {"version"}:  # Triton's config / file: overrides: not taken
+                unknown = ", ".join(sorted(given)[:8])[:200]
+                raise InvalidInput(
+                    f"load takes only the parameter version (a model comes from the "
+                    f"repository on disk), got {unknown}"
+                )
+            version = given.get("version")
             if version is not None and (not isinstance(version, int) or version < 0):
                 raise InvalidInput("parameter version must be a non-negative int64_param")
             await self._plane.load(request.model_name, version)

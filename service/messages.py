@@ -145,6 +145,9 @@ class InferRequest:
     full_logits: bool = False
     tokens: bool = False
     vocabulary: VocabularyOptions | None = None
+    at_least_default_k: bool = False
+    """An output takes the model's default k while another asks for its own: the run is as
+    wide as the widest of them (a 2-way classification does not narrow the top-k outputs)."""
 
 
 @dataclass(frozen=True)

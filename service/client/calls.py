@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -143,7 +144,9 @@ class Calls:
         return self._npy("POST", _path(model, "logits", version), hidden, params, NPY)
 
     def embed(self, model: str, ids: Any, version: int | None) -> Call:
-        body = np.asarray(ids).astype(np.int64, copy=False)
+        body = np.asarray(ids)
+        if body.dtype.kind in "iu":  # other kinds go as they are: the service says what is wrong
+            body = body.astype(np.int64, copy=False)
         return self._npy("POST", _path(model, "embed", version), body, {}, NPY)
 
     def read_array(self, answer: httpx.Response) -> Arrays:
@@ -199,6 +202,8 @@ def retry_after(answer: httpx.Response, backoff_s: float) -> float:
     try:
         asked = float(answer.headers.get("retry-after", backoff_s))
     except ValueError:
+        asked = backoff_s
+    if not math.isfinite(asked):  # "nan" parses, and compares false with everything
         asked = backoff_s
     return min(max(asked, backoff_s), 10 * backoff_s)
 

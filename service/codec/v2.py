@@ -25,6 +25,7 @@ from service.codec.v2outputs import (
     OutputPlan,
     requested_outputs,
     select,
+    takes_default_k,
 )
 from service.codec.v2params import flag, mapping, number, optional_int, vocabulary
 from service.codec.wire import (
@@ -111,6 +112,7 @@ def decode_header(
         full_logits=any(o.name == "logits" and o.classification is None for o in outputs),
         tokens=any(o.classification is not None for o in outputs),
         vocabulary=vocabulary(parameters),
+        at_least_default_k=bool(asked) and takes_default_k(outputs),
     )
     request_id = header.get("id")
     return request, OutputPlan(None if request_id is None else str(request_id)[:256], outputs)

@@ -48,7 +48,15 @@ def requested_outputs(
     without a k of its own takes the request's (a wider output elsewhere sets the run's k)."""
     asked = _outputs(entries, binary) or _default_outputs(inputs, parameters, binary)
     k = optional_int(parameters, "k")
+    if k is not None and k < 1:  # an output's own k may hide it from the run's limits
+        raise InvalidInput(f"parameter k must be an integer >= 1, got {k}")
     return [replace(output, k=k) if output.k is None else output for output in asked]
+
+
+def takes_default_k(outputs: list[OutputRequest]) -> bool:
+    """Whether a top-k output has no k of its own (nor the request's): the model's default."""
+    widths = {"topk_token_ids", "topk_logits", "topk_logprobs"}
+    return any(o.name in widths and o.k is None and o.classification is None for o in outputs)
 
 
 def select(output: OutputRequest, result: InferResult) -> npt.NDArray[Any]:

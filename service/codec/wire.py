@@ -76,7 +76,13 @@ def target(request: Request) -> Target:
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refused with 413 as soon as it is known to exceed ``limit`` bytes."""
+    """The body, refused with 413 as soon as it is known to exceed ``limit`` bytes, and with
+    415 when compressed (it would be read as garbage, and misdiagnosed)."""
+    encoding = header(request, b"content-encoding")
+    if encoding is not None and encoding.strip().lower() not in ("", "identity"):
+        raise UnsupportedMediaType(
+            f"Content-Encoding {encoding[:32]!r} is not accepted: send the body uncompressed"
+        )
     declared = header(request, b"content-length")
     size = None if declared is None else decimal(declared)
     if size is not None and size > limit:

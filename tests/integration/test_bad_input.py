@@ -315,6 +315,14 @@ RAW_CASES: list[tuple[str, str, bytes, dict[str, str], int, str]] = [
         "unsupported_media_type",
     ),
     (
+        "a compressed body (read as is, it would be garbage)",
+        "/v1/models/tied/topk",
+        b"\x1f\x8b\x08\x00",
+        {"content-encoding": "gzip"},
+        415,
+        "unsupported_media_type",
+    ),
+    (
         "unacceptable Accept",
         "/v1/models/tied/topk",
         b'{"hidden_states": [[1]]}',

@@ -16,6 +16,7 @@ import numpy.typing as npt
 import pytest
 
 from service.client import AsyncClient, Client
+from service.client.calls import retry_after
 from service.demo import demo_tokens
 from service.errors import InvalidInput, ModelNotFound, ModelNotReady, Unauthorized
 from service.reference import log_softmax, top_k
@@ -76,6 +77,8 @@ def test_logits_embed_score_compare_and_metadata(
     np.testing.assert_allclose(logits.array, expected, rtol=RTOL, atol=ATOL)
     assert (logits.model, logits.tied) == ("untied", False)
     np.testing.assert_array_equal(embedded.array, table[[[3, 4]]])
+    with Client(url) as client, pytest.raises(InvalidInput, match="integers"):
+        client.embed("tied", [1.9, 2.7])  # not ids 1 and 2: the service says what is wrong
     want = log_softmax(expected)[np.arange(len(rows)), targets]
     got = [row["logprob"] for row in scored["results"]]
     np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
@@ -175,3 +178,13 @@ def test_the_async_client_speaks_metadata_compare_and_control(url: str) -> None:
 
     described, compared, loaded = asyncio.run(scenario())
     assert (described["name"], compared["rows"], loaded["state"]) == ("untied", 6, "READY")
+
+
+@pytest.mark.parametrize(
+    ("header", "wait"), [("0.2", 0.2), ("0", 0.1), ("30", 1.0), ("nan", 0.1), ("inf", 0.1)]
+)
+def test_retry_after_is_bounded_whatever_the_header(header: str, wait: float) -> None:
+    """Retry-After within [backoff, 10 x backoff]: "nan" parses as a float and compares false
+    with everything (it crashed the sync client and hung the async one)."""
+    answer = httpx.Response(503, headers={"retry-after": header})
+    assert retry_after(answer, 0.1) == pytest.approx(wait)

@@ -215,6 +215,16 @@ def test_repository_rpcs_need_the_admin_token(client: triton.InferenceServerClie
     assert client.is_model_ready("tied")
 
 
+def test_a_load_with_triton_overrides_is_refused(client: triton.InferenceServerClient) -> None:
+    """Triton's load may push a config or files; lmhead loads from its repository only, and
+    says so rather than reload from disk and report success."""
+    with pytest.raises(InferenceServerException) as raised:
+        client.load_model("tied", headers=ADMIN, config='{"backend": "onnxruntime"}')
+    assert raised.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert "load takes only the parameter version" in raised.value.message()
+    assert client.is_model_ready("tied")
+
+
 def _request(**fields: Any) -> Any:
     """A valid 2-row raw request, with ``fields`` replacing parts of it."""
     hidden = fields.pop("hidden", HIDDEN[:2])

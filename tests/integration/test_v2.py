@@ -434,6 +434,18 @@ def test_json_outputs_cut_to_their_own_k(url: str, repository: Path) -> None:
     assert outputs["topk_token_ids"]["shape"] == [len(HIDDEN), 2]
     assert outputs["topk_token_ids"]["data"] == ids[:, :2].reshape(-1).tolist()
     assert outputs["logits"]["shape"] == [len(HIDDEN), 3]
+    # Without a k anywhere, a narrower classification does not narrow the top-k output.
+    del body["parameters"]
+    body["outputs"][1]["parameters"]["classification"] = 2
+    answer = httpx.post(f"{url}/v2/models/tied/infer", json=body)
+    assert answer.json()["outputs"][0]["shape"] == [len(HIDDEN), 5]  # the default k
+    # The request's k is checked even when every output has its own.
+    for k in (0, -1):
+        body["parameters"] = {"k": k}
+        body["outputs"] = [{"name": "topk_logits", "parameters": {"k": 3}}]
+        answer = httpx.post(f"{url}/v2/models/tied/infer", json=body)
+        assert answer.status_code == 400
+        assert "parameter k must be an integer >= 1" in answer.json()["error"]
 
 
 def test_binary_answer_layout(url: str, repository: Path) -> None:

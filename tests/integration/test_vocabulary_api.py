@@ -267,6 +267,18 @@ def test_banned_tokens_among_the_allowed_are_never_listed(url: str, repository: 
         )
 
 
+def test_banned_tokens_leaving_fewer_than_k_are_never_listed(url: str, repository: Path) -> None:
+    """Banning all but two tokens answers those two, not banned ones with null logits."""
+    left = [11, 600]
+    banned = [token for token in range(VOCAB) if token not in left]
+    answer = _topk(url, "tied", banned_token_ids=banned, k=5)
+    logits = _logits(repository, "tied")[:, left]
+    for row, result in enumerate(answer["results"]):
+        order = np.argsort(-logits[row])
+        assert result["token_ids"] == [left[i] for i in order]
+        assert None not in result["logits"]
+
+
 def test_scoring_refuses_a_candidate_named_twice(url: str) -> None:
     body = {
         "hidden_states": HIDDEN[:1].tolist(),
