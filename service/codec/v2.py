@@ -115,7 +115,9 @@ def decode_header(
         at_least_default_k=bool(asked) and takes_default_k(outputs),
     )
     request_id = header.get("id")
-    return request, OutputPlan(None if request_id is None else str(request_id)[:256], outputs)
+    if request_id is not None and not isinstance(request_id, str):
+        raise InvalidInput(f"id must be a string, got a JSON {type(request_id).__name__}")
+    return request, OutputPlan(None if request_id is None else request_id[:256], outputs)
 
 
 def encode(result: InferResult, plan: OutputPlan) -> tuple[bytes, dict[str, str]]:

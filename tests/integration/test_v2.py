@@ -360,6 +360,15 @@ ERROR_CASES: list[tuple[str, str, bytes, dict[str, str], int]] = [
         400,
     ),
     (
+        "an id that is no string",
+        "/v2/models/tied/infer",
+        json.dumps(
+            {"inputs": [_hidden_input(1, data=[0.5] * D_MODEL)], "id": {"nested": [1]}}
+        ).encode(),
+        {},
+        400,
+    ),
+    (
         "k as a boolean",
         "/v2/models/tied/infer",
         json.dumps(
