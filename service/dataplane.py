@@ -278,7 +278,7 @@ class DataPlane(ControlAPI):
         first, second = (Target(name) for name in request.models)
         with self._serving("compare", first, second) as heads:
             a, b = heads
-            _check_comparable(a, b)
+            compare.check_comparable(a, b)
             hidden = self._limits.hidden_states(request.hidden_states, a.d_model)
             targets = None
             if request.target_ids is not None:
@@ -356,7 +356,7 @@ class DataPlane(ControlAPI):
     ) -> npt.NDArray[np.float32]:
         """The shadow's full logits for sampled rows, leased and limited like any request."""
         with self._serving("shadow", Target(name)) as (shadow,):
-            _check_comparable(primary, shadow)
+            compare.check_comparable(primary, shadow)
             self._limits.logits(len(rows), shadow.vocab_size, copies=2)
             projection = await shadow.project(rows, 1, temperature=temperature, full_logits=True)
             assert projection.logits is not None
@@ -387,14 +387,4 @@ class DataPlane(ControlAPI):
             projection.logsumexp,
             projection.topk_logprobs if logprobs else None,
             model.tokens(ids.reshape(-1, ids.shape[-1])) if tokens else None,
-        )
-
-
-def _check_comparable(a: LoadedVersion, b: LoadedVersion) -> None:
-    if a.d_model != b.d_model:
-        raise InvalidInput(f"d_model differs: {a.name} has {a.d_model}, {b.name} has {b.d_model}")
-    if a.vocab_size != b.vocab_size:
-        raise InvalidInput(
-            f"vocab sizes differ ({a.vocab_size} vs {b.vocab_size}): comparing them needs a "
-            "token mapping, which is not supported"
         )

@@ -69,6 +69,12 @@ class TokenSpace:
     def original(self, columns: Ids) -> Ids:
         return columns if self.kept is None else self.kept[columns]
 
+    def same_tokens(self, other: TokenSpace) -> bool:
+        """Whether each column is the same token in both (two heads may then be compared)."""
+        if self.kept is None or other.kept is None:
+            return self.kept is None and other.kept is None and self.size == other.size
+        return self.size == other.size and bool(np.array_equal(self.kept, other.kept))
+
 
 @dataclass(frozen=True)
 class CandidateLogits:

@@ -132,3 +132,24 @@ def test_trim_refuses_ids_outside_the_vocabulary(repository: Path) -> None:
     )
     assert done.returncode != 0
     assert "--keep ids must be in [0, 997)" in done.stderr
+
+
+def test_heads_trimmed_to_other_tokens_are_never_compared(
+    url: str, repository: Path, tmp_path: Path
+) -> None:
+    """Column i is another token in each: compare (and shadow) would pair them unlike with
+    unlike, as two heads of other vocab sizes would be."""
+    keep_file = tmp_path / "other.npy"
+    np.save(keep_file, np.arange(len(KEEP)) + 300)  # as many tokens, other ids
+    done = _lmhead(
+        "trim", "tied", "--keep", str(keep_file), "--name", "other-trim",
+        "--repository", str(repository),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert httpx.post(f"{url}/v2/repository/models/other-trim/load").status_code == 200
+    body = {"hidden_states": HIDDEN.tolist()}
+    same = httpx.post(f"{url}/v1/compare", json=body | {"models": ["tied-trim", "untied-trim"]})
+    assert same.status_code == 200, same.text
+    other = httpx.post(f"{url}/v1/compare", json=body | {"models": ["tied-trim", "other-trim"]})
+    assert other.status_code == 422
+    assert "keep different token ids" in other.json()["error"]["message"]
