@@ -10,16 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from service.errors import InvalidInput
 from service.reference import log_softmax
-
-if TYPE_CHECKING:
-    from service.loaded_version import LoadedVersion
 
 CHUNK_BYTES = 4 * 2**20
 #: What the statistics hold at most: a chunk's float64 and index temporaries are ~10x it.
@@ -150,19 +146,3 @@ def wins(name_a: str, name_b: str, a: Scores, b: Scores) -> dict[str, float]:
         name_b: float(np.mean((b.logprob > a.logprob) & ~tie)),
         "tie": float(np.mean(tie)),
     }
-
-
-def check_comparable(a: LoadedVersion, b: LoadedVersion) -> None:
-    """Two heads whose logits line up column by column (compare, shadow), or 422 saying why."""
-    if a.d_model != b.d_model:
-        raise InvalidInput(f"d_model differs: {a.name} has {a.d_model}, {b.name} has {b.d_model}")
-    if a.vocab_size != b.vocab_size:
-        raise InvalidInput(
-            f"vocab sizes differ ({a.vocab_size} vs {b.vocab_size}): comparing them needs a "
-            "token mapping, which is not supported"
-        )
-    if not a.space.same_tokens(b.space):  # column i must be the same token in both
-        raise InvalidInput(
-            f"{a.name} and {b.name} keep different token ids (trimmed heads): comparing them "
-            "needs a token mapping, which is not supported"
-        )

@@ -278,7 +278,7 @@ class DataPlane(ControlAPI):
         first, second = (Target(name) for name in request.models)
         with self._serving("compare", first, second) as heads:
             a, b = heads
-            compare.check_comparable(a, b)
+            a.check_comparable(b)
             hidden = self._limits.hidden_states(request.hidden_states, a.d_model)
             targets = None
             if request.target_ids is not None:
@@ -356,7 +356,7 @@ class DataPlane(ControlAPI):
     ) -> npt.NDArray[np.float32]:
         """The shadow's full logits for sampled rows, leased and limited like any request."""
         with self._serving("shadow", Target(name)) as (shadow,):
-            compare.check_comparable(primary, shadow)
+            primary.check_comparable(shadow)
             self._limits.logits(len(rows), shadow.vocab_size, copies=2)
             projection = await shadow.project(rows, 1, temperature=temperature, full_logits=True)
             assert projection.logits is not None

@@ -23,6 +23,7 @@ import numpy.typing as npt
 from service.allocator import trim_heap
 from service.batch import BatchStats
 from service.batching import Batcher, BatchLimits
+from service.errors import InvalidInput
 from service.inspect import HeadReport, inspect_head
 from service.layout import Placement, open_head
 from service.limits import Limits
@@ -209,6 +210,19 @@ class LoadedVersion:
             flat.logsumexp.reshape(leading),
             None if flat.logits is None else flat.logits.reshape(*leading, -1),
         )
+
+    def check_comparable(self, other: LoadedVersion) -> None:
+        """Logits that line up column by column with ``other``'s (compare, shadow), or 422."""
+        if self.d_model != other.d_model:
+            raise InvalidInput(
+                f"d_model differs: {self.name} has {self.d_model}, {other.name} has {other.d_model}"
+            )
+        if self.vocab_size != other.vocab_size or not self.space.same_tokens(other.space):
+            raise InvalidInput(
+                f"{self.name} and {other.name} do not name the same tokens (vocab sizes "
+                f"{self.vocab_size} and {other.vocab_size}, or trimmed to other ids): comparing "
+                "them needs a token mapping, which is not supported"
+            )
 
     async def embed(self, ids: npt.NDArray[np.int64]) -> npt.NDArray[np.float32]:
         """Rows of the input embedding (the Gather side), in the inference executor."""

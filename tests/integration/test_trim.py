@@ -152,4 +152,4 @@ def test_heads_trimmed_to_other_tokens_are_never_compared(
     assert same.status_code == 200, same.text
     other = httpx.post(f"{url}/v1/compare", json=body | {"models": ["tied-trim", "other-trim"]})
     assert other.status_code == 422
-    assert "keep different token ids" in other.json()["error"]["message"]
+    assert "do not name the same tokens" in other.json()["error"]["message"]
