@@ -78,6 +78,9 @@ class RepositoryPoller:
                 logger.exception("repository scan failed")
 
     async def scan(self) -> None:
+        if not await asyncio.to_thread(self._repository.is_dir):  # moved or re-linked: wait
+            logger.warning("poll: the repository %s is not a directory now", self._repository)
+            return  # taking its absence as every model removed would unload them all
         names = await asyncio.to_thread(model_names, self._repository, self._only)
         if self._lazy:  # models load when asked: follow only those held, not the unloaded
             names = [name for name in names if self._registry.holds(name)]

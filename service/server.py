@@ -77,7 +77,7 @@ def _options(settings: Settings, shared: SharedConnections | None = None) -> dic
         "log_level": settings.log_level,
         "access_log": settings.access_log,
         "timeout_graceful_shutdown": 10,
-        "timeout_keep_alive": int(settings.keep_alive_s),
+        "timeout_keep_alive": settings.keep_alive_s,  # a float: 0.5 s must not become 0
         "http": limited_protocol(settings, shared),
         # No WebSocket routes: an upgraded connection would escape the limits above.
         "ws": "none",

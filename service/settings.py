@@ -6,6 +6,8 @@ has a docstring; ``settings_table()`` renders them for the README (a test keeps 
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal, Self
 
@@ -33,6 +35,12 @@ class PlaceSettings(BaseSettings):
     """TCP port (0 picks a free one)."""
     model_name: str | None = None
     """Serve only this model; start-up fails without it (KServe passes its service's name)."""
+
+    @field_validator("model_name", mode="before")
+    @classmethod
+    def _empty_name_is_unset(cls, value: object) -> object:
+        """`LMHEAD_MODEL_NAME=` (compose's default substitution) means every model."""
+        return None if value in ("", None) else value
 
 
 class Settings(PlaceSettings):
@@ -69,7 +77,7 @@ class Settings(PlaceSettings):
     """A request head (or a new connection's first one) must arrive within this; else 408."""
     body_timeout_s: float = Field(default=30.0, gt=0)
     """A request body may stall this long between two reads; then 408."""
-    keep_alive_s: float = Field(default=5.0, gt=0)
+    keep_alive_s: float = Field(default=5.0, gt=0, allow_inf_nan=False)
     """An idle keep-alive connection is closed after this."""
     batching: bool = True
     """Merge concurrent requests for one model into one onnxruntime run."""
@@ -113,11 +121,20 @@ class Settings(PlaceSettings):
     drain_timeout_s: float = Field(default=30.0, ge=0)
     """How long a replaced or unloaded version may finish admitted requests before release."""
 
-    @field_validator("admin_token", mode="before")
+    @field_validator("admin_token", "scratch_dir", mode="before")
     @classmethod
-    def _empty_token_is_unset(cls, value: object) -> object:
-        """`LMHEAD_ADMIN_TOKEN=` (compose's default substitution) means no token, never ""."""
+    def _empty_is_unset(cls, value: object) -> object:
+        """`LMHEAD_ADMIN_TOKEN=` (compose's default substitution) means no token, never "";
+        `LMHEAD_SCRATCH_DIR=` the system's temp directory, never the working directory."""
         return None if value in ("", None) else value
+
+    @field_validator("scratch_dir")
+    @classmethod
+    def _writable_directory(cls, value: Path | None) -> Path | None:
+        """Every version is copied there as it loads: a wrong path would fail them all."""
+        if value is not None and not (value.is_dir() and os.access(value, os.W_OK | os.X_OK)):
+            raise ValueError(f"{str(value)[:200]} is not a writable directory")
+        return value
 
     @model_validator(mode="after")
     def _check_limits(self) -> Self:
@@ -153,3 +170,16 @@ def settings_table() -> str:
         shown = "unset" if default is None else shown
         lines.append(f"| `LMHEAD_{name.upper()}` | `{shown}` | {field.description} |")
     return "\n".join(lines)
+
+
+#: ``LMHEAD_`` variables that are no setting but are read on purpose (the CLI's tracebacks).
+TOOLING_VARIABLES = frozenset({"LMHEAD_DEBUG"})
+
+
+def unknown_environment(environ: Mapping[str, str]) -> list[str]:
+    """``LMHEAD_`` variables that name no setting: pydantic-settings ignores them silently, so
+    ``LMHEAD_ADMINTOKEN=...`` would leave the control API without a token, unnoticed."""
+    known = {f"LMHEAD_{name.upper()}" for name in Settings.model_fields} | TOOLING_VARIABLES
+    return sorted(
+        name for name in environ if name.upper().startswith("LMHEAD_") and name.upper() not in known
+    )

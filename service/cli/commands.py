@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
@@ -42,7 +43,7 @@ def demo(args: argparse.Namespace) -> int:
 
 def serve(args: argparse.Namespace) -> int:
     from service import server
-    from service.settings import Settings
+    from service.settings import Settings, unknown_environment
 
     flags = {
         "repository": args.repository,
@@ -53,6 +54,8 @@ def serve(args: argparse.Namespace) -> int:
     }
     settings = Settings(**{key: value for key, value in flags.items() if value is not None})
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for name in unknown_environment(os.environ):  # a typo'd LMHEAD_ADMIN_TOKEN leaves it open
+        logging.getLogger("lmhead").warning("%s is no lmhead setting: it is ignored", name[:64])
     if args.ray:
         if settings.grpc_port is not None:  # every replica would bind it; Serve proxies HTTP
             raise CommandError("gRPC is served by single lmhead processes, not under --ray")

@@ -23,7 +23,7 @@ from service.heads import HeadWeights, save_head
 from service.metrics import Metrics
 from service.reference import output_projection_tied, top_k
 from service.registry import Registry
-from service.settings import Settings
+from service.settings import Settings, unknown_environment
 from tests.conftest import D_MODEL
 
 
@@ -126,7 +126,7 @@ def test_settings_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> 
     assert Settings(port=1).port == 1  # explicit values (CLI flags) win over the environment
 
 
-def test_settings_fail_fast_on_inconsistent_values() -> None:
+def test_settings_fail_fast_on_inconsistent_values(tmp_path: Path) -> None:
     with pytest.raises(ValidationError, match=r"default_k \(9\) must be <= max_k \(3\)"):
         Settings(default_k=9, max_k=3)
     with pytest.raises(ValidationError, match="memory_mode"):
@@ -135,6 +135,19 @@ def test_settings_fail_fast_on_inconsistent_values() -> None:
         Settings(max_wait_ms=-1)
     with pytest.raises(ValidationError, match=r"max_queue_rows \(8\) must be >= max_rows \(16\)"):
         Settings(max_queue_rows=8, max_rows=16)  # a 16-row request would get 503 forever
+    with pytest.raises(ValidationError, match="keep_alive_s"):
+        Settings(keep_alive_s=float("inf"))
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    with pytest.raises(ValidationError, match="is not a writable directory"):
+        Settings(scratch_dir=a_file)  # every version's copy would fail, the service "ready"
+    empty = Settings(scratch_dir="", model_name="")  # compose's ${VAR:-}: unset, not "" or "."
+    assert (empty.scratch_dir, empty.model_name) == (None, None)
+
+
+def test_lmhead_variables_that_name_no_setting_are_found() -> None:
+    environ = {"LMHEAD_ADMINTOKEN": "x", "LMHEAD_PORT": "1", "LMHEAD_DEBUG": "1", "HOME": "/"}
+    assert unknown_environment(environ) == ["LMHEAD_ADMINTOKEN"]
 
 
 def test_demo_heads_are_written_into_an_empty_repository_when_asked(tmp_path: Path) -> None:

@@ -130,6 +130,25 @@ def test_a_removed_model_is_unloaded_and_a_new_one_loaded(
     _run(repository, scenario)
 
 
+def test_a_repository_that_is_gone_for_a_while_unloads_nothing(
+    tmp_path: Path, table: npt.NDArray[np.float32]
+) -> None:
+    """Moved away and back (or re-linked): its absence is no model removed."""
+    repository = tmp_path / "models"
+    save_head(HeadWeights.from_arrays(table), repository / "kept" / "1")
+
+    async def scenario(registry: Registry, poller: RepositoryPoller) -> None:
+        repository.rename(tmp_path / "away")
+        await poller.scan()
+        await poller.scan()
+        assert registry.get("kept").version == 1
+        (tmp_path / "away").rename(repository)
+        await poller.scan()
+        assert registry.get("kept").version == 1
+
+    _run(repository, scenario)
+
+
 def test_started_empty_it_follows_only_the_models_asked_for(
     tmp_path: Path, table: npt.NDArray[np.float32]
 ) -> None:
