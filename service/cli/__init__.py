@@ -28,7 +28,7 @@ from service.settings import PlaceSettings, Settings
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        parser = _parser(PlaceSettings())
+        parser = _parser(_place())
         args = parser.parse_args(argv)
         if args.command is None:
             parser.print_help()
@@ -52,6 +52,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         where = "(LMHEAD_DEBUG=1 shows where)"
         print(f"lmhead: {type(error).__name__}: {error} {where}", file=sys.stderr)
         return 1
+
+
+def _place() -> PlaceSettings:
+    """The environment's repository and port for the flags' defaults; the defaults when it is
+    invalid, so that ``--version``, ``--help`` and a flag that overrides it still work (a
+    command that uses the invalid value reports it)."""
+    try:
+        return PlaceSettings()
+    except ValidationError:
+        return PlaceSettings.model_construct()
 
 
 def _parser(place: PlaceSettings) -> argparse.ArgumentParser:

@@ -18,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from service.app import create_app
+from service.cli import main
 from service.dataplane import DataPlane
 from service.heads import HeadWeights, save_head
 from service.metrics import Metrics
@@ -192,3 +193,14 @@ def test_an_unexpected_error_is_a_generic_500_without_its_text(repository: Path)
         }
     }
     assert v2.json() == {"error": "internal error; the server log has the details"}
+
+
+def test_an_invalid_environment_leaves_version_working_and_serve_says_why(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("LMHEAD_PORT", "abc")
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert main(["serve"]) == 2
+    assert "invalid settings: port" in capsys.readouterr().err
