@@ -8,14 +8,16 @@ boundary as they are. Arrays arrive as decoded, unchecked: the data plane judges
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-Tokens = list[list[str | None]]
-"""Token strings of returned ids, one list per (flattened) row; None past the labels file."""
+Tokens = Sequence[list[str | None]]
+"""Token strings of returned ids, one list per (flattened) row; None past the labels file
+(a ``service.labels.TokenStrings``, looked up when first read, or a plain list)."""
 
 
 @dataclass(frozen=True)

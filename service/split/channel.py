@@ -7,7 +7,8 @@ dtype and shape: no element is pickled). The sender copies the arrays' bytes int
 arena; the receiver rebuilds them as views of that memory (no copy, nothing through the
 socket). Setting arrays aside costs a third of numpy's own pickling (protocol 5, out of
 band), measured on a top-k answer. Only when the arena
-has no room do the buffers travel in the frame instead. Both ends are processes of one
+has no room do the buffers travel in the frame instead. Token strings travel as ids: a
+head's label table crosses once per connection (``service.labels``). Both ends are processes of one
 service, on a Unix socket in a private directory, with the peer's user checked, so
 unpickling trusts its input.
 
@@ -29,6 +30,7 @@ from typing import Any, cast
 import numpy as np
 import numpy.typing as npt
 
+from service.labels import LabelShipment, LabelTable, TokenStrings, receiving
 from service.settings import Settings
 from service.split.arena import ALIGN, Arena, ArenaFull
 
@@ -63,21 +65,27 @@ class _Pickler(pickle.Pickler):
     and the like, so the common fields cost nothing extra (``persistent_id``, asked about every
     object, made pickling 2.4x slower on a batch of top-k answers)."""
 
-    def __init__(self, file: io.BytesIO) -> None:
+    def __init__(self, file: io.BytesIO, shipment: LabelShipment | None) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.arrays: list[npt.NDArray[Any]] = []
+        self._shipment = shipment
 
     def reducer_override(self, obj: Any) -> Any:
         if type(obj) is np.ndarray and not obj.dtype.hasobject:
             self.arrays.append(obj)
             return _array, (len(self.arrays) - 1, obj.dtype.str, obj.shape)
+        if type(obj) is TokenStrings and self._shipment is not None:
+            return self._shipment.reduce(obj)  # ids only, once the peer has the table
         return NotImplemented
 
 
-def pack(message: Any, arena: Arena | None) -> tuple[bytes, int | None]:
-    """A frame, and the arena block it holds (free it once the peer is done), if any."""
+def pack(
+    message: Any, arena: Arena | None, shipment: LabelShipment | None = None
+) -> tuple[bytes, int | None]:
+    """A frame, and the arena block it holds (free it once the peer is done), if any.
+    ``shipment``: the peer's label tables, to send token strings as ids (``service.labels``)."""
     stream = io.BytesIO()
-    pickler = _Pickler(stream)
+    pickler = _Pickler(stream, shipment)
     pickler.dump(message)
     body = stream.getvalue()
     arrays = pickler.arrays
@@ -108,8 +116,9 @@ def _allocate(arena: Arena | None, nbytes: int) -> int | None:
         return None
 
 
-def unpack(frame: memoryview, arena: Arena) -> Any:
-    """The message of a whole frame, its arrays read-only views of ``arena`` (or of the frame)."""
+def unpack(frame: memoryview, arena: Arena, tables: dict[int, LabelTable] | None = None) -> Any:
+    """The message of a whole frame, its arrays read-only views of ``arena`` (or of the frame);
+    ``tables``: the label tables received on this connection so far (added to as they come)."""
     size, count, offset = PREFIX.unpack_from(frame)
     sizes = [SIZE.unpack_from(frame, PREFIX.size + i * SIZE.size)[0] for i in range(count)]
     start = PREFIX.size + count * SIZE.size
@@ -124,7 +133,8 @@ def unpack(frame: memoryview, arena: Arena) -> Any:
         place += nbytes if offset == IN_FRAME else -(-nbytes // ALIGN) * ALIGN
     _reading.buffers = buffers
     try:
-        return pickle.loads(body)
+        with receiving({} if tables is None else tables):
+            return pickle.loads(body)
     finally:
         _reading.buffers = None
 
@@ -155,6 +165,8 @@ class FrameProtocol(asyncio.Protocol):
         self._buffer = bytearray()
         self._queued: list[Any] = []
         self._flushing = False
+        self._shipment = LabelShipment()  # tables the peer holds (this side sends answers)
+        self._tables: dict[int, LabelTable] = {}  # tables the peer sent (this side reads them)
         self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -177,7 +189,7 @@ class FrameProtocol(asyncio.Protocol):
             frame = memoryview(bytes(buffer[:length]))
             del buffer[:length]
             offset = PREFIX.unpack_from(frame)[2]
-            released, messages = unpack(frame, self.incoming)
+            released, messages = unpack(frame, self.incoming, self._tables)
             self.on_frame(released, messages, None if offset == IN_FRAME else offset)
 
     def on_frame(self, released: list[int], messages: list[Any], block: int | None) -> None:
@@ -214,7 +226,7 @@ class FrameProtocol(asyncio.Protocol):
         released = self.released()
         if not messages and not released:
             return
-        frame, block = pack((released, messages), self.outgoing)
+        frame, block = pack((released, messages), self.outgoing, self._shipment)
         self.on_sent(messages, block)
         self.transport.write(frame)
 

@@ -28,6 +28,7 @@ import psutil
 import pytest
 
 from service.client import Client
+from service.demo import demo_tokens
 from service.errors import ServiceError
 from service.heads import HeadWeights, save_head
 from service.reference import log_softmax, top_k
@@ -36,6 +37,7 @@ from tests.server import free_port, live_server, poll, running_server, server_pr
 
 HIDDEN = np.random.default_rng(20).standard_normal((5, D_MODEL)).astype(np.float32)
 RTOL, ATOL = 1e-4, 1e-4
+TOKENS = demo_tokens(VOCAB)
 TOKEN = "workers-admin-token"
 LIMITS = {  # one run takes 8 rows (logits and log-softmax within the byte limit)
     "max_rows": "40",
@@ -101,9 +103,12 @@ def check_answers(url: str, repository: Path) -> None:
             assert top.logprobs is not None
             want = np.take_along_axis(log_softmax(logits), ids, axis=1)
             np.testing.assert_allclose(top.logprobs, want, rtol=RTOL, atol=ATOL)
-        with Client(url) as client:
+        with Client(url) as client:  # strings looked up by the front from the engine's table
+            named = client.topk(model, HIDDEN, k=4, tokens=True).tokens
             full = client.logits(model, HIDDEN).array
             embedded = client.embed(model, np.array([0, 7, VOCAB - 1])).array
+        if model == "tied":
+            assert named == [[TOKENS[i] for i in row] for row in ids.tolist()]
         np.testing.assert_allclose(full, logits, rtol=RTOL, atol=ATOL)
         assert embedded.shape == (3, D_MODEL)
 

@@ -8,12 +8,15 @@ hand back exactly what was freed.
 from __future__ import annotations
 
 import asyncio
+import copy
 import os
+import pickle
 from typing import Any
 
 import numpy as np
 import pytest
 
+from service.labels import LabelShipment, LabelTable, TokenStrings
 from service.messages import HeadInfo, Target, TopKRequest, TopKResult
 from service.split.arena import ALIGN, Arena, ArenaFull
 from service.split.channel import FrameProtocol, pack, unpack
@@ -114,3 +117,52 @@ def test_frames_split_anywhere_are_read_whole(arena: Arena) -> None:
     for (_, [(_, i, values)]), (_, j, sent) in zip(read, messages, strict=True):
         assert i == j
         np.testing.assert_array_equal(values, sent)
+
+
+def _labelled(table: LabelTable, ids: list[list[int]]) -> TopKResult:
+    token_ids = np.array(ids, np.int64)
+    values = np.zeros(token_ids.shape, np.float32)
+    info = HeadInfo("m", 1, True, len(table.strings), 8, "float32")
+    return TopKResult(info, token_ids, values, values[:, 0], tokens=TokenStrings(table, token_ids))
+
+
+def test_token_strings_cross_as_ids_once_the_table_is_there(arena: Arena) -> None:
+    """The first answer of a head carries its labels; later ones only ids (a smaller frame)."""
+    table = LabelTable.of([f"token-{i}" for i in range(500)], vocab_size=512)
+    shipment, tables = LabelShipment(), dict[int, LabelTable]()
+    sizes = []
+    for ids in ([[3, 1], [511, 0]], [[7, 499], [2, 2]]):
+        frame, block = pack(_labelled(table, ids), arena, shipment)
+        sizes.append(len(frame))
+        got = unpack(memoryview(frame), arena, tables)
+        assert got.tokens == [[table.strings[i] for i in row] for row in ids]
+        assert got.tokens[1][0] == (None if ids[1][0] >= 500 else f"token-{ids[1][0]}")
+        assert block is not None
+        arena.free(block)
+    assert sizes[1] < sizes[0] / 10  # 500 strings went once
+    assert list(tables) == [table.key]
+
+
+def test_a_peer_keeps_a_bounded_number_of_tables(arena: Arena) -> None:
+    """Past the limit the oldest table is dropped on both sides, and sent again if needed."""
+    made = [LabelTable.of([f"{n}:{i}" for i in range(4)], 4) for n in range(3)]
+    shipment, tables = LabelShipment(limit=2), dict[int, LabelTable]()
+    for table in [*made, made[0]]:
+        frame, _ = pack(_labelled(table, [[1, 2]]), None, shipment)
+        got = unpack(memoryview(frame), arena, tables)
+        assert got.tokens == [[table.strings[1], table.strings[2]]]
+        assert len(tables) <= 2
+    assert set(tables) == {made[2].key, made[0].key}
+
+
+def test_token_strings_outside_a_frame_are_the_list_they_stand_for() -> None:
+    """Pickled elsewhere (Ray) they become a list of lists; a deep copy keeps its own ids."""
+    table = LabelTable.of(["a", "b", "c"], 3)
+    ids = np.array([[2, 0]], np.int64)
+    tokens = TokenStrings(table, ids)
+    assert pickle.loads(pickle.dumps(tokens)) == [["c", "a"]]
+    assert type(pickle.loads(pickle.dumps(tokens))) is list
+    copied = copy.deepcopy(tokens)
+    ids[0, 0] = 1
+    assert copied == [["c", "a"]]
+    assert TokenStrings(table, ids) == [["b", "a"]]

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from service.npyio import read_npy, read_npz
+from service.npyio import _numpy_header, _plain_header, read_npy, read_npz
 
 
 def _npy(array: np.ndarray) -> bytes:
@@ -85,3 +85,47 @@ def test_many_threads_parse_headers_at_once() -> None:
 
     with ThreadPoolExecutor(8) as pool:
         assert all(pool.map(read, list(range(64)) * 20))
+
+
+@pytest.mark.parametrize(
+    "array",
+    [
+        np.arange(24, dtype=np.float32).reshape(2, 3, 4),
+        np.asfortranarray(np.arange(12, dtype=np.float16).reshape(3, 4)),
+        np.arange(5, dtype=">i4"),
+        np.zeros((0,), np.uint8),
+        np.array(1.5),
+        np.array(["ab", "c"]),
+        np.zeros(3, dtype=[("a", "<f4"), ("b", "<i2")]),
+    ],
+)
+def test_the_fast_header_reads_what_numpy_reads(array: np.ndarray) -> None:
+    """``np.save``'s own headers take the pattern (structured dtypes fall to numpy); both
+    give the same shape, order, dtype and data offset."""
+    data = _npy(array)
+    fast = _plain_header(data)
+    assert (fast is None) == (array.dtype.names is not None)
+    if fast is not None:
+        assert fast == _numpy_header(data)
+    np.testing.assert_array_equal(read_npy(data), array)
+
+
+def test_headers_numpy_would_not_write_go_to_numpy() -> None:
+    """Other spacing or key order is still read (by numpy); a type nobody knows is a
+    ValueError, never a TypeError from deep inside."""
+    array = np.arange(6, dtype=np.float32).reshape(2, 3)
+    body = array.tobytes()
+    for header, error in (
+        ("{'shape': (2, 3), 'fortran_order': False, 'descr': '<f4'}", None),
+        ("{'descr':'<f4','fortran_order':False,'shape':(2,3)}", None),
+        ("{'descr': '<f9', 'fortran_order': False, 'shape': (2, 3), }", "descr"),
+        ("{'descr': '<f4', 'fortran_order': False, 'shape': (2, -3), }", "negative"),
+    ):
+        padded = header.encode() + b" " * (63 - len(header)) + b"\n"
+        data = b"\x93NUMPY\x01\x00" + len(padded).to_bytes(2, "little") + padded + body
+        assert _plain_header(data) is None
+        if error is None:
+            np.testing.assert_array_equal(read_npy(data), array)
+        else:
+            with pytest.raises(ValueError, match=error):
+                read_npy(data)
