@@ -41,7 +41,29 @@ def run(settings: Settings) -> None:
     drain); ``lmhead serve`` with ``LMHEAD_WORKERS`` > 1 runs ``service.split.supervisor``."""
     _raise_descriptor_limit(settings.max_connections + FD_MARGIN)
     settle_allocator()
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, **_options(settings))
+    listener = bound_socket(settings.host, settings.port)  # before any model loads
+    config = uvicorn.Config(create_app(settings), **_options(settings))
+    uvicorn.Server(config).run(sockets=[listener])
+
+
+def bound_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port``, or ``SystemExit`` saying why not. Bound first, so a
+    host that does not resolve or a port in use fails at once, not after every model has
+    loaded (uvicorn binds after its start-up)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        listener = socket.socket(family, kind, proto)
+    except OSError as error:
+        raise SystemExit(f"cannot serve on {host}:{port}: {error}") from None
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+    except OSError as error:
+        listener.close()
+        raise SystemExit(f"cannot serve on {host}:{port}: {error}") from None
+    return listener
 
 
 def run_on(

@@ -73,7 +73,7 @@ def _parser(place: PlaceSettings) -> argparse.ArgumentParser:
         command.add_argument(
             "--repository",
             type=repository_path,
-            default=place.repository,
+            default=str(place.repository),  # a string default is checked by the type, too
             help=f"model repository (default: LMHEAD_REPOSITORY, now {place.repository})",
         )
 

@@ -7,7 +7,9 @@ anything with ``__array__`` is accepted, so CPU torch tensors work without impor
 Inference calls are pure functions of their input, so they are retried, with backoff, on 503
 (after the service's ``Retry-After``) and on connection errors; control calls on 503 only. A
 service error is raised as its class from ``service.errors`` (``QueueFull``, ``InvalidInput``,
-...) with the service's message. Every answer says which model, version and tie answered.
+...) with the service's message; a success whose body cannot be read as the call's answer is
+an ``UnreadableAnswer`` (a ``ServiceError`` too). Every answer says which model, version and
+tie answered.
 
     with Client("http://127.0.0.1:8000") as client:
         top = client.topk("demo-tied", hidden, k=5, logprobs=True)
@@ -22,9 +24,19 @@ from typing import Any
 
 import httpx
 
-from service.client.calls import Arrays, Call, Calls, Retry, TopK, checked, retry_after
+from service.client.calls import (
+    Arrays,
+    Call,
+    Calls,
+    Retry,
+    TopK,
+    UnreadableAnswer,
+    checked,
+    read_json,
+    retry_after,
+)
 
-__all__ = ["Arrays", "AsyncClient", "Client", "TopK"]
+__all__ = ["Arrays", "AsyncClient", "Client", "TopK", "UnreadableAnswer"]
 RETRY_STATUS = 503
 
 
@@ -91,24 +103,24 @@ class Client:
         **options: Any,
     ) -> dict[str, Any]:
         """``options``: candidate_ids, k, logprobs_over. The answer as the service sends it."""
-        answer: dict[str, Any] = self._send(
-            self._calls.score(model, hidden, target_ids, version, **options)
-        ).json()
+        answer: dict[str, Any] = read_json(
+            self._send(self._calls.score(model, hidden, target_ids, version, **options))
+        )
         return answer
 
     def compare(self, model_a: str, model_b: str, hidden: Any, **options: Any) -> dict[str, Any]:
         """``options``: target_ids, k, measure_speed."""
-        answer: dict[str, Any] = self._send(
-            self._calls.compare((model_a, model_b), hidden, **options)
-        ).json()
+        answer: dict[str, Any] = read_json(
+            self._send(self._calls.compare((model_a, model_b), hidden, **options))
+        )
         return answer
 
     def models(self) -> list[dict[str, Any]]:
-        answer: list[dict[str, Any]] = self._send(Call("GET", "/v1/models")).json()["models"]
+        answer: list[dict[str, Any]] = read_json(self._send(Call("GET", "/v1/models")), "models")
         return answer
 
     def model(self, name: str) -> dict[str, Any]:
-        answer: dict[str, Any] = self._send(Call("GET", f"/v1/models/{name}")).json()
+        answer: dict[str, Any] = read_json(self._send(Call("GET", f"/v1/models/{name}")))
         return answer
 
     def ready(self) -> bool:
@@ -116,11 +128,11 @@ class Client:
         return self._http.get("/health/ready").status_code == 200
 
     def load(self, name: str, version: int | None = None) -> dict[str, Any]:
-        answer: dict[str, Any] = self._send(self._calls.control("load", name, version)).json()
+        answer: dict[str, Any] = read_json(self._send(self._calls.control("load", name, version)))
         return answer
 
     def unload(self, name: str) -> dict[str, Any]:
-        answer: dict[str, Any] = self._send(self._calls.control("unload", name, None)).json()
+        answer: dict[str, Any] = read_json(self._send(self._calls.control("unload", name, None)))
         return answer
 
     def _send(self, call: Call) -> httpx.Response:
@@ -205,36 +217,35 @@ class AsyncClient:
         **options: Any,
     ) -> dict[str, Any]:
         call = self._calls.score(model, hidden, target_ids, version, **options)
-        answer: dict[str, Any] = (await self._send(call)).json()
+        answer: dict[str, Any] = read_json(await self._send(call))
         return answer
 
     async def compare(
         self, model_a: str, model_b: str, hidden: Any, **options: Any
     ) -> dict[str, Any]:
         call = self._calls.compare((model_a, model_b), hidden, **options)
-        answer: dict[str, Any] = (await self._send(call)).json()
+        answer: dict[str, Any] = read_json(await self._send(call))
         return answer
 
     async def model(self, name: str) -> dict[str, Any]:
-        answer: dict[str, Any] = (await self._send(Call("GET", f"/v1/models/{name}"))).json()
+        answer: dict[str, Any] = read_json(await self._send(Call("GET", f"/v1/models/{name}")))
         return answer
 
     async def load(self, name: str, version: int | None = None) -> dict[str, Any]:
-        answer: dict[str, Any] = (
+        answer: dict[str, Any] = read_json(
             await self._send(self._calls.control("load", name, version))
-        ).json()
+        )
         return answer
 
     async def unload(self, name: str) -> dict[str, Any]:
-        answer: dict[str, Any] = (
+        answer: dict[str, Any] = read_json(
             await self._send(self._calls.control("unload", name, None))
-        ).json()
+        )
         return answer
 
     async def models(self) -> list[dict[str, Any]]:
-        answer: list[dict[str, Any]] = (await self._send(Call("GET", "/v1/models"))).json()[
-            "models"
-        ]
+        models = await self._send(Call("GET", "/v1/models"))
+        answer: list[dict[str, Any]] = read_json(models, "models")
         return answer
 
     async def ready(self) -> bool:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import io
 import json
 import math
+import zipfile
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +36,36 @@ V2_ERRORS: dict[int, type[ServiceError]] = {
     404: ModelNotFound,
     413: PayloadTooLarge,
 }
+
+
+class UnreadableAnswer(ServiceError):
+    """A success status whose body is not what the call returns (a proxy's page, a cut-off
+    body, another service on the port): raised like every other failed call, not as the
+    parser's ``ValueError`` or ``KeyError``."""
+
+    status = 502
+    code = "unreadable_answer"
+
+
+@contextmanager
+def unreadable(answer: httpx.Response) -> Iterator[None]:
+    """Read ``answer`` inside this: what its body lacks is an ``UnreadableAnswer``."""
+    try:
+        yield
+    except (ValueError, KeyError, TypeError, IndexError, EOFError, zipfile.BadZipFile) as error:
+        request = answer.request
+        raise UnreadableAnswer(
+            f"the {answer.status_code} answer to {request.method} {request.url.path} is not "
+            f"what the call returns ({type(error).__name__}: {str(error)[:200]}); content-type "
+            f"{answer.headers.get('content-type', 'none')!r}"
+        ) from None
+
+
+def read_json(answer: httpx.Response, key: str | None = None) -> Any:
+    """The answer's JSON (or its ``key``), or ``UnreadableAnswer``."""
+    with unreadable(answer):
+        payload = answer.json()
+        return payload if key is None else payload[key]
 
 
 @dataclass(frozen=True)
@@ -101,6 +133,10 @@ class Calls:
         return self._json(_path(model, "topk", version), {"hidden_states": hidden, **values})
 
     def read_topk(self, answer: httpx.Response) -> TopK:
+        with unreadable(answer):
+            return self._topk(answer)
+
+    def _topk(self, answer: httpx.Response) -> TopK:
         model, version, tied = _identity(answer)
         if answer.headers.get("content-type", "").startswith(NPZ):
             arrays = read_npz(answer.content)
@@ -150,8 +186,9 @@ class Calls:
         return self._npy("POST", _path(model, "embed", version), body, {}, NPY)
 
     def read_array(self, answer: httpx.Response) -> Arrays:
-        array = read_npy(answer.content).copy()  # writable, as np.load gives it
-        return Arrays(*_identity(answer), array)
+        with unreadable(answer):
+            array = read_npy(answer.content).copy()  # writable, as np.load gives it
+            return Arrays(*_identity(answer), array)
 
     def score(
         self, model: str, hidden: Any, targets: Any, version: int | None, **options: Any

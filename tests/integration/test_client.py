@@ -7,7 +7,8 @@ import asyncio
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -15,10 +16,16 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from service.client import AsyncClient, Client
+from service.client import AsyncClient, Client, UnreadableAnswer
 from service.client.calls import retry_after
 from service.demo import demo_tokens
-from service.errors import InvalidInput, ModelNotFound, ModelNotReady, Unauthorized
+from service.errors import (
+    InvalidInput,
+    ModelNotFound,
+    ModelNotReady,
+    ServiceError,
+    Unauthorized,
+)
 from service.reference import log_softmax, top_k
 from tests.conftest import D_MODEL, VOCAB, reference_logits
 from tests.server import free_port, running_server, running_server_on
@@ -188,3 +195,68 @@ def test_retry_after_is_bounded_whatever_the_header(header: str, wait: float) ->
     with everything (it crashed the sync client and hung the async one)."""
     answer = httpx.Response(503, headers={"retry-after": header})
     assert retry_after(answer, 0.1) == pytest.approx(wait)
+
+
+class _NotLmhead(BaseHTTPRequestHandler):
+    """Something else on the port (a proxy's page, another service): 200 and HTML to all."""
+
+    def _answer(self) -> None:
+        self.rfile.read(int(self.headers.get("content-length", 0)))
+        body = b"<html>welcome to the proxy</html>"
+        self.send_response(200)
+        self.send_header("content-type", self.headers.get("accept", "text/html"))
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's names)
+        self._answer()
+
+    def do_POST(self) -> None:  # noqa: N802
+        self._answer()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def not_lmhead() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _NotLmhead)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_success_that_is_no_answer_is_a_service_error(not_lmhead: str) -> None:
+    """Every call, sync and async, raises ``UnreadableAnswer`` (a ``ServiceError``) naming the
+    call and the content type, not the parser's ``ValueError``/``KeyError``/``BadZipFile``."""
+    rows = HIDDEN[0]
+    calls: list[Callable[[Client], object]] = [
+        lambda c: c.topk("m", rows),
+        lambda c: c.topk("m", rows, tokens=True),
+        lambda c: c.logits("m", rows),
+        lambda c: c.embed("m", [1, 2]),
+        lambda c: c.score("m", rows, [1, 2, 3]),
+        lambda c: c.compare("a", "b", rows),
+        lambda c: c.models(),
+        lambda c: c.model("m"),
+        lambda c: c.load("m"),
+        lambda c: c.unload("m"),
+    ]
+    with Client(not_lmhead, retries=0) as client:
+        for call in calls:
+            with pytest.raises(UnreadableAnswer, match=r"200 answer to (GET|POST) /v"):
+                call(client)
+
+    async def scenario() -> None:
+        async with AsyncClient(not_lmhead, retries=0) as client:
+            with pytest.raises(UnreadableAnswer, match="application/x-npz"):
+                await client.topk("m", rows)
+            with pytest.raises(ServiceError, match="/v1/models"):
+                await client.models()
+
+    asyncio.run(scenario())

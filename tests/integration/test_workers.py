@@ -566,16 +566,19 @@ def test_grpc_on_every_front(repository: Path) -> None:
         assert len(fronts) == 2
 
 
-def test_a_port_in_use_is_refused_at_once(repository: Path) -> None:
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_port_in_use_is_refused_at_once(repository: Path, workers: str) -> None:
     """Fronts share their port with SO_REUSEPORT; the supervisor first checks nobody else
-    holds it, so two services never split one port's traffic by accident."""
+    holds it, so two services never split one port's traffic by accident. One process binds
+    before it loads a model (uvicorn alone loaded every model, then failed to bind)."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        env = {**os.environ, "LMHEAD_WORKERS": "2", "LMHEAD_REPOSITORY": str(repository)}
+        env = {**os.environ, "LMHEAD_WORKERS": workers, "LMHEAD_REPOSITORY": str(repository)}
         command = [sys.executable, "-m", "service", "serve", "--port", str(port)]
         refused = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
     assert refused.returncode != 0
     assert f"cannot serve on 127.0.0.1:{port}" in refused.stderr
     assert "Traceback" not in refused.stderr
+    assert "lmhead ready" not in refused.stderr  # nothing was loaded first

@@ -204,3 +204,21 @@ def test_an_invalid_environment_leaves_version_working_and_serve_says_why(
     assert done.value.code == 0
     assert main(["serve"]) == 2
     assert "invalid settings: port" in capsys.readouterr().err
+
+
+def test_a_repository_that_is_a_file_is_refused_from_the_environment_too(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """LMHEAD_REPOSITORY gets the check --repository gets (it ended in NotADirectoryError);
+    a flag that overrides it still works."""
+    a_file = tmp_path / "models"
+    a_file.write_text("not a repository")
+    monkeypatch.setenv("LMHEAD_REPOSITORY", str(a_file))
+    with pytest.raises(SystemExit) as done:
+        main(["demo", "--vocab-size", "64", "--d-model", "8"])
+    assert done.value.code == 2
+    assert f"{a_file} is not a directory" in capsys.readouterr().err
+    assert (
+        main(["demo", "--vocab-size", "64", "--d-model", "8", "--repository", str(tmp_path)]) == 0
+    )
+    assert (tmp_path / "demo-tied" / "1" / "model.onnx").is_file()
