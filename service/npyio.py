@@ -55,7 +55,10 @@ def _plain_header(data: bytes) -> Header | None:
     """The header as ``np.save`` writes it (version 1.0, one simple dtype), or None."""
     if data[:8] != b"\x93NUMPY\x01\x00" or len(data) < 10:
         return None
-    start = 10 + int.from_bytes(data[8:10], "little")
+    length = int.from_bytes(data[8:10], "little")
+    if length > MAX_HEADER_BYTES:  # numpy refuses it (its guard against huge literals)
+        return None
+    start = 10 + length
     match = _PLAIN.fullmatch(data, 10, start)
     if match is None:
         return None
@@ -81,11 +84,15 @@ def _numpy_header(data: bytes) -> Header:
     return shape, fortran, dtype, stream.tell()
 
 
+#: numpy's own limit on a header (``max_header_size``): longer ones go to it, to be refused.
+MAX_HEADER_BYTES = 10000
+_DIM = rb"(?:0|[1-9][0-9]{0,17})"  # a Python int literal: no leading zero
 #: ``{'descr': '<f4', 'fortran_order': False, 'shape': (64, 512), }``, space-padded to a
 #: newline: what numpy writes for a plain dtype (a structured one is a list: not matched).
+#: The shape is a tuple as Python writes one: ``()``, ``(3,)``, ``(2, 3)`` (``(3)`` is an int).
 _PLAIN = re.compile(
     rb"\{'descr': '([<>|=]?[a-zA-Z][0-9]{0,3})', 'fortran_order': (True|False), "
-    rb"'shape': \(((?:[0-9]{1,18}, ?)*(?:[0-9]{1,18})?)\), \} *\n"
+    rb"'shape': \((|" + _DIM + rb",|" + _DIM + rb"(?:, " + _DIM + rb")+)\), \} *\n"
 )
 
 

@@ -8,8 +8,10 @@ request's temperature, call metrics, and the control API's guards.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import shutil
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -35,6 +37,7 @@ from service.errors import (
     VersionNotFound,
 )
 from service.heads import HeadWeights, save_head
+from service.labels import TokenStrings
 from service.messages import (
     CompareRequest,
     EmbedRequest,
@@ -432,6 +435,24 @@ def test_tokens_come_from_the_labels_file_and_are_none_past_it(repository: Path)
     for ids, tokens in zip(result.token_ids.tolist(), result.tokens, strict=True):
         assert tokens == [labels[i] if i < len(labels) else None for i in ids]
     assert any(token is None for token in result.tokens[0])
+
+
+def test_an_unloaded_version_lets_its_label_table_go(repository: Path) -> None:
+    """Answers hold their head's label table until read; once the version is unloaded and
+    its answers are gone, nothing holds it (the split then drops it in the fronts too)."""
+    (repository / "untied" / "1" / LABELS_FILE).write_text("\n".join(map(str, range(VOCAB))))
+
+    async def scenario(plane: DataPlane, _: Metrics) -> weakref.ref[Any]:
+        result = await plane.topk(TopKRequest(UNTIED, _hidden(2), k=3, tokens=True))
+        assert isinstance(result.tokens, TokenStrings)
+        assert result.tokens == [[str(i) for i in row] for row in result.token_ids.tolist()]
+        table = weakref.ref(result.tokens.table)
+        del result
+        await plane.unload("untied")
+        gc.collect()
+        return table
+
+    assert _run(_settings(repository), scenario)() is None
 
 
 def test_topk_calls_are_not_served_as_one_with_batching_off(repository: Path) -> None:

@@ -111,8 +111,9 @@ def test_the_fast_header_reads_what_numpy_reads(array: np.ndarray) -> None:
 
 
 def test_headers_numpy_would_not_write_go_to_numpy() -> None:
-    """Other spacing or key order is still read (by numpy); a type nobody knows is a
-    ValueError, never a TypeError from deep inside."""
+    """Other spacing or key order is still read (by numpy); what numpy refuses (a type it does
+    not know, a leading zero, ``(6)`` for a shape, a header past its 10000-byte limit) is
+    still refused, as a ValueError (found by a probe: the pattern took the last three)."""
     array = np.arange(6, dtype=np.float32).reshape(2, 3)
     body = array.tobytes()
     for header, error in (
@@ -120,6 +121,9 @@ def test_headers_numpy_would_not_write_go_to_numpy() -> None:
         ("{'descr':'<f4','fortran_order':False,'shape':(2,3)}", None),
         ("{'descr': '<f9', 'fortran_order': False, 'shape': (2, 3), }", "descr"),
         ("{'descr': '<f4', 'fortran_order': False, 'shape': (2, -3), }", "negative"),
+        ("{'descr': '<f4', 'fortran_order': False, 'shape': (02, 3), }", "Cannot parse"),
+        ("{'descr': '<f4', 'fortran_order': False, 'shape': (6), }", "shape is not valid"),
+        ("{'descr': '<f4', 'fortran_order': False, 'shape': (2, 3), }" + " " * 10000, "large"),
     ):
         padded = header.encode() + b" " * (63 - len(header)) + b"\n"
         data = b"\x93NUMPY\x01\x00" + len(padded).to_bytes(2, "little") + padded + body
