@@ -126,6 +126,46 @@ def limited_protocol(
     )
 
 
+class CoalescedWrites:
+    """A transport whose writes in one event-loop turn leave as one ``writelines`` (a
+    ``writev``, no copy): uvicorn writes an answer's head and body apart, two syscalls and two
+    TCP segments that wake the client twice. Everything else is the transport's own."""
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._parts: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        if not self._parts:
+            self._loop.call_soon(self._flush)
+        self._parts.append(data)
+
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
+
+    def abort(self) -> None:
+        self._parts.clear()
+        self._transport.abort()
+
+    def write_eof(self) -> None:
+        self._flush()
+        self._transport.write_eof()
+
+    def _flush(self) -> None:
+        parts, self._parts = self._parts, []
+        if not parts or self._transport.is_closing():
+            return
+        if len(parts) == 1:
+            self._transport.write(parts[0])
+        else:
+            self._transport.writelines(parts)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
 class LimitedHttp(HttpToolsProtocol):
     """uvicorn's httptools protocol with header-size, read-timeout and connection limits."""
 
@@ -143,7 +183,7 @@ class LimitedHttp(HttpToolsProtocol):
         self._timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        super().connection_made(CoalescedWrites(transport, self.loop))  # type: ignore[arg-type]
         if self._open_connections() > self.max_connections:
             self._refuse(503, "too many connections; retry shortly")
             return

@@ -17,7 +17,7 @@ from service.demo import demo_tokens
 from service.heads import HeadWeights, save_head
 from service.reference import log_softmax, logsumexp, top_k
 from tests.conftest import D_MODEL, VOCAB, reference_logits, write_tied_and_untied
-from tests.server import running_server
+from tests.server import running_server, server_process
 
 NPY = "application/x-npy"
 
@@ -280,3 +280,21 @@ def test_metrics_count_requests_by_model_version_and_outcome(client: httpx.Clien
     assert 'lmhead_model_loaded{model="untied",tied="false",version="2"} 1.0' in text
     assert "lmhead_inference_duration_seconds_bucket" in text
     assert 'lmhead_model_load_failures_total{model="broken"} 1.0' in text
+
+
+def test_an_answer_leaves_in_one_write(client: httpx.Client) -> None:
+    """Head and body go out in one syscall (uvicorn wrote them apart: two syscalls, two TCP
+    segments, a client woken twice per answer), counted by the kernel (``/proc/PID/io``):
+    per request that write and the inference thread's wake-up of the event loop."""
+    server = server_process(str(client.base_url))
+    body = {"hidden_states": _hidden(2).tolist(), "k": 3}
+    client.post("/v1/models/tied/topk", json=body).raise_for_status()  # warm
+    before = _write_calls(server.pid)
+    for _ in range(20):
+        client.post("/v1/models/tied/topk", json=body).raise_for_status()
+    assert 20 <= _write_calls(server.pid) - before <= 40  # it was 60
+
+
+def _write_calls(pid: int) -> int:
+    fields = dict(line.split(": ") for line in Path(f"/proc/{pid}/io").read_text().splitlines())
+    return int(fields["syscw"])
