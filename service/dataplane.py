@@ -386,5 +386,5 @@ class DataPlane(ControlAPI):
             projection.topk_logits,
             projection.logsumexp,
             projection.topk_logprobs if logprobs else None,
-            model.tokens(ids.reshape(-1, ids.shape[-1])) if tokens else None,
+            model.tokens(ids) if tokens else None,
         )

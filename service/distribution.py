@@ -361,7 +361,7 @@ def topk_result(
         values,
         lse,
         values - lse[..., None],
-        model.tokens(shaped.ids) if tokens else None,
+        model.tokens(ids) if tokens else None,
         shape.over,
         sampled,
     )

@@ -15,6 +15,7 @@ API-server processes for the same reason.
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
@@ -49,7 +50,9 @@ class LabelTable:
 
 
 class TokenStrings(Sequence[Row]):
-    """The strings of (rows, k) column ids, one list per row, looked up on first read.
+    """The strings of (..., k) column ids, one list per (flattened) row, looked up on first
+    read. ``ids`` may be the very array the answer's ids are (untrimmed heads): a frame then
+    carries it once.
 
     Reads like the list of lists it stands for (index, iterate, compare). Pickled outside the
     split's frames (Ray, a deep copy) it becomes that list of lists."""
@@ -65,7 +68,8 @@ class TokenStrings(Sequence[Row]):
         """One lookup in an object array and one ``tolist`` (a Python loop over the ids cost
         5x more on 64 x 10 ids)."""
         if self._rows is None:
-            self._rows = self.table.strings[self.ids].tolist()
+            flat = self.ids.reshape(-1, self.ids.shape[-1])
+            self._rows = self.table.strings[flat].tolist()
         return self._rows
 
     @overload
@@ -78,7 +82,7 @@ class TokenStrings(Sequence[Row]):
         return self.rows()[index]
 
     def __len__(self) -> int:
-        return int(self.ids.shape[0])
+        return math.prod(self.ids.shape[:-1])
 
     def __iter__(self) -> Iterator[Row]:
         return iter(self.rows())

@@ -243,8 +243,8 @@ class LoadedVersion:
         return await asyncio.get_running_loop().run_in_executor(self.executor, measure)
 
     def tokens(self, ids: npt.NDArray[np.int64]) -> TokenStrings | None:
-        """Token strings for (rows, k) column ids, a list per row, looked up when first read
-        (``service.labels``); None when the head has no labels."""
+        """Token strings for (..., k) column ids, a list per flattened row, looked up when
+        first read (``service.labels``); None when the head has no labels."""
         if self._label_table is None:
             return None
         return TokenStrings(self._label_table, ids)

@@ -32,9 +32,9 @@ def read_npy(data: bytes) -> npt.NDArray[Any]:
     The header must describe the data exactly: no negative dimension (numpy's parser takes
     ``(-1, 512)``, and ``frombuffer`` would then read whatever is there) and no byte missing
     or left over."""
-    header = _plain_header(data)
+    header = header_by_pattern(data)
     if header is None:
-        shape, fortran, dtype, start = _numpy_header(data)
+        shape, fortran, dtype, start = header_by_numpy(data)
     else:
         shape, fortran, dtype, start = header
     if dtype.hasobject:
@@ -51,7 +51,7 @@ def read_npy(data: bytes) -> npt.NDArray[Any]:
 Header = tuple[tuple[int, ...], bool, np.dtype[Any], int]  # shape, Fortran order, dtype, data
 
 
-def _plain_header(data: bytes) -> Header | None:
+def header_by_pattern(data: bytes) -> Header | None:
     """The header as ``np.save`` writes it (version 1.0, one simple dtype), or None."""
     if data[:8] != b"\x93NUMPY\x01\x00" or len(data) < 10:
         return None
@@ -71,7 +71,8 @@ def _plain_header(data: bytes) -> Header | None:
     return shape, fortran == b"True", dtype, start
 
 
-def _numpy_header(data: bytes) -> Header:
+def header_by_numpy(data: bytes) -> Header:
+    """The header as numpy's own parser reads it (``ValueError`` for what it refuses)."""
     stream = io.BytesIO(data)
     with _HEADERS:
         version = np.lib.format.read_magic(stream)

@@ -18,6 +18,7 @@ made normal requests fail. ``LimitedHttp`` adds, per connection:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import resource
 import socket
@@ -30,51 +31,39 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from service.allocator import settle_allocator
 from service.app import create_app
+from service.listeners import check_free, describe, listening_sockets
 from service.settings import Settings
 
 logger = logging.getLogger("lmhead")
 FD_MARGIN = 64  # descriptors for model files, the log, the event loop itself
+#: Writes held for the end of the event-loop turn, at most (an answer's head and a small body).
+COALESCE_BYTES = 64 * 1024
 
 
 def run(settings: Settings) -> None:
     """Serve ``create_app(settings)`` in this process until SIGINT/SIGTERM (graceful: requests
-    drain); ``lmhead serve`` with ``LMHEAD_WORKERS`` > 1 runs ``service.split.supervisor``."""
+    drain); ``lmhead serve`` with ``LMHEAD_WORKERS`` > 1 runs ``service.split.supervisor``.
+    The ports are taken before any model loads (``service.listeners``)."""
     _raise_descriptor_limit(settings.max_connections + FD_MARGIN)
     settle_allocator()
-    listener = bound_socket(settings.host, settings.port)  # before any model loads
+    sockets = listening_sockets(settings.host, settings.port)
+    if settings.grpc_port is not None:
+        check_free(settings.host, settings.grpc_port)
     config = uvicorn.Config(create_app(settings), **_options(settings))
-    uvicorn.Server(config).run(sockets=[listener])
-
-
-def bound_socket(host: str, port: int) -> socket.socket:
-    """A socket bound to ``host:port``, or ``SystemExit`` saying why not. Bound first, so a
-    host that does not resolve or a port in use fails at once, not after every model has
-    loaded (uvicorn binds after its start-up)."""
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )[0]
-        listener = socket.socket(family, kind, proto)
-    except OSError as error:
-        raise SystemExit(f"cannot serve on {host}:{port}: {error}") from None
-    try:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(address)
-    except OSError as error:
-        listener.close()
-        raise SystemExit(f"cannot serve on {host}:{port}: {error}") from None
-    return listener
+    logger.info("lmhead serving on %s", describe(sockets))
+    with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises Ctrl-C once drained
+        uvicorn.Server(config).run(sockets=sockets)
 
 
 def run_on(
-    app: FastAPI, settings: Settings, listener: socket.socket, shared: SharedConnections
+    app: FastAPI, settings: Settings, sockets: list[socket.socket], shared: SharedConnections
 ) -> None:
-    """Serve ``app`` on a socket already listening (a front process of ``LMHEAD_WORKERS``,
+    """Serve ``app`` on sockets already listening (a front process of ``LMHEAD_WORKERS``,
     whose port the fronts share), with the same limits as ``run``, the connection cap counted
     over every front."""
     _raise_descriptor_limit(settings.max_connections + FD_MARGIN)
     settle_allocator()
-    uvicorn.Server(uvicorn.Config(app, **_options(settings, shared))).run(sockets=[listener])
+    uvicorn.Server(uvicorn.Config(app, **_options(settings, shared))).run(sockets=sockets)
 
 
 class SharedConnections:
@@ -127,26 +116,32 @@ def limited_protocol(
 
 
 class CoalescedWrites:
-    """A transport whose writes in one event-loop turn leave as one ``writelines`` (a
-    ``writev``, no copy): uvicorn writes an answer's head and body apart, two syscalls and two
-    TCP segments that wake the client twice. Everything else is the transport's own."""
+    """A transport whose small writes in one event-loop turn leave together: uvicorn writes an
+    answer's head and body apart, two syscalls and two TCP segments that wake the client
+    twice. Pending bytes past ``COALESCE_BYTES`` go at once (a large body is not held back a
+    turn, nor copied: uvloop's ``writelines`` is one ``writev``; asyncio's joins the parts).
+    Everything else is the transport's own."""
 
     def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
         self._transport = transport
         self._loop = loop
         self._parts: list[bytes] = []
+        self._pending = 0
 
     def write(self, data: bytes) -> None:
         if not self._parts:
             self._loop.call_soon(self._flush)
         self._parts.append(data)
+        self._pending += len(data)
+        if self._pending > COALESCE_BYTES:
+            self._flush()
 
     def close(self) -> None:
         self._flush()
         self._transport.close()
 
     def abort(self) -> None:
-        self._parts.clear()
+        self._parts, self._pending = [], 0
         self._transport.abort()
 
     def write_eof(self) -> None:
@@ -154,7 +149,7 @@ class CoalescedWrites:
         self._transport.write_eof()
 
     def _flush(self) -> None:
-        parts, self._parts = self._parts, []
+        parts, self._parts, self._pending = self._parts, [], 0
         if not parts or self._transport.is_closing():
             return
         if len(parts) == 1:

@@ -47,5 +47,7 @@ def repository_path(text: str) -> Path:
     """A repository directory (created when missing; never an existing file)."""
     path = Path(text)
     if path.exists() and not path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text[:200]} is not a directory")
+        raise argparse.ArgumentTypeError(
+            f"{text[:200]} is not a directory (from --repository or LMHEAD_REPOSITORY)"
+        )
     return path

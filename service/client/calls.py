@@ -41,7 +41,8 @@ V2_ERRORS: dict[int, type[ServiceError]] = {
 class UnreadableAnswer(ServiceError):
     """A success status whose body is not what the call returns (a proxy's page, a cut-off
     body, another service on the port): raised like every other failed call, not as the
-    parser's ``ValueError`` or ``KeyError``."""
+    parser's ``ValueError`` or ``KeyError``. Its status is 502 (a bad answer from upstream,
+    as a gateway would say); the service's own status is in the message."""
 
     status = 502
     code = "unreadable_answer"
@@ -58,7 +59,7 @@ def unreadable(answer: httpx.Response) -> Iterator[None]:
             f"the {answer.status_code} answer to {request.method} {request.url.path} is not "
             f"what the call returns ({type(error).__name__}: {str(error)[:200]}); content-type "
             f"{answer.headers.get('content-type', 'none')!r}"
-        ) from None
+        ) from error
 
 
 def read_json(answer: httpx.Response, key: str | None = None) -> Any:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ctypes
 import signal
-import socket
 from collections.abc import MutableSequence
 
 from service.settings import Settings
@@ -21,24 +20,14 @@ def front_main(
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor turns Ctrl-C into SIGTERM
     become("lmhead-front")
     from service.app import create_app
+    from service.listeners import listening_sockets
     from service.server import SharedConnections, run_on
     from service.split.front import connected_plane
 
     app = create_app(settings, front=lambda: connected_plane(engine_socket, settings))
     shared = SharedConnections(connections, index)
-    run_on(app, settings, listener(settings.host, settings.port), shared)
-
-
-def listener(host: str, port: int) -> socket.socket:
-    """A listening socket on the shared port; the kernel spreads connections over the fronts."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
+    sockets = listening_sockets(settings.host, settings.port, reuse_port=True)
+    run_on(app, settings, sockets, shared)
 
 
 PR_SET_PDEATHSIG = 1

@@ -31,6 +31,7 @@ from types import FrameType
 
 from prometheus_client import multiprocess
 
+from service.listeners import check_free
 from service.settings import Settings
 
 logger = logging.getLogger("lmhead")
@@ -48,9 +49,9 @@ def supervise(settings: Settings) -> int:
         metrics_dir = runtime / "metrics"
         metrics_dir.mkdir()
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)  # inherited by every child
-        _check_free(settings.host, settings.port)
+        check_free(settings.host, settings.port)
         if settings.grpc_port is not None:
-            _check_free(settings.host, settings.grpc_port)
+            check_free(settings.host, settings.grpc_port)
         return Group(settings, str(runtime / "engine.sock")).run()
     finally:
         shutil.rmtree(runtime, ignore_errors=True)
@@ -191,14 +192,3 @@ def _terminate(processes: list[BaseProcess], grace_s: float) -> None:
             logger.error("%s did not stop within %.0f s; killing it", process.name, grace_s)
             process.kill()
             process.join()
-
-
-def _check_free(host: str, port: int) -> None:
-    """Fail at once on a port in use (fronts share theirs with SO_REUSEPORT, which would
-    otherwise quietly share it with another server of this user too)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        try:
-            probe.bind((host, port))
-        except OSError as error:
-            raise SystemExit(f"cannot serve on {host}:{port}: {error}") from None

@@ -566,6 +566,27 @@ def test_grpc_on_every_front(repository: Path) -> None:
         assert len(fronts) == 2
 
 
+def test_ctrl_c_stops_one_process_cleanly_and_it_said_where_it_served(repository: Path) -> None:
+    """SIGINT drains and exits 0 without a traceback (uvicorn re-raises the KeyboardInterrupt
+    it caught once the server is down), and the log named the address it listened on."""
+    port = free_port()
+    env = {**os.environ, "LMHEAD_WORKERS": "1", "LMHEAD_REPOSITORY": str(repository)}
+    command = [sys.executable, "-m", "service", "serve", "--port", str(port)]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        poll(lambda: _ready(f"http://127.0.0.1:{port}"), "ready", timeout_s=60)
+        process.send_signal(signal.SIGINT)
+        _, errors = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    log = errors.decode()
+    assert process.returncode == 0, log[-2000:]
+    assert "Traceback" not in log
+    assert f"lmhead serving on http://127.0.0.1:{port}" in log
+
+
 @pytest.mark.parametrize("workers", ["1", "2"])
 def test_a_port_in_use_is_refused_at_once(repository: Path, workers: str) -> None:
     """Fronts share their port with SO_REUSEPORT; the supervisor first checks nobody else

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from service.npyio import _numpy_header, _plain_header, read_npy, read_npz
+from service.npyio import header_by_numpy, header_by_pattern, read_npy, read_npz
 
 
 def _npy(array: np.ndarray) -> bytes:
@@ -103,10 +103,10 @@ def test_the_fast_header_reads_what_numpy_reads(array: np.ndarray) -> None:
     """``np.save``'s own headers take the pattern (structured dtypes fall to numpy); both
     give the same shape, order, dtype and data offset."""
     data = _npy(array)
-    fast = _plain_header(data)
+    fast = header_by_pattern(data)
     assert (fast is None) == (array.dtype.names is not None)
     if fast is not None:
-        assert fast == _numpy_header(data)
+        assert fast == header_by_numpy(data)
     np.testing.assert_array_equal(read_npy(data), array)
 
 
@@ -127,7 +127,7 @@ def test_headers_numpy_would_not_write_go_to_numpy() -> None:
     ):
         padded = header.encode() + b" " * (63 - len(header)) + b"\n"
         data = b"\x93NUMPY\x01\x00" + len(padded).to_bytes(2, "little") + padded + body
-        assert _plain_header(data) is None
+        assert header_by_pattern(data) is None
         if error is None:
             np.testing.assert_array_equal(read_npy(data), array)
         else:
