@@ -51,7 +51,7 @@ class Settings(PlaceSettings):
     )
 
     host: str = "127.0.0.1"
-    """Address to bind; use 0.0.0.0 in a container."""
+    """Address to bind (all it resolves to; empty: every interface); 0.0.0.0 in a container."""
     grpc_port: int | None = Field(default=None, ge=0, le=65535)
     """Also serve the V2 protocol over gRPC on this port (the image uses 8001); off if unset."""
     workers: int = Field(default=1, ge=1, le=64)
