@@ -5,8 +5,8 @@ host that does not resolve failed minutes late. So the server binds and listens 
 hands the sockets to uvicorn. They are made as asyncio's ``create_server`` makes them (what
 ``uvicorn.run`` did): one per address the host resolves to (``localhost`` may be IPv4 and
 IPv6), IPv6 ones v6-only, ``""`` for every interface. The fronts of ``LMHEAD_WORKERS`` add
-``SO_REUSEPORT`` (the kernel spreads connections over them); the supervisor's check that a
-port is free is the same call without it, its sockets closed at once.
+``SO_REUSEPORT`` (the kernel spreads connections over them); the supervisor checks that a
+port is free with the same call without it, then holds the port for them (``reserve``).
 """
 
 from __future__ import annotations
@@ -21,6 +21,22 @@ def listening_sockets(host: str, port: int, *, reuse_port: bool = False) -> list
 
     Listening, not only bound: two sockets with ``SO_REUSEADDR`` may both bind one port while
     neither listens, so only ``listen`` proves the port is this process's."""
+    return _sockets(host, port, reuse_addr=True, reuse_port=reuse_port, listen=True)
+
+
+def reserve(host: str, port: int) -> list[socket.socket]:
+    """Hold ``host:port`` for this service's fronts until they listen (and while they are
+    restarted): bound with ``SO_REUSEPORT`` alone and never listening, so no connection comes
+    to it and only this user's ``SO_REUSEPORT`` sockets may bind beside it. Another service's
+    check (``check_free``) and any plain socket now fail, where checking and letting go left
+    the port to whoever came next in the seconds before the fronts bound it (two services
+    started a second apart shared one port). Port 0 becomes the port it got."""
+    return _sockets(host, port, reuse_addr=False, reuse_port=True, listen=False)
+
+
+def _sockets(
+    host: str, port: int, *, reuse_addr: bool, reuse_port: bool, listen: bool
+) -> list[socket.socket]:
     try:
         addresses = socket.getaddrinfo(
             host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
@@ -32,13 +48,16 @@ def listening_sockets(host: str, port: int, *, reuse_port: bool = False) -> list
         for family, kind, proto, _, address in dict.fromkeys(addresses):
             listener = socket.socket(family, kind, proto)
             sockets.append(listener)
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, int(reuse_addr))
             if reuse_port:
                 listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             if family == socket.AF_INET6:
                 listener.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            if port == 0 and len(sockets) > 1:  # every address on the port the first got
+                address = (address[0], sockets[0].getsockname()[1], *address[2:])
             listener.bind(address)
-            listener.listen(BACKLOG)
+            if listen:
+                listener.listen(BACKLOG)
     except OSError as error:
         for listener in sockets:
             listener.close()

@@ -145,6 +145,8 @@ class Settings(PlaceSettings):
                 f"max_queue_rows ({self.max_queue_rows}) must be >= max_rows ({self.max_rows}): "
                 "a request of max_rows rows must fit in a model's queue"
             )
+        if self.grpc_port is not None and self.grpc_port == self.port != 0:
+            raise ValueError(f"grpc_port and port are both {self.port}: give gRPC its own port")
         if self.admin_api_writable and self.admin_token is None and not self.loopback:
             raise ValueError(
                 f"host {self.host} exposes the repository load/unload API without a token: "

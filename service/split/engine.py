@@ -40,7 +40,7 @@ from service.split.channel import (
     FrameProtocol,
     arena_bytes,
 )
-from service.split.processes import become
+from service.split.processes import become, ignore_ctrl_c
 
 logger = logging.getLogger("lmhead")
 #: Calls counted in ``lmhead_requests_in_flight`` (metadata and control calls are not).
@@ -224,7 +224,7 @@ def _check_peer(connection: socket.socket) -> None:
 
 def engine_main(settings: Settings, path: str, listening: Event) -> None:
     """The engine process's entry (spawned by the supervisor); runs until SIGTERM."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every process: the
+    ignore_ctrl_c()  # Ctrl-C reaches every process: the
     # supervisor stops the fronts first, then this one, so no front loses its engine early
     become("lmhead-engine")
     logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s engine %(message)s")

@@ -17,7 +17,7 @@ def front_main(
     """Spawned by the supervisor; SIGTERM drains this front's requests, then it exits.
     ``connections[index]`` is this front's count of open connections (see
     ``SharedConnections``)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor turns Ctrl-C into SIGTERM
+    ignore_ctrl_c()  # the supervisor turns Ctrl-C into SIGTERM
     become("lmhead-front")
     from service.app import create_app
     from service.listeners import listening_sockets
@@ -28,6 +28,12 @@ def front_main(
     shared = SharedConnections(connections, index)
     sockets = listening_sockets(settings.host, settings.port, reuse_port=True)
     run_on(app, settings, sockets, shared)
+
+
+def ignore_ctrl_c() -> None:
+    """Ignore SIGINT, then let through the one the supervisor's start held back (dropped)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 PR_SET_PDEATHSIG = 1

@@ -31,7 +31,7 @@ from types import FrameType
 
 from prometheus_client import multiprocess
 
-from service.listeners import check_free
+from service.listeners import check_free, reserve
 from service.settings import Settings
 
 logger = logging.getLogger("lmhead")
@@ -44,16 +44,26 @@ MAX_BACKOFF_S = 5.0
 def supervise(settings: Settings) -> int:
     """Run the processes until SIGTERM/SIGINT; the exit status of the service."""
     logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s %(message)s")
+    logging.getLogger("lmhead").setLevel(settings.log_level.upper())  # `lmhead serve` set up
+    # logging already (its level WARNING), so basicConfig alone left INFO unsaid
+    held: list[socket.socket] = []
     runtime = Path(tempfile.mkdtemp(prefix="lmhead-"))
     try:
         metrics_dir = runtime / "metrics"
         metrics_dir.mkdir()
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)  # inherited by every child
-        check_free(settings.host, settings.port)
-        if settings.grpc_port is not None:
-            check_free(settings.host, settings.grpc_port)
+        ports = {"port": settings.port, "grpc_port": settings.grpc_port}
+        for name, port in ports.items():
+            if port is not None:
+                check_free(settings.host, port)
+                holding = _hold(settings.host, port)
+                held += holding
+                ports[name] = holding[0].getsockname()[1] if holding else port  # 0: what it got
+        settings = settings.model_copy(update=ports)
         return Group(settings, str(runtime / "engine.sock")).run()
     finally:
+        for sock in held:
+            sock.close()
         shutil.rmtree(runtime, ignore_errors=True)
 
 
@@ -80,11 +90,11 @@ class Group:
         signal.set_wakeup_fd(self._wake_w.fileno())
         try:
             if not self._start_engine():
-                return 1
+                return 0 if self._stopping else 1  # a stop asked for while starting
             for index in range(self._settings.workers):
                 self._start_front(index)
             logger.info(
-                "serving on %s:%d with %d front processes and one engine",
+                "lmhead serving on %s:%d with %d front processes and one engine",
                 self._settings.host,
                 self._settings.port,
                 self._settings.workers,
@@ -106,7 +116,7 @@ class Group:
             args=(self._settings, self._path, listening),
             name="lmhead-engine",
         )
-        engine.start()
+        _start_shielded(engine)
         self._engine, self._started[None] = engine, time.monotonic()
         deadline = time.monotonic() + ENGINE_LISTEN_S
         while not listening.wait(0.1):  # the engine's own event; its death is checked too
@@ -123,7 +133,7 @@ class Group:
             args=(self._settings, self._path, self._connections, index),
             name=f"lmhead-front-{index}",
         )
-        front.start()
+        _start_shielded(front)
         self._fronts[index], self._started[index] = front, time.monotonic()
 
     def _watch(self) -> None:
@@ -192,3 +202,26 @@ def _terminate(processes: list[BaseProcess], grace_s: float) -> None:
             logger.error("%s did not stop within %.0f s; killing it", process.name, grace_s)
             process.kill()
             process.join()
+
+
+def _hold(host: str, port: int) -> list[socket.socket]:
+    """``reserve``, or nothing (with a warning) where the kernel refuses it: an earlier server
+    without ``SO_REUSEPORT`` on this port leaves connections in TIME_WAIT that only
+    ``SO_REUSEADDR`` binds beside (the fronts still can; the port is then unguarded)."""
+    try:
+        return reserve(host, port)
+    except SystemExit as refused:
+        logger.warning("%s; the fronts bind it without a hold", refused)
+        return []
+
+
+def _start_shielded(process: BaseProcess) -> None:
+    """Start ``process`` with Ctrl-C blocked: a child inherits the mask, so a Ctrl-C sent to
+    the whole group while it starts waits until it ignores Ctrl-C (``processes.ignore_ctrl_c``)
+    and is dropped, instead of ending in a ``KeyboardInterrupt`` traceback from deep in its
+    bootstrap. The supervisor's own Ctrl-C waits those few milliseconds too."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        process.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})

@@ -566,16 +566,18 @@ def test_grpc_on_every_front(repository: Path) -> None:
         assert len(fronts) == 2
 
 
-def test_ctrl_c_stops_one_process_cleanly_and_it_said_where_it_served(repository: Path) -> None:
-    """SIGINT drains and exits 0 without a traceback (uvicorn re-raises the KeyboardInterrupt
-    it caught once the server is down), and the log named the address it listened on."""
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
+def test_one_process_stops_cleanly_and_said_where_it_served(repository: Path, stop: int) -> None:
+    """Ctrl-C and SIGTERM drain and exit 0 without a traceback (uvicorn raises the signal
+    again once down: a KeyboardInterrupt traceback, and death by SIGTERM where the split
+    service exits 0), and the log named the address it listened on."""
     port = free_port()
     env = {**os.environ, "LMHEAD_WORKERS": "1", "LMHEAD_REPOSITORY": str(repository)}
     command = [sys.executable, "-m", "service", "serve", "--port", str(port)]
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         poll(lambda: _ready(f"http://127.0.0.1:{port}"), "ready", timeout_s=60)
-        process.send_signal(signal.SIGINT)
+        process.send_signal(stop)
         _, errors = process.communicate(timeout=60)
     finally:
         if process.poll() is None:
@@ -585,6 +587,64 @@ def test_ctrl_c_stops_one_process_cleanly_and_it_said_where_it_served(repository
     assert process.returncode == 0, log[-2000:]
     assert "Traceback" not in log
     assert f"lmhead serving on http://127.0.0.1:{port}" in log
+
+
+def test_split_service_on_port_0_shares_one_port_and_says_which(repository: Path) -> None:
+    """The supervisor takes the port (0: the kernel picks) and hands that one to every front
+    (each front used to pick its own); its log says where it serves."""
+    env = {**os.environ, "LMHEAD_WORKERS": "2", "LMHEAD_REPOSITORY": str(repository)}
+    command = [sys.executable, "-m", "service", "serve", "--port", "0"]
+    process = subprocess.Popen(
+        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    lines: list[str] = []
+    assert process.stderr is not None
+    reader = threading.Thread(target=lambda: lines.extend(process.stderr or []), daemon=True)
+    reader.start()
+    try:
+        line = poll(lambda: _serving_line(lines), "the serving line", timeout_s=60)
+        port = int(line.split("127.0.0.1:")[1].split()[0])
+        url = f"http://127.0.0.1:{port}"
+        poll(lambda: _ready(url), "ready", timeout_s=60)
+        supervisor = psutil.Process(process.pid)
+
+        def listening() -> list[int] | None:
+            fronts = [p for p in supervisor.children() if p.name() == "lmhead-front"]
+            sockets = [c for f in fronts for c in f.net_connections("tcp")]
+            found = [c.laddr.port for c in sockets if c.status == "LISTEN"]
+            return found if len(found) == 2 else None
+
+        assert poll(listening, "both fronts listening") == [port, port]
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+        reader.join(timeout=60)
+        process.stderr.close()
+
+
+def _serving_line(lines: list[str]) -> str | None:
+    return next((line for line in lines if "lmhead serving on" in line), None)
+
+
+def test_ctrl_c_while_the_split_service_starts_is_a_clean_stop(repository: Path) -> None:
+    """Ctrl-C to the whole group while the engine is being spawned: exit 0, no traceback
+    (the child got it inside its bootstrap, and the supervisor called that a failed start)."""
+    env = {**os.environ, "LMHEAD_WORKERS": "2", "LMHEAD_REPOSITORY": str(repository)}
+    command = [sys.executable, "-m", "service", "serve", "--port", str(free_port())]
+    process = subprocess.Popen(
+        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        supervisor = psutil.Process(process.pid)
+        poll(lambda: supervisor.children() or None, "the engine's spawn", timeout_s=60)
+        os.killpg(process.pid, signal.SIGINT)  # as a terminal sends Ctrl-C
+        _, errors = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 0, errors.decode()[-2000:]
+    assert "Traceback" not in errors.decode()
 
 
 @pytest.mark.parametrize("workers", ["1", "2"])

@@ -138,6 +138,8 @@ def test_settings_fail_fast_on_inconsistent_values(tmp_path: Path) -> None:
         Settings(max_queue_rows=8, max_rows=16)  # a 16-row request would get 503 forever
     with pytest.raises(ValidationError, match="keep_alive_s"):
         Settings(keep_alive_s=float("inf"))
+    with pytest.raises(ValidationError, match="grpc_port and port are both 8000"):
+        Settings(port=8000, grpc_port=8000)  # the fronts took both on one port: gRPC unreachable
     a_file = tmp_path / "a-file"
     a_file.write_text("")
     with pytest.raises(ValidationError, match="is not a writable directory"):

@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from service.listeners import describe, listening_sockets
+from service.listeners import check_free, describe, listening_sockets, reserve
 from service.server import COALESCE_BYTES, CoalescedWrites
 
 
@@ -116,3 +116,26 @@ def _read(sock: socket.socket, limit: int) -> bytes:
             break
         data += chunk
     return data
+
+
+def test_a_held_port_takes_only_this_services_fronts() -> None:
+    """``reserve`` (the supervisor's hold, from its check until it exits): another service's
+    check and a plain socket are refused, no connection is accepted by the hold itself, and
+    the fronts (``SO_REUSEPORT``) listen beside it. Checking and letting go, two services
+    started a second apart shared one port."""
+    (held,) = reserve("127.0.0.1", 0)
+    port = held.getsockname()[1]
+    with held:
+        with pytest.raises(SystemExit, match="in use"):
+            check_free("127.0.0.1", port)
+        with socket.socket() as plain, pytest.raises(OSError, match="in use"):
+            plain.bind(("127.0.0.1", port))
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        fronts = [listening_sockets("127.0.0.1", port, reuse_port=True)[0] for _ in range(2)]
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=5):
+                assert any(_listening(front) for front in fronts)
+        finally:
+            for front in fronts:
+                front.close()
