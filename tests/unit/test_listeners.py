@@ -58,11 +58,7 @@ def test_writes_of_one_turn_leave_together_in_order_and_close_flushes() -> None:
     abort drops it, and a write after close goes nowhere (no error)."""
 
     async def scenario() -> None:
-        loop = asyncio.get_running_loop()
-        ours, theirs = socket.socketpair()
-        theirs.settimeout(10)
-        transport, _ = await loop.connect_accepted_socket(asyncio.Protocol, ours)
-        writes = CoalescedWrites(transport, loop)
+        writes, theirs = await _coalesced()
         writes.write(b"head ")
         writes.write(b"body")
         assert _pending(theirs) == b""  # still this turn
@@ -82,17 +78,22 @@ def test_writes_of_one_turn_leave_together_in_order_and_close_flushes() -> None:
 
 def test_abort_drops_what_is_pending() -> None:
     async def scenario() -> None:
-        loop = asyncio.get_running_loop()
-        ours, theirs = socket.socketpair()
-        theirs.settimeout(10)
-        transport, _ = await loop.connect_accepted_socket(asyncio.Protocol, ours)
-        writes = CoalescedWrites(transport, loop)
+        writes, theirs = await _coalesced()
         writes.write(b"never")
         writes.abort()
         assert await asyncio.to_thread(_read, theirs, 100) == b""
         theirs.close()
 
     asyncio.run(scenario())
+
+
+async def _coalesced() -> tuple[CoalescedWrites, socket.socket]:
+    """A real transport on one end of a socket pair, wrapped; the other end to read."""
+    loop = asyncio.get_running_loop()
+    ours, theirs = socket.socketpair()
+    theirs.settimeout(10)
+    transport, _ = await loop.connect_accepted_socket(asyncio.Protocol, ours)
+    return CoalescedWrites(transport, loop), theirs
 
 
 def _pending(sock: socket.socket) -> bytes:
