@@ -15,18 +15,37 @@ import onnxruntime as ort
 
 from service.demo import write_demo_models
 
+#: The widest vector instructions a CPU offers, best first (``/proc/cpuinfo`` flags): MLAS
+#: picks its kernels by them, and quantized heads' speed follows (one "AMD EPYC" VM measured
+#: int8 at 64 rows 1.26x slower than fp32 with AVX2 alone, 1.64x faster with AVX-512 VNNI).
+VECTOR_ISAS = (
+    ("amx_int8", "AMX"),
+    ("avx512_vnni", "AVX-512 VNNI"),
+    ("avx512f", "AVX-512"),
+    ("avx_vnni", "AVX-VNNI"),
+    ("avx2", "AVX2"),
+    ("asimd", "NEON"),
+)
+
 
 def describe_machine() -> str:
     cpu = platform.processor() or platform.machine()
     cpuinfo = Path("/proc/cpuinfo")
     lines = cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []
-    for line in lines:
-        if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    cpu = names[0] if names else cpu
+    flags = next(
+        (
+            set(line.split(":", 1)[1].split())
+            for line in lines
+            if line.startswith(("flags", "Features"))
+        ),
+        set(),
+    )
+    isa = next((name for flag, name in VECTOR_ISAS if flag in flags), None)
     return (
-        f"Machine: {cpu}, {os.cpu_count()} cores; onnxruntime {ort.__version__}, "
-        f"numpy {np.__version__}."
+        f"Machine: {cpu}{f' ({isa})' if isa else ''}, {os.cpu_count()} cores; "
+        f"onnxruntime {ort.__version__}, numpy {np.__version__}."
     )
 
 
