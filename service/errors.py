@@ -100,14 +100,27 @@ class InferenceFailed(ServiceError):
     code = "inference_failed"
 
 
+#: Client-given names an error message lists at most (each cut to ``NAME_CHARS``).
+LISTED_NAMES = 5
+NAME_CHARS = 64
+
+
+def few(names: list[Any]) -> str:
+    """Names the client sent (unknown keys), listed briefly: never the payload back."""
+    listed = ", ".join(repr(str(name)[:NAME_CHARS]) for name in names[:LISTED_NAMES])
+    more = len(names) - LISTED_NAMES
+    return listed + (f" and {more} more" if more > 0 else "")
+
+
 def describe_validation_errors(errors: Any) -> str:
-    """pydantic errors as ``field: message`` lines, without the offending input values."""
+    """pydantic errors as ``field: message`` lines, without the offending input values; at
+    most ``LISTED_NAMES`` of them (each error's location can be a client's key)."""
     parts = []
-    for error in errors:
-        # Field names can come from the client (unknown keys): name them, but never at length.
-        location = ".".join(str(part)[:64] for part in error.get("loc", ()) if part != "body")
+    for error in errors[:LISTED_NAMES]:
+        location = ".".join(str(p)[:NAME_CHARS] for p in error.get("loc", ()) if p != "body")
         parts.append(f"{location or 'body'}: {error.get('msg', 'invalid')}")
-    return "; ".join(parts)
+    more = len(errors) - LISTED_NAMES
+    return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
 
 
 class InvalidModelName(ServiceError):

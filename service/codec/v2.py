@@ -39,6 +39,7 @@ from service.codec.wire import (
 )
 from service.digits import decimal
 from service.errors import InvalidInput, MalformedBody
+from service.limits import charge_json
 from service.messages import HeadInfo, InferRequest, InferResult, Target
 
 HEADER_LENGTH = "inference-header-content-length"
@@ -75,6 +76,7 @@ async def encode_http(result: InferResult, plan: OutputPlan) -> Response:
 def decode(body: bytes, header_length: str | None, to: Target) -> tuple[InferRequest, OutputPlan]:
     """Split header and binary part, read inputs, parameters and requested outputs."""
     header_bytes, binary = _split(body, header_length)
+    charge_json(header_bytes)
     try:
         header = orjson.loads(header_bytes)
     except orjson.JSONDecodeError as error:

@@ -14,7 +14,7 @@ import numpy.typing as npt
 import orjson
 
 from service.codec.wire import int_array
-from service.errors import InvalidInput
+from service.errors import InvalidInput, few
 from service.messages import SampleOptions, TopKResult, VocabularyOptions
 
 SAMPLED_OUTPUTS = ("sampled_token_ids", "sampled_logprobs")
@@ -63,9 +63,9 @@ def _structured(parameters: dict[str, Any], name: str, kind: type) -> Any:
 
 
 def _sample(values: dict[str, Any]) -> SampleOptions:
-    unknown = set(values) - set(SAMPLE_KEYS)
+    unknown = [key for key in values if key not in SAMPLE_KEYS]
     if unknown:
-        raise InvalidInput(f"parameter sample takes {list(SAMPLE_KEYS)}, not {sorted(unknown)}")
+        raise InvalidInput(f"parameter sample takes {list(SAMPLE_KEYS)}, not {few(unknown)}")
     for key, value in values.items():
         integral = key in ("top_k", "seed")
         valid = isinstance(value, int) if integral else isinstance(value, int | float)

@@ -106,7 +106,7 @@ def test_memory_stays_within_the_documented_bound_under_hostile_load(
         "max_logits_bytes": str(2**20),
         "max_rows": "16000",
         "max_body_bytes": str(16 * 2**20),
-        "max_inflight_bytes": str(32 * 2**20),
+        "max_inflight_bytes": str(64 * 2**20),  # one body's decoding is charged ~42 MB
         "provider": "cpu",  # host memory is what is measured
     }
     big_body = orjson.dumps({"hidden_states": _rows(16000, seed=3).tolist(), "k": 3})
@@ -139,6 +139,27 @@ def test_memory_stays_within_the_documented_bound_under_hostile_load(
     bound = worst_case_extra_bytes(Settings(**settings))  # type: ignore[arg-type]
     print(f"\npeak - loaded: {(peak - models_loaded) / 2**20:.0f} MB, bound {bound / 2**20:.0f} MB")
     assert peak - models_loaded <= bound
+
+
+def test_json_that_decodes_past_the_budget_is_413_before_decoding(url: str) -> None:
+    """``[[0],[0],...]``: 4 bytes of JSON per Python list, ~30x its bytes once decoded (63 MiB
+    took +2 GB). Charged by its commas and brackets before decoding, it is refused whole;
+    the same rows as ``.npy`` are served."""
+    rows = 900_000  # 3.6 MB, under the 4 MiB body limit; ~108 MB decoded, the budget is 8
+    body = b'{"hidden_states":[' + b"[0]," * (rows - 1) + b"[0]]}"
+    server = server_process(url)
+    before = server.memory_info().rss
+    answer = httpx.post(
+        f"{url}/v1/models/tied/topk", content=body, headers={"content-type": "application/json"}
+    )
+    assert answer.status_code == 413
+    message = answer.json()["error"]["message"]
+    assert "LMHEAD_MAX_INFLIGHT_BYTES" in message
+    assert ".npy" in message
+    assert server.memory_info().rss - before < 50 * 2**20
+    assert httpx.post(
+        f"{url}/v1/models/tied/topk", json={"hidden_states": _rows(2).tolist()}
+    ).is_success
 
 
 def _exchange(url: str, raw: bytes, timeout: float = 10.0) -> tuple[int, bytes, bool]:
