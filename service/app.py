@@ -81,6 +81,7 @@ def create_app(
         version=__version__,
         summary="Serve language-model heads, tied and untied.",
         lifespan=lifespan,
+        redirect_slashes=False,  # a 307 to the client's Host for a trailing slash: a 404 here
     )
     app.state.settings = settings
     app.state.metrics = metrics
@@ -125,6 +126,8 @@ class LMHeadApp(FastAPI):
         if scope["type"] != "http":
             await super().__call__(scope, receive, send)
             return
+        if scope["method"] == "HEAD":  # a GET whose body the server drops (RFC 9110 9.3.2)
+            scope = {**scope, "method": "GET"}
         scope["app"] = self
         started = perf_counter()
         route = self._raw_route(scope)

@@ -141,7 +141,8 @@ class Batcher:
         if count > self._limits.max_queue_rows:  # would never fit: retrying cannot help
             raise PayloadTooLarge(
                 f"{count} rows are more than {self._label}'s queue holds "
-                f"({self._limits.max_queue_rows} rows); send at most that many per request"
+                f"({self._limits.max_queue_rows} rows, LMHEAD_MAX_QUEUE_ROWS); send at most "
+                "that many per request"
             )
         if self._queued_rows + count > self._limits.max_queue_rows:
             self._on_reject()

@@ -77,7 +77,8 @@ class Limits:
             )
         if rows > self.max_rows:
             raise PayloadTooLarge(
-                f"{field} has {rows} rows; the limit is {self.max_rows} per request"
+                f"{field} has {rows} rows; the limit is {self.max_rows} per request "
+                "(LMHEAD_MAX_ROWS)"
             )
         hidden = np.ascontiguousarray(array, dtype=np.float32)
         if not np.isfinite(hidden).all():
@@ -96,7 +97,8 @@ class Limits:
             raise InvalidInput(f"{field} is empty; send at least one token id")
         if ids.size > self.max_rows:
             raise PayloadTooLarge(
-                f"{field} has {ids.size} ids; the limit is {self.max_rows} per request"
+                f"{field} has {ids.size} ids; the limit is {self.max_rows} per request "
+                "(LMHEAD_MAX_ROWS)"
             )
         low, high = int(ids.min()), int(ids.max())
         if low < 0 or high >= vocab_size:
@@ -109,13 +111,17 @@ class Limits:
         """The request's k (or sample.top_k), or the model's default, within [1, max_k]."""
         k = default if requested is None else requested
         if not 1 <= k <= self.max_k:
-            raise InvalidInput(f"{field} must be between 1 and {self.max_k} (max_k), got {k}")
+            raise InvalidInput(
+                f"{field} must be between 1 and {self.max_k} (LMHEAD_MAX_K), got {k}"
+            )
         return k
 
     def logit_bias(self, entries: int) -> None:
         """Biased tokens widen the top-k run by as many: at most ``max_k`` of them."""
         if entries > self.max_k:
-            raise InvalidInput(f"logit_bias has {entries} entries; at most {self.max_k} (max_k)")
+            raise InvalidInput(
+                f"logit_bias has {entries} entries; at most {self.max_k} (LMHEAD_MAX_K)"
+            )
 
     @staticmethod
     def bias(value: float) -> float:

@@ -231,6 +231,7 @@ class Registry:
 
     def record(self, name: str) -> ModelRecord:
         if name not in self._records:
+            _check_name(name)  # 400, as on the inference routes
             raise ModelNotFound(f"model {name[:64]!r} not found")
         return self._records[name]
 

@@ -9,6 +9,11 @@ made normal requests fail. ``LimitedHttp`` adds, per connection:
 * a head not complete within ``header_timeout_s`` of its first byte (or of the connection,
   for the first request) -> 408 and close; a body that stalls for ``body_timeout_s`` -> 408;
 * more than ``max_pipelined`` requests read ahead of their answers -> 503 and close;
+* a request httptools cannot parse -> a JSON 400 once the requests before it are answered
+  (uvicorn wrote a text 400 at once: read as an earlier request's answer, which was lost);
+  a transfer coding other than ``chunked`` -> 501; an HTTP/1.1 request without exactly one
+  ``Host`` -> 400 (RFC 9112 3.2); an answer given without asking for a body the client holds
+  back for ``100 Continue`` closes the connection (its next request would be read as the body);
 * connections beyond ``max_connections`` -> 503 at once and close (uvicorn's own
   ``limit_concurrency`` answers only once a request arrives, holding the descriptor); with
   ``LMHEAD_WORKERS`` > 1 the cap holds for all fronts together (``SharedConnections``).
@@ -28,6 +33,8 @@ from collections.abc import MutableSequence
 from types import FrameType
 from typing import Any
 
+import httptools
+import orjson
 import uvicorn
 from fastapi import FastAPI
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -41,6 +48,8 @@ logger = logging.getLogger("lmhead")
 FD_MARGIN = 64  # descriptors for model files, the log, the event loop itself
 #: Writes held for the end of the event-loop turn, at most (an answer's head and a small body).
 COALESCE_BYTES = 64 * 1024
+HEAD_LATE = "the request head did not arrive in time (LMHEAD_HEADER_TIMEOUT_S)"
+BODY_STALLED = "the request body stalled (LMHEAD_BODY_TIMEOUT_S)"
 
 
 def run(settings: Settings) -> None:
@@ -189,14 +198,17 @@ class LimitedHttp(HttpToolsProtocol):
         self._head_bytes = 0
         self._in_body = False
         self._refused: tuple[int, str] | None = None
+        self._pending: tuple[int, str] | None = None  # a refusal waiting for earlier answers
+        self._running: Any = None  # the request cycle whose app runs (uvicorn's is the last)
+        self._expecting: Any = None  # a cycle whose client waits for 100 Continue
         self._timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(CoalescedWrites(transport, self.loop))  # type: ignore[arg-type]
         if self._open_connections() > self.max_connections:
-            self._refuse(503, "too many connections; retry shortly")
+            self._refuse(503, "too many connections (LMHEAD_MAX_CONNECTIONS); retry shortly")
             return
-        self._arm(self.header_timeout_s, "the request head did not arrive in time")
+        self._arm(self.header_timeout_s, HEAD_LATE)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
@@ -209,16 +221,35 @@ class LimitedHttp(HttpToolsProtocol):
         return mine if self.shared is None else self.shared.publish(mine)
 
     def data_received(self, data: bytes) -> None:
-        if self.transport.is_closing():
+        """uvicorn's, but a parse error keeps its reason and waits for earlier answers, and an
+        ``Upgrade`` (WebSocket is off, h2c unsupported) is served as HTTP/1.1 without logging
+        two warnings per request."""
+        if self.transport.is_closing() or self._pending is not None:
             return
-        super().data_received(data)
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            pass
+        except httptools.HttpParserError as error:
+            self._refuse(400, f"malformed HTTP request: {str(error)[:100]}")
+            return
         if self._refused is not None and not self.transport.is_closing():
             self._refuse(*self._refused)
+
+    @property
+    def _stopped(self) -> bool:
+        """A refusal is decided: requests parsed after it (same read) are not served."""
+        return self._refused is not None or self._pending is not None
+
+    def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+        self._running = cycle
+        super()._start_asgi_task(cycle, app)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._head_bytes, self._in_body = 0, False
-        self._arm(self.header_timeout_s, "the request head did not arrive in time")
+        self._arm(self.header_timeout_s, HEAD_LATE)
 
     def on_url(self, url: bytes) -> None:
         self._count(len(url))
@@ -226,39 +257,60 @@ class LimitedHttp(HttpToolsProtocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._count(len(name) + len(value) + 4)
-        if self._refused is None:
-            super().on_header(name, value)
-
-    def on_headers_complete(self) -> None:
         if self._refused is not None:
             return
+        if name.lower() == b"transfer-encoding" and value.strip().lower() != b"chunked":
+            self._refused = (501, "only the chunked transfer coding is supported")
+            return
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        if self._refused is None and self.parser.get_http_version() == "1.1":
+            hosts = sum(name == b"host" for name, _ in self.headers)
+            if hosts != 1:
+                self._refused = (400, f"an HTTP/1.1 request needs one Host header, got {hosts}")
+        if self._stopped:
+            return
         super().on_headers_complete()
+        if self.expect_100_continue:
+            self._expecting = self.cycle
         if len(self.pipeline) > self.max_pipelined:
             self._refuse(503, f"more than {self.max_pipelined} pipelined requests waiting")
             return
         self._in_body = True
-        self._arm(self.body_timeout_s, "the request body stalled")
+        self._arm(self.body_timeout_s, BODY_STALLED)
 
     def on_body(self, body: bytes) -> None:
-        if self._refused is not None:
+        if self._stopped:
             return
         super().on_body(body)
-        self._arm(self.body_timeout_s, "the request body stalled")
+        self._arm(self.body_timeout_s, BODY_STALLED)
 
     def on_message_complete(self) -> None:
-        if self._refused is not None:
+        if self._stopped:
             return
         self._disarm()
         self._in_body = False
         super().on_message_complete()
 
     def on_response_complete(self) -> None:
+        answered = self._running
+        if answered is not None and answered is self._expecting and answered.more_body:
+            # Answered without asking for the body (a 413, a 404): the client never sends it,
+            # and its next request would be read as this one's body.
+            self.transport.close()
+            return
         super().on_response_complete()  # arms uvicorn's keep-alive timeout for idle time
+        if self._pending is not None and not self.pipeline and self._running.response_complete:
+            self._answer(*self._pending)
 
     def _count(self, nbytes: int) -> None:
         self._head_bytes += nbytes
         if self._head_bytes > self.max_header_bytes and self._refused is None:
-            self._refused = (431, f"request headers over {self.max_header_bytes} bytes")
+            self._refused = (
+                431,
+                f"request headers over {self.max_header_bytes} bytes (LMHEAD_MAX_HEADER_BYTES)",
+            )
 
     def _arm(self, seconds: float, reason: str) -> None:
         self._disarm()
@@ -270,36 +322,42 @@ class LimitedHttp(HttpToolsProtocol):
             self._timer = None
 
     def _refuse(self, status: int, reason: str) -> None:
-        """Answer ``status`` with a JSON error and close; an app already running sees a
-        disconnect (its answer, if any, goes nowhere). Only the request being read is
-        answered so: behind an unanswered one, the connection closes without a status."""
+        """Answer ``status`` with a JSON error and close, once every request read before this
+        one is answered: a status line sooner is read as an earlier request's answer, which
+        was lost. The refused request's own cycle, if its head was read, is dropped (its app,
+        if running, sees a disconnect); nothing more is read."""
         self._disarm()
-        if self.transport.is_closing():
+        if self.transport.is_closing() or self._pending is not None:
             return
-        cycle = self.cycle
-        earlier = cycle is not None and not cycle.response_complete
-        if earlier and (cycle.response_started or not self._in_body):
-            # An earlier request is unanswered (or its answer is on its way): a status line now
-            # would be read as its answer. Close; the client retries what it sent.
-            self.transport.close()
-            return
-        body = b'{"error":{"code":"%s","message":"%s"}}' % (
-            _CODES[status].encode(),
-            reason.encode(),
+        refused = self.cycle if self._in_body else None
+        self.pipeline = type(self.pipeline)(
+            (cycle, app) for cycle, app in self.pipeline if cycle is not refused
         )
+        running = self._running
+        earlier = running is not None and running is not refused
+        if self.pipeline or (earlier and not running.response_complete):
+            self._pending = (status, reason)
+            return
+        self._answer(status, reason)
+
+    def _answer(self, status: int, reason: str) -> None:
+        """A JSON error of this layer's own, and close."""
+        code, phrase = _ERRORS[status]
+        body = orjson.dumps({"error": {"code": code, "message": reason}})
         head = (
             b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-            b"connection: close\r\n\r\n" % (status, _REASONS[status].encode(), len(body))
+            b"connection: close\r\n\r\n" % (status, phrase.encode(), len(body))
         )
         self.transport.write(head + body)
         self.transport.close()
 
 
-_CODES = {408: "request_timeout", 431: "headers_too_large", 503: "too_many_connections"}
-_REASONS = {
-    408: "Request Timeout",
-    431: "Request Header Fields Too Large",
-    503: "Service Unavailable",
+_ERRORS = {
+    400: ("malformed_request", "Bad Request"),
+    408: ("request_timeout", "Request Timeout"),
+    431: ("headers_too_large", "Request Header Fields Too Large"),
+    501: ("not_implemented", "Not Implemented"),
+    503: ("too_many_connections", "Service Unavailable"),
 }
 
 

@@ -87,7 +87,10 @@ async def read_body(request: Request, limit: int) -> bytes:
     declared = header(request, b"content-length")
     size = None if declared is None else decimal(declared)
     if size is not None and size > limit:
-        raise PayloadTooLarge(f"request body is {size} bytes; the limit is {limit}")
+        raise PayloadTooLarge(
+            f"request body is {size} bytes; the limit is {limit} (LMHEAD_MAX_BODY_BYTES)",
+            headers={"Connection": "close"},  # the body is not read: say so (RFC 9110 10.1.1)
+        )
     chunks, size = [], 0
     while True:  # the ASGI messages themselves: Request.stream() costs more for one chunk
         message = await request.receive()
@@ -96,7 +99,10 @@ async def read_body(request: Request, limit: int) -> bytes:
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
-            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+            raise PayloadTooLarge(
+                f"request body exceeds the limit of {limit} bytes (LMHEAD_MAX_BODY_BYTES)",
+                headers={"Connection": "close"},
+            )
         charge(len(chunk) * BODY_EXPANSION)  # 503 when the requests in flight hold too much
         chunks.append(chunk)
         if not message.get("more_body", False):

@@ -390,7 +390,7 @@ def test_errors_name_field_expected_and_actual(client: httpx.Client) -> None:
         f"hidden_states rows must have d_model={D_MODEL} values, got 3"
     )
     too_big = client.post("/v1/models/tied/topk", json={"hidden_states": _rows(1), "k": 51}).json()
-    assert too_big["error"]["message"] == "k must be between 1 and 50 (max_k), got 51"
+    assert too_big["error"]["message"] == "k must be between 1 and 50 (LMHEAD_MAX_K), got 51"
     unknown = client.post("/v1/models/tied/topk", json={"hidden_states": _rows(1), "kk": 2})
     assert unknown.json()["error"]["message"].startswith("unknown field 'kk'; the options here are")
     long_key = {"hidden_states": _rows(1), "y" * 5000: 1}
@@ -399,7 +399,10 @@ def test_errors_name_field_expected_and_actual(client: httpx.Client) -> None:
     assert "y" * 65 not in refused
     assert len(refused) < 300
     many = client.post("/v1/models/tied/topk", json={"hidden_states": _rows(65)}).json()
-    assert many["error"]["message"] == "hidden_states has 65 rows; the limit is 64 per request"
+    assert (
+        many["error"]["message"]
+        == "hidden_states has 65 rows; the limit is 64 per request (LMHEAD_MAX_ROWS)"
+    )
 
 
 def test_many_unknown_fields_get_a_short_answer(client: httpx.Client) -> None:

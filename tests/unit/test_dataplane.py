@@ -146,9 +146,9 @@ def test_k_defaults_to_the_model_and_is_bounded(repository: Path) -> None:
         widths = [(await plane.topk(TopKRequest(TIED, _hidden(1)))).token_ids.shape[-1]]
         widths.append((await plane.topk(TopKRequest(UNTIED, _hidden(1)))).token_ids.shape[-1])
         for k in (0, 51):
-            with pytest.raises(InvalidInput, match=r"k must be between 1 and 50 \(max_k\)"):
+            with pytest.raises(InvalidInput, match=r"k must be between 1 and 50 \(LMHEAD_MAX_K\)"):
                 await plane.topk(TopKRequest(TIED, _hidden(1), k=k))
-        with pytest.raises(InvalidInput, match="max_k"):
+        with pytest.raises(InvalidInput, match="LMHEAD_MAX_K"):
             await plane.infer(InferRequest(TIED, _hidden(1), k=51))
         return widths
 
