@@ -13,7 +13,6 @@ from pathlib import Path
 
 import numpy as np
 
-from service.heads import HeadWeights, save_head
 from service.repository import LABELS_FILE
 
 TIED_NAME = "demo-tied"
@@ -31,6 +30,8 @@ class DemoSpec:
 
 def write_demo_models(repository: str | Path, spec: DemoSpec = DemoSpec()) -> list[Path]:
     """Write ``demo-tied/1`` and ``demo-untied/1`` under ``repository``; return their dirs."""
+    from service.heads import HeadWeights, save_head  # onnx: not for the CLI's every start
+
     rng = np.random.default_rng(spec.seed)
     scale = np.float32(spec.d_model**-0.5)
     table = rng.standard_normal((spec.vocab_size, spec.d_model), dtype=np.float32) * scale

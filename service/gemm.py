@@ -9,13 +9,13 @@ threads are told not to spin (as every head's session is), so a product costs on
 from __future__ import annotations
 
 from functools import cache
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
-import onnxruntime as ort
-from onnx import TensorProto, helper
 
-from service.graph import IR_VERSION, OPSET
+if TYPE_CHECKING:
+    import onnxruntime as ort
 
 
 def matmul_transposed(
@@ -35,6 +35,13 @@ def matmul_transposed(
 
 @cache
 def _session() -> ort.InferenceSession:
+    # Imported here: the repository reaches this module, and a front process (which holds
+    # no head) would otherwise map onnxruntime and onnx (~40 MB resident each front).
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from service.graph import IR_VERSION, OPSET
+
     rows = helper.make_tensor_value_info("a", TensorProto.FLOAT, ["m", "d"])
     columns = helper.make_tensor_value_info("b", TensorProto.FLOAT, ["n", "d"])
     out = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["m", "n"])

@@ -22,13 +22,16 @@ rows of W and which graph outputs to fetch. Three facts keep it exact without a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
 
 from service.errors import InvalidInput
 from service.gemm import matmul_transposed
-from service.rows import RowSource
+
+if TYPE_CHECKING:  # onnx stays out of the processes that only name the type (the fronts)
+    from service.rows import RowSource
 
 Floats = npt.NDArray[np.float32]
 Ids = npt.NDArray[np.int64]

@@ -113,6 +113,14 @@ def running_server(repository: Path, **settings: str) -> Iterator[str]:
 
 
 @contextmanager
+def running_script(repository: Path, **settings: str) -> Iterator[str]:
+    """``running_server`` started as users start it: the ``lmhead`` console script (whose
+    imports multiprocessing's spawn runs again in every child; ``-m service`` is exempt)."""
+    with _serving(repository, None, settings, script=True) as (url, _):
+        yield url
+
+
+@contextmanager
 def running_server_on(port: int, repository: Path) -> Iterator[str]:
     """``running_server`` on a port chosen beforehand (for clients started before it)."""
     with _serving(repository, None, {}, port=port) as (url, _):
@@ -140,12 +148,18 @@ def _serving(
     settings: dict[str, str],
     probe: str = "/health/ready",
     port: int | None = None,
+    script: bool = False,
 ) -> Iterator[tuple[str, Callable[[], str]]]:
     port = port or free_port()
     env = {**os.environ, **{f"LMHEAD_{key.upper()}": value for key, value in settings.items()}}
     if source is not None:
         env["PYTHONPATH"] = str(source)
-    command = [sys.executable, "-m", "service", "serve", "--repository", str(repository)]
+    entry = (
+        [str(Path(sys.executable).with_name("lmhead"))]
+        if script
+        else [sys.executable, "-m", "service"]
+    )
+    command = [*entry, "serve", "--repository", str(repository)]
     with tempfile.TemporaryFile(mode="a+b") as log:  # appends: reading never races writes
         process = subprocess.Popen(
             [*command, "--host", "127.0.0.1", "--port", str(port)],

@@ -11,32 +11,33 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from importlib import import_module
 from pathlib import Path
 
 from pydantic import ValidationError
 
 from service import __version__
-from service.checkpoints import CheckpointError
-from service.cli import commands
 from service.cli.errors import CommandError, model_name, non_negative, positive, repository_path
 from service.demo import DemoSpec
 from service.errors import describe_validation_errors
-from service.inspect import HeadInspectionError
 from service.quantize import DEFAULT_BLOCK_SIZE
 from service.settings import PlaceSettings, Settings
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Commands (and onnx, onnxruntime, safetensors) are imported once one is chosen: every
+    front process of ``LMHEAD_WORKERS`` imports this module again (multiprocessing's spawn
+    runs the ``lmhead`` script), and a front holds no head."""
     try:
         parser = _parser(_place())
         args = parser.parse_args(argv)
         if args.command is None:
             parser.print_help()
             return 0
-        return int(args.handler(args))
-    except (HeadInspectionError, CheckpointError, CommandError) as error:
+        return int(getattr(import_module("service.cli.commands"), args.handler)(args))
+    except CommandError as error:
         print(f"lmhead: {error}", file=sys.stderr)
-        return 1 if isinstance(error, CommandError) else 2
+        return 1
     except ValidationError as error:
         print(
             f"lmhead: invalid settings: {describe_validation_errors(error.errors())}",
@@ -47,11 +48,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except Exception as error:  # anything else: one line, the traceback only when asked
+        if isinstance(error, _reported()):
+            print(f"lmhead: {error}", file=sys.stderr)
+            return 2
         if os.environ.get("LMHEAD_DEBUG"):
             raise
         where = "(LMHEAD_DEBUG=1 shows where)"
         print(f"lmhead: {type(error).__name__}: {error} {where}", file=sys.stderr)
         return 1
+
+
+def _reported() -> tuple[type[Exception], ...]:
+    """Errors whose message is the whole story (a head or checkpoint that cannot be read)."""
+    from service.checkpoints import CheckpointError
+    from service.inspect import HeadInspectionError
+
+    return (HeadInspectionError, CheckpointError)
 
 
 def _place() -> PlaceSettings:
@@ -116,7 +128,7 @@ def _parser(place: PlaceSettings) -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=non_negative, default=DemoSpec.seed)
     demo.add_argument("--force", action="store_true", help="rewrite models that exist")
     dtype(demo)
-    demo.set_defaults(handler=commands.demo)
+    demo.set_defaults(handler="demo")
 
     serve = subcommands.add_parser(
         "serve",
@@ -144,7 +156,7 @@ def _parser(place: PlaceSettings) -> argparse.ArgumentParser:
         default=0,
         help="with --ray: load models on request, at most this many per replica (multiplexing)",
     )
-    serve.set_defaults(handler=commands.serve)
+    serve.set_defaults(handler="serve")
 
     importer = subcommands.add_parser("import", help="make a head from a HF safetensors checkpoint")
     importer.add_argument("checkpoint", type=Path, help="directory with config.json, *.safetensors")
@@ -159,7 +171,7 @@ def _parser(place: PlaceSettings) -> argparse.ArgumentParser:
     importer.add_argument("--external-data", action="store_true", help="weights in model.onnx.data")
     dtype(importer)
     quantization(importer, required=False)
-    importer.set_defaults(handler=commands.import_head)
+    importer.set_defaults(handler="import_head")
 
     quantize = subcommands.add_parser(
         "quantize", help="write a block-quantized copy of a head as a new version"
@@ -169,7 +181,7 @@ def _parser(place: PlaceSettings) -> argparse.ArgumentParser:
     quantize.add_argument("--version", type=positive, help="version to read (default: the newest)")
     quantize.add_argument("--to-version", type=positive, help="default: the next free version")
     quantization(quantize, required=True)
-    quantize.set_defaults(handler=commands.quantize)
+    quantize.set_defaults(handler="quantize")
 
     trimming = subcommands.add_parser(
         "trim", help="write a head that keeps only some tokens (answers in original ids)"
@@ -180,7 +192,7 @@ def _parser(place: PlaceSettings) -> argparse.ArgumentParser:
     repository(trimming)
     trimming.add_argument("--version", type=positive, help="version to read (default: the newest)")
     trimming.add_argument("--to-version", type=positive, help="default: the next free version")
-    trimming.set_defaults(handler=commands.trim)
+    trimming.set_defaults(handler="trim")
 
     versus = subcommands.add_parser(
         "compare", help="contrast two served heads on your hidden states"
@@ -193,21 +205,21 @@ def _parser(place: PlaceSettings) -> argparse.ArgumentParser:
     url(versus)
     repository(versus)
     versus.add_argument("--json", action="store_true")
-    versus.set_defaults(handler=commands.compare)
+    versus.set_defaults(handler="compare")
 
     repair = subcommands.add_parser("retie", help="repair a duplicated tied weight")
     repair.add_argument("path", type=Path, help="model.onnx or a version directory")
     where = repair.add_mutually_exclusive_group()
     where.add_argument("-o", "--output", type=Path, help="write the repaired model here")
     where.add_argument("--in-place", action="store_true", help="rewrite the model itself")
-    repair.set_defaults(handler=commands.retie_head)
+    repair.set_defaults(handler="retie_head")
 
     health = subcommands.add_parser("health", help="exit 0 when the service is ready")
     url(health)
-    health.set_defaults(handler=commands.health)
+    health.set_defaults(handler="health")
 
     inspect = subcommands.add_parser("inspect", help="report how an ONNX head's weights are wired")
     inspect.add_argument("path", type=Path, help="model.onnx or a version directory")
     inspect.add_argument("--json", action="store_true", help="print one JSON object")
-    inspect.set_defaults(handler=commands.inspect)
+    inspect.set_defaults(handler="inspect")
     return parser

@@ -33,7 +33,14 @@ from service.errors import ServiceError
 from service.heads import HeadWeights, save_head
 from service.reference import log_softmax, top_k
 from tests.conftest import D_MODEL, VOCAB, reference_logits
-from tests.server import free_port, live_server, poll, running_server, server_process
+from tests.server import (
+    free_port,
+    live_server,
+    poll,
+    running_script,
+    running_server,
+    server_process,
+)
 
 HIDDEN = np.random.default_rng(20).standard_normal((5, D_MODEL)).astype(np.float32)
 RTOL, ATOL = 1e-4, 1e-4
@@ -135,6 +142,21 @@ def test_two_fronts_one_engine_holding_the_heads(two: str, repository: Path) -> 
     for front in processes.fronts:
         assert len(memfds(front, "lmhead-answers")) == 1
     assert metric(two, "lmhead_model_loads_total", model="tied", outcome="published") == 1
+
+
+def test_fronts_of_the_lmhead_script_load_no_onnxruntime(repository: Path) -> None:
+    """multiprocessing's spawn runs the ``lmhead`` script again in each front (``python -m
+    service`` is exempt): its imports had every front map onnxruntime and onnx (front RSS
+    ~99 MB)."""
+    with running_script(repository, workers="2") as url:
+        _all_fronts_connected(url, 2)
+        processes = tree(url)
+        check_answers(url, repository)
+        assert maps_onnxruntime(processes.engine)
+        for front in processes.fronts:
+            maps = Path(f"/proc/{front.pid}/maps").read_text()
+            assert "onnxruntime" not in maps
+            assert "onnx_cpp2py_export" not in maps
 
 
 def test_v2_binary_over_two_fronts(two: str, repository: Path) -> None:
