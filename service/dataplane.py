@@ -23,6 +23,7 @@ import math
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -114,9 +115,10 @@ class DataPlane(ControlAPI):
             k = self._limits.k(request.k, model.default_k)
             temperature = self._limits.temperature(request.temperature)
             if request.vocabulary is not None:
-                return await self._shaped(
+                shaped = await self._shaped(
                     model, hidden, k, temperature, request.vocabulary, request.tokens
                 )
+                return shaped if request.logprobs else replace(shaped, logprobs=None)
             projection = await self._project(model, hidden, k, temperature, full_logits=False)
             return self._topk_result(model, projection, request.logprobs, request.tokens)
 

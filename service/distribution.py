@@ -341,7 +341,7 @@ async def _off_loop(model: LoadedVersion, function: Callable[..., Floats], *args
 def topk_result(
     model: LoadedVersion, leading: tuple[int, ...], shaped: Shaped, shape: Shape, tokens: bool
 ) -> TopKResult:
-    """The answer, leading dims as sent; log-probs always (they are what the options change)."""
+    """The answer, leading dims as sent (with log-probs; the data plane drops them unless asked)."""
     values, ids = shaped.values.reshape(*leading, -1), shaped.ids.reshape(*leading, -1)
     lse = shaped.lse.reshape(leading)
     sampled = None

@@ -72,6 +72,20 @@ def test_allowed_tokens_with_vocabulary_logprobs_and_per_row_lists(
         np.testing.assert_allclose(result["logprobs"], full[row, ids[order]], rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.parametrize(
+    "options",
+    [{"logit_bias": {"5": 3.0}}, {"allowed_token_ids": ALLOWED}, {"sample": {"seed": 1}}],
+)
+def test_options_answer_log_probs_only_when_asked(url: str, options: dict[str, Any]) -> None:
+    """The options' answers carried log-probs whatever ``logprobs`` said (false is the
+    default, as without options)."""
+    for asked in (None, False):
+        body = options if asked is None else {**options, "logprobs": asked}
+        assert all("logprobs" not in result for result in _topk(url, "tied", **body)["results"])
+    asked = _topk(url, "tied", logprobs=True, **options)["results"]
+    assert all(len(result["logprobs"]) == len(result["token_ids"]) for result in asked)
+
+
 def test_logit_bias_and_bans_reshape_the_whole_distribution(url: str, repository: Path) -> None:
     logits = _logits(repository, "tied")
     best = int(np.argmax(logits[0]))
@@ -256,7 +270,9 @@ def test_bad_options_are_422_with_a_reason(url: str, body: dict[str, Any], messa
 
 def test_banned_tokens_among_the_allowed_are_never_listed(url: str, repository: Path) -> None:
     """k is cut to the allowed tokens left once the banned are out, never padded with them."""
-    answer = _topk(url, "tied", allowed_token_ids=ALLOWED, banned_token_ids=[900, 3], k=5)
+    answer = _topk(
+        url, "tied", allowed_token_ids=ALLOWED, banned_token_ids=[900, 3], k=5, logprobs=True
+    )
     kept = [5, 17, 250]
     logits = _logits(repository, "tied")[:, kept]
     for row, result in enumerate(answer["results"]):
