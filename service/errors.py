@@ -148,9 +148,10 @@ class Forbidden(ServiceError):
 
 
 class ModelLoadFailed(ServiceError):
-    """500, on the load endpoint only: the new version failed; the old one keeps serving."""
+    """400, on the load endpoint only: the model on disk could not be loaded (the reason says
+    why); the old version keeps serving. Triton answers a failed load with 400 too."""
 
-    status = 500
+    status = 400
     code = "model_load_failed"
 
 

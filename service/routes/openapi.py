@@ -54,7 +54,8 @@ PATH_PARAMETERS: dict[str, dict[str, Any]] = {
     },
 }
 ERROR_REASONS = {
-    400: "Malformed body (not JSON, not .npy), or a bad V2 request",
+    400: "Malformed body (not JSON, not .npy), a bad V2 request, or (load endpoint) a model "
+    "on disk that failed to load; the old version keeps serving",
     401: "The admin token is missing or wrong",
     403: "The repository API is disabled (read-only, or control mode none)",
     404: "Unknown model or version",
@@ -62,7 +63,6 @@ ERROR_REASONS = {
     413: "Body, rows or full-logits bytes over a configured limit",
     415: "A Content-Type this endpoint does not read",
     422: "A value is wrong: shape, dtype, range, NaN, unknown field",
-    500: "Loading the model failed (load endpoint only); the old version keeps serving",
     503: "Model loading or failed, or its queue is full (Retry-After)",
 }
 INFERENCE_ERRORS = (400, 404, 406, 413, 415, 422, 503)

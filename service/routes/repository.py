@@ -37,8 +37,8 @@ async def _authorized(request: Request) -> None:
 
 router = APIRouter(tags=["repository"], dependencies=[Depends(_authorized)])
 #: V2 paths answer the protocol's error shape, with 400 for every bad request.
-NATIVE_ERRORS = errors(401, 403, 404, 422, 500)
-V2_ERRORS = errors(400, 401, 403, 404, 500, v2=True)
+NATIVE_ERRORS = errors(400, 401, 403, 404, 422)
+V2_ERRORS = errors(400, 401, 403, 404, v2=True)
 
 
 class LoadRequest(BaseModel):

@@ -88,13 +88,13 @@ def test_a_failed_load_keeps_the_old_version_serving(
     make(version_dir, table)
     try:
         response = admin.post("/v1/repository/models/head/load")
-        assert response.status_code == 500
+        assert response.status_code == 400
         error = response.json()["error"]
         assert error["code"] == "model_load_failed"
         assert reason in error["message"]
         assert "keeps serving" in error["message"]
         v2 = admin.post("/v2/repository/models/head/load")  # Triton's error shape on /v2
-        assert v2.status_code == 500
+        assert v2.status_code == 400
         assert reason in v2.json()["error"]
         rows = {row["version"]: row for row in admin.post("/v2/repository/index").json()}
         assert rows["1"]["state"] == "READY"
@@ -194,7 +194,7 @@ def test_a_symlink_out_of_the_repository_is_refused(
     os.symlink(tmp_path / "outside", repository / "evil")
     try:
         response = admin.post("/v2/repository/models/evil/load")
-        assert response.status_code == 500
+        assert response.status_code == 400
         assert "outside the repository" in response.json()["error"]
         assert (
             admin.post(

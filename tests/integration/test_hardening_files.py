@@ -228,7 +228,7 @@ def test_a_bad_directory_beside_the_served_version_never_rolls_it_back(
         shutil.copytree(root / "m" / "2", root / "m" / "02")
         reload = client.post("/v2/repository/models/m/load")
         model = client.get("/v1/models/m").json()
-    assert reload.status_code == 500  # a load that changed nothing, as for a broken version
+    assert reload.status_code == 400  # a load that changed nothing, as for a broken version
     assert "previous version keeps serving" in reload.json()["error"]
     assert (model["served_version"], model["versions"]) == (2, [2])
     assert "are all version 2" in model["failed_versions"]["2"]
