@@ -82,12 +82,18 @@ ray-test: $(RAY_VENV)/.installed
 docker-test: install
 	bash .ci/docker
 
+## Every CPU results file the README quotes (~1 h on 2 cores); Ray Serve's needs the ray venv
+## (`$(RAY_VENV)/bin/python -m bench.rayserve`), the GPU's a GPU (`python -m bench.gpu`).
 bench: install
-	$(BIN)/python -m bench.heads --output bench/results-heads.md
+	$(BIN)/python -m bench.heads --serve --output bench/results-heads.md
 	$(BIN)/python -m bench.serve --output bench/results-serve.md
 	$(BIN)/python -m bench.swap --large --output bench/results-swap.md
 	$(BIN)/python -m bench.shadow --output bench/results-shadow.md
 	$(BIN)/python -m bench.protocols --output bench/results-protocols.md
+	$(BIN)/python -m bench.vocabulary --output bench/results-vocabulary.md
+	$(BIN)/python -m bench.client --output bench/results-client.md
+	$(BIN)/python -m bench.workers --output bench/results-workers.md
+	$(BIN)/python -m bench.soak --output bench/results-soak.md
 	$(BIN)/python -m bench.import_head
 
 clean:

@@ -192,7 +192,8 @@ class MemoryBudget:
     materialises a (rows x vocab) tensor. Past the capacity the request gets 503 with
     Retry-After, never a memory spike: RSS stays under models + capacity + the per-run terms
     that README "Limits and safety" adds up. One request is always admitted, whatever its size
-    (the other limits bound it).
+    (the other limits bound it), except a JSON body whose decoding alone would pass the
+    capacity (``charge_json``: 413).
     """
 
     def __init__(self, capacity: int) -> None:

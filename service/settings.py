@@ -96,12 +96,13 @@ class Settings(PlaceSettings):
     provider: ProviderChoice = "auto"
     """Execution provider: auto (CUDA when present, else CPU), cuda (falls back to CPU), cpu."""
     cuda_tf32: bool = False
-    """CUDA: TensorFloat-32 matmuls for float32 heads (~1.8x faster at 64 rows, logits off by
-    ~1e-3); off, float32 means float32. For speed, serve a half-precision head instead."""
+    """CUDA: TensorFloat-32 matmuls for float32 heads (1.38x faster at 64 rows on an H200,
+    logits off by ~1e-3); off, float32 means float32. For speed, serve a half-precision head."""
     scratch_dir: Path | None = None
     """Where a version is copied while it loads (default: the system's temp directory)."""
     create_demo_models: bool = False
-    """Write the demo heads at start when the repository has no models (the image sets it)."""
+    """Write the demo heads at start when the repository has no models, unless
+    LMHEAD_MODEL_NAME is set or LMHEAD_LOAD_AT_START is false (the image sets it)."""
     load_at_start: bool = True
     """false: start with no model loaded; each loads when asked (control API, Ray Serve)."""
     shadow_max_pending: int = Field(default=8, ge=1)
@@ -170,7 +171,8 @@ def settings_table() -> str:
         default = field.default
         shown = default.as_posix() if isinstance(default, Path) else default
         shown = "unset" if default is None else shown
-        lines.append(f"| `LMHEAD_{name.upper()}` | `{shown}` | {field.description} |")
+        meaning = " ".join((field.description or "").split())  # a row is one line of markdown
+        lines.append(f"| `LMHEAD_{name.upper()}` | `{shown}` | {meaning} |")
     return "\n".join(lines)
 
 
