@@ -119,7 +119,7 @@ class LoadedVersion:
     def info(self) -> HeadInfo:
         """Who answered, as results carry it (computed once: a version never changes)."""
         report = self.report
-        block_size = report.quantization["block_size"] if report.quantization else None
+        quantization = report.quantization or {}
         return HeadInfo(
             self.name,
             self.version,
@@ -127,7 +127,8 @@ class LoadedVersion:
             report.vocab_size,
             report.d_model,
             report.dtype,
-            block_size,
+            quantization.get("block_size"),
+            bool(quantization.get("table")),
         )
 
     @property

@@ -40,6 +40,8 @@ class HeadInfo:
     dtype: str
     block_size: int | None = None
     """Values per scale of a block-quantized head (``dtype`` int8 or int4)."""
+    table_quantized: bool = False
+    """The embedding table is block-quantized too (a tied quantized head's one tensor)."""
 
 
 @dataclass(frozen=True)

@@ -171,8 +171,14 @@ def model_metadata(head: HeadInfo, versions: list[int]) -> dict[str, Any]:
             {"name": "sampled_logprobs", "datatype": "FP32", "shape": [-1]},
         ],
         "parameters": {"tied": head.tied, "version": head.version, "dtype": head.dtype}
-        | ({"block_size": head.block_size} if head.block_size else {}),
+        | (_quantization(head) if head.block_size else {}),
     }
+
+
+def _quantization(head: HeadInfo) -> dict[str, Any]:
+    """A block-quantized head's layout, as ``/v1/models`` gives it (``tied``: one tensor)."""
+    bits = int(head.dtype.removeprefix("int"))
+    return {"bits": bits, "block_size": head.block_size, "table_quantized": head.table_quantized}
 
 
 def _split(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:

@@ -113,6 +113,9 @@ def test_metadata_reports_the_quantization_on_both_protocols(url: str) -> None:
     v2 = httpx.get(f"{url}/v2/models/head/versions/2").json()
     assert v2["parameters"]["dtype"] == "int8"
     assert v2["parameters"]["block_size"] == 128
+    assert v2["parameters"]["bits"] == native["quantization"]["bits"]
+    assert v2["parameters"]["table_quantized"] is native["quantization"]["table"]
+    assert v2["parameters"]["tied"] is native["quantization"]["shared"]
     plain = httpx.get(f"{url}/v2/models/head/versions/1").json()
     assert "block_size" not in plain["parameters"]
 
