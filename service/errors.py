@@ -112,13 +112,16 @@ def few(names: list[Any]) -> str:
     return listed + (f" and {more} more" if more > 0 else "")
 
 
-def describe_validation_errors(errors: Any) -> str:
+def describe_validation_errors(errors: Any, whole: str = "body") -> str:
     """pydantic errors as ``field: message`` lines, without the offending input values; at
-    most ``LISTED_NAMES`` of them (each error's location can be a client's key)."""
+    most ``LISTED_NAMES`` of them (each error's location can be a client's key). An error of
+    the whole object is named ``whole`` (nothing when empty)."""
     parts = []
     for error in errors[:LISTED_NAMES]:
         location = ".".join(str(p)[:NAME_CHARS] for p in error.get("loc", ()) if p != "body")
-        parts.append(f"{location or 'body'}: {error.get('msg', 'invalid')}")
+        where = location or whole
+        message = str(error.get("msg", "invalid")).removeprefix("Value error, ")
+        parts.append(f"{where}: {message}" if where else message)
     more = len(errors) - LISTED_NAMES
     return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
 

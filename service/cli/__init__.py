@@ -40,7 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except ValidationError as error:
         print(
-            f"lmhead: invalid settings: {describe_validation_errors(error.errors())}",
+            f"lmhead: invalid settings: {describe_validation_errors(_as_variables(error), '')}",
             file=sys.stderr,
         )
         return 2
@@ -56,6 +56,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         where = "(LMHEAD_DEBUG=1 shows where)"
         print(f"lmhead: {type(error).__name__}: {error} {where}", file=sys.stderr)
         return 1
+
+
+def _as_variables(error: ValidationError) -> list[dict[str, object]]:
+    """Settings' errors located by their environment variables (``port`` -> ``LMHEAD_PORT``)."""
+    return [
+        {**item, "loc": tuple(f"LMHEAD_{str(part).upper()}" for part in item["loc"])}
+        for item in error.errors()
+    ]
 
 
 def _reported() -> tuple[type[Exception], ...]:
