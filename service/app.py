@@ -40,6 +40,8 @@ from service.settings import Settings
 
 logger = logging.getLogger("lmhead")
 MATCH_CACHE_SIZE = 4096
+#: Longer paths are matched each time (a model name has at most 128 characters).
+MATCH_CACHE_PATH_CHARS = 256
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client gone before the answer (metrics only)
 
 
@@ -179,9 +181,10 @@ class LMHeadApp(FastAPI):
         known = self._matched.get(path)
         if known is None:
             known = self._match(scope)
-            if len(self._matched) >= MATCH_CACHE_SIZE:
-                self._matched.clear()
-            self._matched[path] = known
+            if len(path) <= MATCH_CACHE_PATH_CHARS:  # 4096 paths of 32 KB names held 265 MB
+                if len(self._matched) >= MATCH_CACHE_SIZE:
+                    self._matched.clear()
+                self._matched[path] = known
         route, child = known
         if route is not None:
             scope.update(child)

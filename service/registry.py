@@ -177,6 +177,8 @@ class Registry:
     async def unload(self, name: str) -> ModelRecord:
         """Stop serving ``name``; returns once its versions are drained and released."""
         _check_name(name)
+        if name not in self._records:  # before a lock is made for it: names are the client's
+            raise ModelNotFound(f"model {name!r} is not loaded")
         async with self._locks.setdefault(name, asyncio.Lock()):
             previous = self._records.get(name)
             if previous is None:

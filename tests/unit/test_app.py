@@ -224,3 +224,31 @@ def test_a_repository_that_is_a_file_is_refused_from_the_environment_too(
         main(["demo", "--vocab-size", "64", "--d-model", "8", "--repository", str(tmp_path)]) == 0
     )
     assert (tmp_path / "demo-tied" / "1" / "model.onnx").is_file()
+
+
+def test_client_chosen_names_are_not_kept(repository: Path) -> None:
+    """A probe held 265 MB with 4096 POSTs to 32 KB paths (the route-match cache kept each),
+    and unloads of unknown names each left a lock behind."""
+
+    async def scenario() -> tuple[int, int, int]:
+        app = create_app(Settings(repository=repository, admin_token="t"))
+        async with serving(app) as client:
+            long_name = "a" * 20000
+            body = {"hidden_states": [[0.0] * D_MODEL]}
+            answer = await client.post(f"/v1/models/{long_name}/topk", json=body)
+            unloads = [
+                await client.post(
+                    f"/v2/repository/models/ghost{i}/unload",
+                    headers={"authorization": "Bearer t"},
+                )
+                for i in range(20)
+            ]
+            registry = app.state.registry
+            assert {u.status_code for u in unloads} == {404}
+            cached = sum(len(path) > 256 for path in app._matched)  # type: ignore[attr-defined]
+            return answer.status_code, cached, len(registry._locks)
+
+    status, cached, locks = asyncio.run(scenario())
+    assert status == 400  # the name is refused, and not remembered
+    assert cached == 0
+    assert locks <= 3  # the repository's own models
