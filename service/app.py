@@ -232,4 +232,7 @@ async def _serve_raw(route: APIRoute, scope: Scope, receive: Receive, send: Send
         except Exception as error:
             response = error_response(request, error)
         await response(scope, receive, send)
+        sent = scope.get("lmhead.sent")  # the answer left the server's buffer (or the
+        if sent is not None:  # client was dropped for reading none of it): memory is free
+            await sent()
     return response.status_code

@@ -76,7 +76,8 @@ class Settings(PlaceSettings):
     header_timeout_s: float = Field(default=10.0, gt=0)
     """A request head (or a new connection's first one) must arrive within this; else 408."""
     body_timeout_s: float = Field(default=30.0, gt=0)
-    """A request body may stall this long between two reads; then 408."""
+    """A request body must bring 1 KiB per this many seconds (else 408), and a client must
+    read some of its answer in this time (else it is dropped)."""
     keep_alive_s: float = Field(default=5.0, gt=0, allow_inf_nan=False)
     """An idle keep-alive connection is closed after this."""
     batching: bool = True

@@ -20,8 +20,9 @@ def front_main(
     ignore_ctrl_c()  # the supervisor turns Ctrl-C into SIGTERM
     become("lmhead-front")
     from service.app import create_app
+    from service.connection import SharedConnections
     from service.listeners import listening_sockets
-    from service.server import SharedConnections, run_on
+    from service.server import run_on
     from service.split.front import connected_plane
 
     app = create_app(settings, front=lambda: connected_plane(engine_socket, settings))

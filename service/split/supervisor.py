@@ -80,7 +80,7 @@ class Group:
         self._backoff: dict[int | None, float] = {}
         self._stopping = False
         self._wake_r, self._wake_w = socket.socketpair()
-        # Each front's open connections (``service.server.SharedConnections``).
+        # Each front's open connections (``service.connection.SharedConnections``).
         self._connections = self._spawn.RawArray("q", settings.workers)
 
     def run(self) -> int:

@@ -4,9 +4,12 @@ classes 2, 3 and 4): every limit answers with a clear 4xx/503 and nothing else s
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import re
+import select
 import socket
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,6 +28,7 @@ from tests.conftest import D_MODEL, VOCAB, reference_logits
 from tests.server import peak_resident, poll, running_server, server_process
 
 RUN_ROWS = 64
+NPY = {"content-type": "application/x-npy"}
 LOGITS_BYTES = RUN_ROWS * 2 * VOCAB * 4  # one run of 64 rows: logits and log-softmax
 LIMITS = {
     "max_logits_bytes": str(LOGITS_BYTES),
@@ -337,3 +341,70 @@ def test_http_framing_refusals_are_json_and_keep_no_stale_state(url: str) -> Non
     status, body, closed = _exchange(url, expecting)
     assert (status, closed) == (413, True)
     assert "LMHEAD_MAX_BODY_BYTES" in orjson.loads(body)["error"]["message"]
+
+
+def _npy(array: npt.NDArray[np.float32]) -> bytes:
+    stream = io.BytesIO()
+    np.save(stream, array)
+    return stream.getvalue()
+
+
+def test_an_answer_never_read_keeps_its_budget_until_the_client_is_dropped(
+    repository: Path,
+) -> None:
+    """An answer a client does not read sat in the server's write buffer, outside the
+    in-flight budget and with no timeout (+250 MB per client, for ever). It now keeps its
+    request's share of the budget until it leaves, and a client reading none of it for
+    ``body_timeout_s`` is dropped."""
+    settings = {
+        **LIMITS,
+        "max_rows": "8000",
+        "max_logits_bytes": str(2**27),
+        "max_inflight_bytes": str(48 * 2**20),
+        "body_timeout_s": "1",
+    }
+    body = _npy(_rows(8000, seed=5))
+    head = (
+        b"POST /v1/models/tied/logits HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-npy\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(body)
+    )
+    with running_server(repository, **settings) as url, socket.socket() as stalled:
+        host, port = url.removeprefix("http://").split(":")
+        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        stalled.connect((host, int(port)))
+        stalled.sendall(head + body)
+        select.select([stalled], [], [], 30)  # the answer is written: its first bytes came
+        busy = httpx.post(f"{url}/v1/models/tied/logits", content=body, headers=NPY, timeout=30)
+        assert (busy.status_code, busy.json()["error"]["code"]) == (503, "server_busy")
+
+        def served() -> int | None:
+            answer = httpx.post(f"{url}/v1/models/tied/logits", content=body, headers=NPY)
+            return answer.status_code if answer.status_code == 200 else None
+
+        # the stalled client is dropped, and its share comes back
+        assert poll(served, "the unread answer's budget back", timeout_s=30) == 200
+        received = b""
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := stalled.recv(1 << 20):
+                received += chunk
+        assert len(received) < 8000 * VOCAB * 4  # it never got the whole answer
+
+
+def test_a_body_trickling_in_is_408(url: str) -> None:
+    """Re-armed at every read, the body timer let one byte every 20 s hold a connection for
+    ever (40 such clients took every slot of a cap of 40)."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(
+            b"POST /v1/models/tied/topk HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100000\r\n\r\n"
+        )
+        data, deadline = b"", time.monotonic() + 10  # the timeout is 1 s
+        while b"\r\n\r\n" not in data and time.monotonic() < deadline:
+            # a byte every 0.2 s: ~5 per 1 s window, under the 1024 a window must bring
+            readable, _, _ = select.select([sock], [], [], 0.2)
+            if readable:
+                data += sock.recv(65536)
+            else:
+                sock.sendall(b" ")
+    assert data.startswith(b"HTTP/1.1 408")

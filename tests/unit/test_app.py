@@ -205,7 +205,7 @@ def test_an_invalid_environment_leaves_version_working_and_serve_says_why(
         main(["--version"])
     assert done.value.code == 0
     assert main(["serve"]) == 2
-    assert "invalid settings: port" in capsys.readouterr().err
+    assert "invalid settings: LMHEAD_PORT" in capsys.readouterr().err
 
 
 def test_a_repository_that_is_a_file_is_refused_from_the_environment_too(
