@@ -273,8 +273,8 @@ async def _vocabulary_lse(
         return lse
     raw = await candidate_logits(model, rows, bias.ids, temperature)
     swapped, trusted = swap_lse(lse, raw, bias)
-    async for row, _, row_lse in _exact_rows(model, rows, ~trusted, temperature, bias):
-        swapped[row] = row_lse[0]
+    async for part, _, part_lse in _exact_rows(model, rows, ~trusted, temperature, bias):
+        swapped[part] = part_lse
     return swapped
 
 
@@ -301,14 +301,23 @@ async def _whole(
         sampled, drawn = ids[picked], values[picked]
         redo |= ~inside
     values, ids = values[:, :k].copy(), ids[:, :k].copy()
-    async for row, logits, row_lse in _exact_rows(model, rows, redo, temperature, bias):
-        lse[row] = row_lse[0]
-        order = np.argsort(-logits[0], kind="stable")  # the whole row, descending
-        values[row], ids[row] = logits[0, order[:k]], order[:k]
-        if spec is not None and sampled is not None and drawn is not None:
-            draw = spec.uniforms(row + 1)[row:]  # this row's u, as in the batch
-            (chosen,), _ = sample_sorted(logits[:, order], row_lse, spec, draw, vocab)
-            sampled[row], drawn[row] = order[chosen], logits[0, order[chosen]]
+    draws = None if spec is None else spec.uniforms(len(rows))  # row i's u, as in the batch
+
+    def redo_rows(part: npt.NDArray[np.intp], logits: Floats, part_lse: Floats) -> None:
+        for offset, row in enumerate(part.tolist()):
+            lse[row] = part_lse[offset]
+            row_logits = logits[offset : offset + 1]
+            order = np.argsort(-row_logits[0], kind="stable")  # the whole row, descending
+            values[row], ids[row] = row_logits[0, order[:k]], order[:k]
+            if spec is not None and draws is not None and sampled is not None and drawn is not None:
+                u, row_lse = draws[row : row + 1], part_lse[offset : offset + 1]
+                (chosen,), _ = sample_sorted(row_logits[:, order], row_lse, spec, u, vocab)
+                sampled[row], drawn[row] = order[chosen], row_logits[0, order[chosen]]
+
+    async for part, logits, part_lse in _exact_rows(model, rows, redo, temperature, bias):
+        # A sort of the whole vocabulary per row (~3-4 ms at 32k tokens): 1,048 such rows held
+        # the event loop, health checks included, for 4.6 s. A thread does it.
+        await asyncio.to_thread(redo_rows, part, logits, part_lse)
     logprobs = None if drawn is None else drawn - lse
     return Shaped(values, ids, lse, sampled, logprobs)
 
@@ -319,19 +328,23 @@ async def _exact_rows(
     chosen: npt.NDArray[np.bool_],
     temperature: float,
     bias: Bias | None,
-) -> AsyncIterator[tuple[int, Floats, Floats]]:
-    """(position, biased full logits (1, vocab), their log-sum-exp) of the chosen rows: the
-    exact fallback, one run per ``rows_per_run`` of them (not one per row: each run reads W)."""
+) -> AsyncIterator[tuple[npt.NDArray[np.intp], Floats, Floats]]:
+    """(positions, their biased full logits (n, vocab), their log-sum-exp) of the chosen rows:
+    the exact fallback, one run per ``rows_per_run`` of them (not one per row: each run reads
+    W); the bias and log-sum-exp of a chunk are computed off the event loop."""
     positions = np.flatnonzero(chosen)
     step = model.rows_per_run
     for start in range(0, len(positions), step):
         part = positions[start : start + step]
         logits = await full_logits(model, rows[part], temperature)
-        if bias is not None:
-            logits = apply_bias(logits, None, bias)
-        lse = logsumexp(logits)
-        for offset, row in enumerate(part.tolist()):
-            yield row, logits[offset : offset + 1], lse[offset : offset + 1]
+        logits, lse = await asyncio.to_thread(_biased_lse, logits, bias)
+        yield part, logits, lse
+
+
+def _biased_lse(logits: Floats, bias: Bias | None) -> tuple[Floats, Floats]:
+    if bias is not None:
+        logits = apply_bias(logits, None, bias)
+    return logits, logsumexp(logits)
 
 
 async def _off_loop(model: LoadedVersion, function: Callable[..., Floats], *args: object) -> Floats:
