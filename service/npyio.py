@@ -26,6 +26,10 @@ import numpy.typing as npt
 _HEADERS = threading.Lock()
 
 
+class NpyError(ValueError):
+    """A ``.npy`` body this module refuses, with a reason a client may read (ints only)."""
+
+
 def read_npy(data: bytes) -> npt.NDArray[Any]:
     """The array of one ``.npy`` file, a read-only view of ``data`` (ValueError if broken).
 
@@ -38,12 +42,12 @@ def read_npy(data: bytes) -> npt.NDArray[Any]:
     else:
         shape, fortran, dtype, start = header
     if dtype.hasobject:
-        raise ValueError("object arrays are not read (they would need pickle)")
+        raise NpyError("object arrays are not read (they would need pickle)")
     if any(size < 0 for size in shape):
-        raise ValueError(f"negative dimension in shape {shape}")
+        raise NpyError(f"negative dimension in shape {shape}"[:120])
     count = math.prod(shape)
     if len(data) - start != count * dtype.itemsize:
-        raise ValueError(f"the header's shape {shape} does not match the data's size")
+        raise NpyError(f"the header's shape {shape}"[:100] + " does not match the data's size")
     flat = np.frombuffer(data, dtype=dtype, count=count, offset=start)
     return flat.reshape(shape, order="F" if fortran else "C")
 

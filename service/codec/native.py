@@ -259,6 +259,7 @@ def _compare_response(result: CompareResult) -> Response:
 ID_LISTS = ("allowed_token_ids", "banned_token_ids")
 #: Query parameters (``.npy`` bodies) whose value is JSON text.
 JSON_QUERY = (*ID_LISTS, "logit_bias", "sample")
+QUERY_EXAMPLES = {"logit_bias": '{"3":-100}', "sample": '{"seed":1}'}
 
 
 async def _hidden_and_options(
@@ -284,7 +285,8 @@ def _query_value(name: str, text: str) -> Any:
     try:
         return orjson.loads(text)
     except orjson.JSONDecodeError:
-        raise InvalidInput(f"query parameter {name} must be JSON, e.g. {name}=[3,7]") from None
+        example = QUERY_EXAMPLES.get(name, "[3,7]")
+        raise InvalidInput(f"query parameter {name} must be JSON, e.g. {name}={example}") from None
 
 
 def _id_lists(values: dict[str, Any], booleans: bool) -> dict[str, npt.NDArray[Any]]:

@@ -33,6 +33,7 @@ from service.codec.wire import (
     header,
     int_array,
     json_bytes,
+    json_type,
     off_loop,
     read_body,
     target,
@@ -244,7 +245,11 @@ def _binary_tensor(
     name: str, shape: list[int], dtype: np.dtype[Any], size: Any, binary: bytes, offset: int
 ) -> tuple[npt.NDArray[Any], int]:
     expected = math.prod(shape) * dtype.itemsize
-    if not isinstance(size, int) or size != expected:
+    if not isinstance(size, int) or isinstance(size, bool):  # never echoed: it may be anything
+        raise InvalidInput(
+            f"input {name}: binary_data_size must be an integer, got a JSON {json_type(size)}"
+        )
+    if size != expected:
         raise InvalidInput(
             f"input {name}: binary_data_size is {size} but shape {shape} of {dtype} "
             f"needs {expected} bytes"

@@ -31,7 +31,7 @@ from service.errors import (
 )
 from service.limits import BODY_EXPANSION, charge, charge_json, kind_name
 from service.messages import Target
-from service.npyio import read_npy
+from service.npyio import NpyError, read_npy
 
 JSON = "application/json"
 NPY = "application/x-npy"
@@ -109,6 +109,9 @@ async def read_body(request: Request, limit: int) -> bytes:
             return b"".join(chunks)  # a single chunk comes back as is, no copy
 
 
+UTF8_NAMES = ("utf-8", "utf8", "us-ascii", "ascii")
+
+
 def content_type(request: Request, accepted: Iterable[str]) -> str:
     """The body's media type (JSON when absent), or 415 naming what is accepted."""
     given = header(request, b"content-type", JSON) or JSON
@@ -118,6 +121,11 @@ def content_type(request: Request, accepted: Iterable[str]) -> str:
         raise UnsupportedMediaType(
             f"Content-Type {media[:64]!r} is not supported here; send one of {', '.join(accepted)}"
         )
+    for parameter in given.split(";")[1:]:  # JSON is read as UTF-8 (RFC 8259): say so
+        key, _, value = parameter.partition("=")
+        charset = value.strip().strip('"').lower()
+        if key.strip().lower() == "charset" and charset not in UTF8_NAMES:
+            raise UnsupportedMediaType(f"charset {charset[:32]!r} is not read: send UTF-8")
     return media
 
 
@@ -149,13 +157,15 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
             raise InvalidInput(f"a number at byte {error.pos} is beyond float range") from None
         raise MalformedBody(f"body is not valid JSON ({error.msg} at byte {error.pos})") from None
     if not isinstance(payload, dict):
-        raise MalformedBody(f"body must be a JSON object, got a JSON {_json_type(payload)}")
+        raise MalformedBody(f"body must be a JSON object, got a JSON {json_type(payload)}")
     return payload
 
 
 def parse_npy(body: bytes, field: str) -> npt.NDArray[Any]:
     try:
         return read_npy(body)
+    except NpyError as error:  # our own reasons: say which
+        raise MalformedBody(f"{field}: body is not a valid .npy array ({error})") from None
     except Exception:  # numpy raises ValueError/OSError/EOFError for broken files
         raise MalformedBody(f"{field}: body is not a valid .npy array") from None
 
@@ -210,7 +220,7 @@ def int_array(value: Any, field: str, booleans: bool = True) -> npt.NDArray[np.i
 
 def _numbers(value: Any, field: str, what: str, booleans: bool) -> npt.NDArray[Any]:
     if not isinstance(value, list):
-        raise InvalidInput(f"{field} must be a nested list of {what}, got {_json_type(value)}")
+        raise InvalidInput(f"{field} must be a nested list of {what}, got {json_type(value)}")
     depth, inner = 0, value
     while isinstance(inner, list) and inner and depth <= MAX_DEPTH:
         depth, inner = depth + 1, inner[0]
@@ -259,7 +269,7 @@ def _diagnose(value: list[Any], field: str, what: str) -> str:
         array = None
     if array is None or array.dtype == object and any(isinstance(v, list) for v in array.flat):
         return f"{field} rows have different lengths (ragged); every row must be equally long"
-    return f"{field} must hold {what} only; found a JSON {_json_type(_first_odd(array.flat))}"
+    return f"{field} must hold {what} only; found a JSON {json_type(_first_odd(array.flat))}"
 
 
 def _first_odd(values: Iterable[Any]) -> Any:
@@ -269,6 +279,7 @@ def _first_odd(values: Iterable[Any]) -> Any:
     return None
 
 
-def _json_type(value: Any) -> str:
+def json_type(value: Any) -> str:
+    """A JSON value's type as JSON names it (for messages that must not echo the value)."""
     names = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}
     return names.get(type(value), "number")

@@ -433,3 +433,41 @@ def test_many_unknown_fields_get_a_short_answer(client: httpx.Client) -> None:
     assert v2.status_code == 400
     assert "and 95 more" in v2.json()["error"]
     assert len(v2.content) < 800
+
+
+def test_messages_say_what_was_wrong(client: httpx.Client) -> None:
+    """Found misleading by a probe: a broken .npy said only 'not valid' (the reason was
+    dropped), a string binary_data_size was shown as if it were the number, a bad logit_bias
+    query suggested a list, and a UTF-16 charset was read as UTF-8."""
+    broken = _npy(np.zeros((2, D_MODEL), np.float32))[:-4]
+    npy = client.post(
+        "/v1/models/tied/topk", content=broken, headers={"content-type": "application/x-npy"}
+    )
+    assert "does not match the data's size" in npy.json()["error"]["message"]
+    header = {
+        "inputs": [
+            {
+                "name": "hidden_states",
+                "datatype": "FP32",
+                "shape": [1, D_MODEL],
+                "parameters": {"binary_data_size": str(4 * D_MODEL)},
+            }
+        ]
+    }
+    v2 = client.post("/v2/models/tied/infer", json=header)
+    assert v2.status_code == 400
+    assert "binary_data_size must be an integer, got a JSON string" in v2.json()["error"]
+    bias = client.post(
+        "/v1/models/tied/topk",
+        params={"logit_bias": "[3"},
+        content=_npy(np.zeros((1, D_MODEL), np.float32)),
+        headers={"content-type": "application/x-npy"},
+    )
+    assert 'logit_bias={"3":-100}' in bias.json()["error"]["message"]
+    utf16 = client.post(
+        "/v1/models/tied/topk",
+        content=b"{}",
+        headers={"content-type": "application/json; charset=utf-16"},
+    )
+    assert utf16.status_code == 415
+    assert "send UTF-8" in utf16.json()["error"]["message"]
