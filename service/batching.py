@@ -297,6 +297,14 @@ class Batcher:
             )
         finally:
             seconds = time.monotonic() - started.at
+            if logger.isEnabledFor(logging.DEBUG):  # LMHEAD_LOG_LEVEL=debug: every run
+                logger.debug(
+                    "%s: ran %d rows of %d requests in %.2f ms",
+                    self._label,
+                    len(started.rows),
+                    len(started.batch),
+                    seconds * 1e3,
+                )
             following = self._queued_now() if self._may_chain() else []
             if following:
                 self._launch(following)

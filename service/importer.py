@@ -83,7 +83,8 @@ def import_checkpoint(
         except ValueError as error:  # NaN or Inf in the bias, or in the weights as --dtype
             raise CheckpointError(str(error)) from None
         shown = transforms.describe() | ({"bias": True} if bias is not None else {})
-        notes.append(f"head transforms in the graph: {shown}")
+        if shown:  # a half-precision head alone has none to tell
+            notes.append(f"head transforms in the graph: {shown}")
     labels = tokenizer_tokens(checkpoint.directory, table.shape[0])  # may fail: before writing
     external = options.external_data
     stored = weights.stored_nbytes(options.quantization, options.quantize_table)

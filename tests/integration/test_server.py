@@ -17,7 +17,7 @@ from service.demo import demo_tokens
 from service.heads import HeadWeights, save_head
 from service.reference import log_softmax, logsumexp, top_k
 from tests.conftest import D_MODEL, VOCAB, reference_logits, write_tied_and_untied
-from tests.server import running_server, server_process
+from tests.server import live_server, poll, running_server, server_process
 
 NPY = "application/x-npy"
 
@@ -298,3 +298,12 @@ def test_an_answer_leaves_in_one_write(client: httpx.Client) -> None:
 def _write_calls(pid: int) -> int:
     fields = dict(line.split(": ") for line in Path(f"/proc/{pid}/io").read_text().splitlines())
     return int(fields["syscw"])
+
+
+def test_debug_logging_shows_each_run(repository: Path) -> None:
+    """LMHEAD_LOG_LEVEL=debug said nothing in normal operation; now each run is one line."""
+    with live_server(repository, log_level="debug") as (url, log):
+        poll(lambda: httpx.get(f"{url}/health/ready").status_code == 200 or None, "readiness")
+        hidden = np.zeros((3, D_MODEL), np.float32).tolist()
+        assert httpx.post(f"{url}/v1/models/tied/topk", json={"hidden_states": hidden}).is_success
+        assert poll(lambda: "ran 3 rows of 1 requests" in log() or None, "the run's line")
