@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
@@ -68,8 +69,14 @@ def target(request: Request) -> Target:
     """The model and version a request addresses: path ``/versions/{v}`` or ``?version=v``."""
     params = request.path_params
     raw = params.get("version")
-    if raw is None and request.scope["query_string"]:  # parsing an empty query costs ~10 us
-        raw = request.query_params.get("version")
+    if request.scope["query_string"]:  # parsing an empty query costs ~10 us
+        names = Counter(name for name, _ in request.query_params.multi_items())
+        twice = sorted(name for name, count in names.items() if count > 1)
+        if twice:  # which one would count? (Starlette's: the last)
+            raise InvalidInput(f"query parameter {few(twice)} given more than once")
+        if raw is not None and "version" in names:
+            raise InvalidInput("the version is in the path; ?version= says it again")
+        raw = request.query_params.get("version") if raw is None else raw
     version = None if raw is None else decimal(raw)
     if raw is not None and version is None:
         raise InvalidInput(f"version must be a non-negative integer, got {raw[:32]!r}")

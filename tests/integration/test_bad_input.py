@@ -471,3 +471,15 @@ def test_messages_say_what_was_wrong(client: httpx.Client) -> None:
     )
     assert utf16.status_code == 415
     assert "send UTF-8" in utf16.json()["error"]["message"]
+
+
+def test_a_value_given_twice_is_refused(client: httpx.Client) -> None:
+    """``?k=1&k=2`` was k=2 (the last won, silently), as was ``/versions/1/topk?version=2``."""
+    npy = {"content-type": "application/x-npy"}
+    body = _npy(np.zeros((1, D_MODEL), np.float32))
+    twice = client.post("/v1/models/tied/topk?k=1&k=2", content=body, headers=npy)
+    assert twice.status_code == 422
+    assert twice.json()["error"]["message"] == "query parameter 'k' given more than once"
+    again = client.post("/v1/models/tied/versions/1/topk?version=2", content=body, headers=npy)
+    assert again.status_code == 422
+    assert client.post("/v1/models/tied/topk?k=2", content=body, headers=npy).is_success
