@@ -137,22 +137,48 @@ def content_type(request: Request, accepted: Iterable[str]) -> str:
 
 
 def response_type(request: Request, offered: Iterable[str], default: str) -> str:
-    """Pick the answer's media type from Accept (first acceptable, in the client's order)."""
+    """Pick the answer's media type from Accept: the client's highest ``q`` first (its order
+    among equals); ``q=0`` refuses a type, wildcards included."""
     accept = header(request, b"accept", "") or ""
     if accept in ("", "*/*"):  # what most clients send
         return default
     offered = tuple(offered)
-    wanted = [part.split(";", 1)[0].strip().lower() for part in accept.split(",") if part.strip()]
+    wanted = _preferences(accept)
     if not wanted:
         return default
-    for media in wanted:
-        if media in offered:
+    refused = {media for media, q in wanted if q == 0}
+    for media, _ in sorted((item for item in wanted if item[1] > 0), key=lambda item: -item[1]):
+        if media in offered and media not in refused:
             return media
         if media in ("*/*", "application/*"):
-            return default
+            choice = next((o for o in (default, *offered) if o not in refused), None)
+            if choice is not None:
+                return choice
     raise NotAcceptable(
         f"cannot answer in {accept[:64]!r}; this endpoint offers {', '.join(offered)}"
     )
+
+
+def _preferences(accept: str) -> list[tuple[str, float]]:
+    """(media type, q) of each Accept entry (at most 32); a q that is no number in [0, 1]
+    counts as 1."""
+    found = []
+    for part in accept.split(",")[:32]:
+        media, *parameters = part.split(";")
+        media = media.strip().lower()
+        if not media:
+            continue
+        q = 1.0
+        for parameter in parameters:
+            key, _, value = parameter.partition("=")
+            if key.strip().lower() == "q":
+                try:
+                    q = float(value)
+                except ValueError:
+                    q = 1.0
+                q = q if 0 <= q <= 1 else 1.0
+        found.append((media, q))
+    return found
 
 
 def parse_json_object(body: bytes) -> dict[str, Any]:

@@ -483,3 +483,29 @@ def test_a_value_given_twice_is_refused(client: httpx.Client) -> None:
     again = client.post("/v1/models/tied/versions/1/topk?version=2", content=body, headers=npy)
     assert again.status_code == 422
     assert client.post("/v1/models/tied/topk?k=2", content=body, headers=npy).is_success
+
+
+@pytest.mark.parametrize(
+    ("accept", "answered"),
+    [
+        ("application/json;q=0, application/x-npy", "application/x-npy"),
+        ("application/json;q=0.5, application/x-npy;q=0.9", "application/x-npy"),
+        ("application/x-npy;q=0", None),  # the only type named is refused
+        ("*/*;q=0", None),
+        ("application/x-npy;q=0, */*", "application/json"),
+        ("text/html, application/json;q=0.1", "application/json"),
+    ],
+)
+def test_accept_weights_choose_the_answer(
+    client: httpx.Client, accept: str, answered: str | None
+) -> None:
+    """Accept's q-values were ignored: ``application/x-npy;q=0`` got .npy."""
+    answer = client.post(
+        "/v1/models/tied/topk",
+        json={"hidden_states": _rows(1)},
+        headers={"accept": accept},
+    )
+    if answered is None:
+        assert answer.status_code == 406
+    else:
+        assert answer.headers["content-type"].split(";")[0] == answered
