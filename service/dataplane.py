@@ -268,6 +268,11 @@ class DataPlane(ControlAPI):
             if request.logprobs_over == "candidates":
                 if candidates is None:
                     raise InvalidInput("logprobs_over='candidates' needs candidate_ids")
+                if request.k:  # nothing runs over the vocabulary: there are no alternatives
+                    raise InvalidInput(
+                        "k does not apply with logprobs_over='candidates' (every candidate's "
+                        "log-prob is in the answer); leave k out"
+                    )
                 return scoring.score_within(model.info, candidates, targets, model.space)
             if request.logprobs_over not in (None, "vocabulary"):
                 raise InvalidInput("logprobs_over must be 'candidates' or 'vocabulary'")

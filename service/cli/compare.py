@@ -39,6 +39,12 @@ def compare_served(
         raise CommandError(f"the service answered {error.status}: {error.message}") from None
     for block in report["models"]:
         block["resident_bytes"] = _resident(repository, block)
+    missing = [block["name"] for block in report["models"] if block["resident_bytes"] is None]
+    if missing:  # measured from the files, in a fresh process: say why there is no number
+        report["note"] = (
+            f"resident bytes n/a: no model file of {', '.join(missing)} under {repository} "
+            "(--repository, or LMHEAD_REPOSITORY)"
+        )
     return report
 
 
@@ -82,6 +88,8 @@ def format_comparison(report: dict[str, Any]) -> str:
         f"KL(B||A) mean {kl_ba['mean']:.4g} p50 {kl_ba['p50']:.4g} p90 {kl_ba['p90']:.4g} "
         f"max {kl_ba['max']:.4g}",
     ]
+    if "note" in report:
+        lines.append(report["note"])
     return "\n".join(lines)
 
 

@@ -162,6 +162,10 @@ def test_cli_compare_prints_a_table_and_json(url: str, repository: Path, tmp_pat
     resident = {m["name"]: m["resident_bytes"] for m in report["models"]}
     weight = VOCAB * D_MODEL * 4
     assert resident["tied"] > 0.5 * weight
+    assert "note" not in report
+    elsewhere = [*command[:-1], str(tmp_path)]  # --repository where the files are not
+    table = subprocess.run(elsewhere, capture_output=True, text=True, check=True).stdout
+    assert "resident bytes n/a: no model file of tied, perturbed under" in table
 
 
 def _metric(text: str, name: str, **labels: str) -> float:

@@ -215,6 +215,9 @@ def test_scoring_among_candidates_only(url: str, repository: Path) -> None:
         want = log_softmax(logits[row])[ALLOWED.index(targets[row])]
         np.testing.assert_allclose(result["logprob"], want, rtol=RTOL, atol=ATOL)
     assert payload["logprobs_over"] == "candidates"
+    with_k = httpx.post(f"{url}/v1/models/untied/score", json={**body, "k": 3})
+    assert with_k.status_code == 422  # it was ignored: no alternatives came back
+    assert "k does not apply" in with_k.json()["error"]["message"]
 
 
 def test_v2_parameters_shape_the_distribution(url: str, repository: Path) -> None:
