@@ -59,6 +59,9 @@ async def decode_http(request: Request, body_limit: int) -> tuple[InferRequest, 
     """An HTTP infer request: body (JSON or binary extension), target from the path."""
     body = await read_body(request, body_limit)
     length = header(request, HEADER_LENGTH.encode())
+    names = [name for name, _ in request.scope["headers"]]
+    if length is not None and names.count(HEADER_LENGTH.encode()) > 1:  # the last one won
+        raise MalformedBody(f"{HEADER_LENGTH} is given more than once")
     return await off_loop(len(body), decode, body, length, target(request))
 
 

@@ -509,3 +509,18 @@ def test_accept_weights_choose_the_answer(
         assert answer.status_code == 406
     else:
         assert answer.headers["content-type"].split(";")[0] == answered
+
+
+def test_a_v2_header_length_given_twice_is_refused(client: httpx.Client) -> None:
+    """Two Inference-Header-Content-Length headers: the last won (a 200 or a 400 by order)."""
+    header = b'{"inputs":[]}'
+    twice = client.post(
+        "/v2/models/tied/infer",
+        content=header,
+        headers=[
+            ("inference-header-content-length", "5"),
+            ("inference-header-content-length", "13"),
+        ],
+    )
+    assert twice.status_code == 400
+    assert "given more than once" in twice.json()["error"]
