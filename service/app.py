@@ -31,6 +31,7 @@ from starlette.routing import Match
 from starlette.types import Message, Receive, Scope, Send
 
 from service import __version__
+from service.limits import hold
 from service.metrics import Metrics
 from service.plane import Plane
 from service.routes import health, native, repository, v2
@@ -134,8 +135,11 @@ class LMHeadApp(FastAPI):
         started = perf_counter()
         route = self._raw_route(scope)
         if route is not None:  # the hot path: the response object itself has the status
-            status = await _serve_raw(route, scope, receive, send)
-            self.metrics.observe_http(route.path, status, perf_counter() - started)
+
+            def record(status: int) -> None:  # once answered, before the client has read it
+                self.metrics.observe_http(route.path, status, perf_counter() - started)
+
+            await _serve_raw(route, scope, receive, send, record)
             return
         status, answered = 500, False
 
@@ -221,18 +225,23 @@ def _takes_only_request(route: APIRoute) -> bool:
     )
 
 
-async def _serve_raw(route: APIRoute, scope: Scope, receive: Receive, send: Send) -> int:
-    """Call the handler, map any error as FastAPI's handlers do, send; return the status."""
+async def _serve_raw(
+    route: APIRoute, scope: Scope, receive: Receive, send: Send, record: Callable[[int], None]
+) -> None:
+    """Call the handler, map any error as FastAPI's handlers do, send, ``record`` the status;
+    the request's memory is held until the answer has left (``service.connection``)."""
     request = Request(scope, receive)
     with scope["app"].state.plane.admit():  # the request's memory, held until it is sent
         try:
             response: Response = await route.endpoint(request)
         except ClientDisconnect:
-            return CLIENT_CLOSED_REQUEST  # nobody to answer; not an error of ours
+            record(CLIENT_CLOSED_REQUEST)  # nobody to answer; not an error of ours
+            return
         except Exception as error:
             response = error_response(request, error)
         await response(scope, receive, send)
-        sent = scope.get("lmhead.sent")  # the answer left the server's buffer (or the
-        if sent is not None:  # client was dropped for reading none of it): memory is free
+        record(response.status_code)
+        sent = scope.get("lmhead.sent")
+        if sent is not None:  # the encoded answer counts while it waits in the buffer (a
+            hold(len(getattr(response, "body", b"")))  # front charged only the body read)
             await sent()
-    return response.status_code

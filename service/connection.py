@@ -43,6 +43,9 @@ HEAD_LATE = "the request head did not arrive in time (LMHEAD_HEADER_TIMEOUT_S)"
 BODY_STALLED = "the request body stalled (LMHEAD_BODY_TIMEOUT_S)"
 #: A body must bring at least this much per ``body_timeout_s`` (mod_reqtimeout's idea: a rate).
 MIN_BODY_BYTES = 1024
+#: An answer must leave at this rate per ``body_timeout_s`` (1 MiB per 30 s: ~35 KB/s), or
+#: what remains of it: a reader that trickles would hold its request's budget for hours.
+MIN_SEND_BYTES = 2**20
 
 
 class SharedConnections:
@@ -132,6 +135,8 @@ class LimitedHttp(HttpToolsProtocol):
         self._body_bytes = 0
         self._send_timer: asyncio.TimerHandle | None = None
         self._unsent = 0
+        self._upgraded = False
+        self._backstop: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(CoalescedWrites(transport, self.loop))  # type: ignore[arg-type]
@@ -142,8 +147,9 @@ class LimitedHttp(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
-        if self._send_timer is not None:
-            self._send_timer.cancel()
+        for timer in (self._send_timer, self._backstop):
+            if timer is not None:
+                timer.cancel()
         super().connection_lost(exc)
         self._open_connections()
 
@@ -156,15 +162,20 @@ class LimitedHttp(HttpToolsProtocol):
         """uvicorn's, but a parse error keeps its reason and waits for earlier answers, and an
         ``Upgrade`` (WebSocket is off, h2c unsupported) is served as HTTP/1.1 without logging
         two warnings per request."""
-        if self.transport.is_closing() or self._pending is not None:
+        if self.transport.is_closing() or self._pending is not None or self._upgraded:
             return
         self._unset_keepalive_if_required()
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            pass
-        except httptools.HttpParserError as error:
-            self._refuse(400, f"malformed HTTP request: {str(error)[:100]}")
+            # httptools stops at the head: what follows (a body, a next request) is not
+            # parsed. Read nothing more, and close after this answer (no desync).
+            self._upgraded = True
+            if self.cycle is not None:
+                self.cycle.keep_alive = False
+            return
+        except httptools.HttpParserError as error:  # a refusal decided on a header comes first
+            self._refuse(*(self._refused or (400, f"malformed HTTP request: {str(error)[:100]}")))
             return
         if self._refused is not None and not self.transport.is_closing():
             self._refuse(*self._refused)
@@ -208,6 +219,7 @@ class LimitedHttp(HttpToolsProtocol):
         if self.expect_100_continue:
             self._expecting = self.cycle
         if len(self.pipeline) > self.max_pipelined:
+            self._in_body = True  # this request's cycle is dropped with it (it was left queued)
             self._refuse(503, f"more than {self.max_pipelined} pipelined requests waiting")
             return
         self._in_body = True
@@ -234,6 +246,8 @@ class LimitedHttp(HttpToolsProtocol):
             # and its next request would be read as this one's body.
             self.transport.close()
             return
+        if self._in_body and self.cycle is answered:  # answered without its whole body: the
+            self._disarm()  # rest is absorbed, and the keep-alive timeout bounds it
         super().on_response_complete()  # arms uvicorn's keep-alive timeout for idle time
         if self._pending is not None and not self.pipeline and self._running.response_complete:
             self._answer(*self._pending)
@@ -254,15 +268,16 @@ class LimitedHttp(HttpToolsProtocol):
         self._timer = self.loop.call_later(self.body_timeout_s, self._check_body)
 
     def _check_body(self) -> None:
-        if self._body_bytes < MIN_BODY_BYTES:
+        if self._body_bytes < MIN_BODY_BYTES and not self.flow.read_paused:  # (paused: ours)
             self._refuse(408, BODY_STALLED)
             return
         self._body_bytes = 0
         self._arm_body()
 
     def pause_writing(self) -> None:
-        """The client reads its answer slower than it is written: it must keep reading, or the
-        connection is dropped (an answer never read sat in memory for ever)."""
+        """The client reads its answer slower than it is written: it must read
+        ``MIN_SEND_BYTES`` per ``body_timeout_s`` (or the rest), or the connection is dropped
+        (an answer never read sat in memory for ever, and its request holds its budget)."""
         super().pause_writing()
         self._unsent = self.transport.get_write_buffer_size()
         self._send_timer = self.loop.call_later(self.body_timeout_s, self._check_sending)
@@ -275,9 +290,11 @@ class LimitedHttp(HttpToolsProtocol):
 
     def _check_sending(self) -> None:
         unsent = self.transport.get_write_buffer_size()
-        if unsent >= self._unsent:  # nothing read for body_timeout_s
+        if self._unsent - unsent < min(MIN_SEND_BYTES, self._unsent):  # too slow a reader
             logger.info(
-                "a client read nothing of its answer for %.0f s: dropped", self.body_timeout_s
+                "a client read under %d bytes of its answer in %.0f s: dropped",
+                MIN_SEND_BYTES,
+                self.body_timeout_s,
             )
             self.transport.abort()
             return
@@ -308,7 +325,8 @@ class LimitedHttp(HttpToolsProtocol):
         running = self._running
         earlier = running is not None and running is not refused
         if self.pipeline or (earlier and not running.response_complete):
-            self._pending = (status, reason)
+            self._pending = (status, reason)  # a backstop, should the answers never come:
+            self._backstop = self.loop.call_later(self.body_timeout_s, self.transport.abort)
             return
         self._answer(status, reason)
 

@@ -9,6 +9,7 @@ that name the field, the expected and the actual value, and never echo data.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -199,6 +200,8 @@ class MemoryBudget:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.used = 0
+        #: Charges come from the event loop and from decoding threads (``off_loop``).
+        self.lock = threading.Lock()
 
     @contextmanager
     def request(self) -> Iterator[Reservation]:
@@ -230,6 +233,14 @@ def charge_json(text: bytes) -> None:
     reservation.grow(max(0, peak - BODY_EXPANSION * len(text)))
 
 
+def hold(nbytes: int) -> None:
+    """Add ``nbytes`` the current request already holds (its encoded answer) to its
+    reservation, past the capacity if need be: it is memory in use, not a request for more."""
+    reservation = _held.get()
+    if reservation is not None:
+        reservation.grow(nbytes, check=False)
+
+
 def charge(nbytes: int) -> None:
     """Charge the current request's reservation, or raise ``ServerBusy`` past the budget.
 
@@ -251,21 +262,23 @@ class Reservation:
     def capacity(self) -> int:
         return self._budget.capacity
 
-    def grow(self, nbytes: int) -> None:
+    def grow(self, nbytes: int, check: bool = True) -> None:
         budget = self._budget
-        others = budget.used - self.bytes  # a request alone is always admitted
-        if others > 0 and budget.used + nbytes > budget.capacity:
-            raise ServerBusy(
-                f"requests in flight hold {budget.used} of {budget.capacity} bytes "
-                "(LMHEAD_MAX_INFLIGHT_BYTES); retry shortly",
-                headers={"Retry-After": "1"},
-            )
-        budget.used += nbytes
-        self.bytes += nbytes
+        with budget.lock:
+            others = budget.used - self.bytes  # a request alone is always admitted
+            if check and others > 0 and budget.used + nbytes > budget.capacity:
+                raise ServerBusy(
+                    f"requests in flight hold {budget.used} of {budget.capacity} bytes "
+                    "(LMHEAD_MAX_INFLIGHT_BYTES); retry shortly",
+                    headers={"Retry-After": "1"},
+                )
+            budget.used += nbytes
+            self.bytes += nbytes
 
     def release(self) -> None:
-        self._budget.used -= self.bytes
-        self.bytes = 0
+        with self._budget.lock:
+            self._budget.used -= self.bytes
+            self.bytes = 0
 
 
 def kind_name(dtype: np.dtype[Any]) -> str:

@@ -94,9 +94,13 @@ async def read_body(request: Request, limit: int) -> bytes:
     declared = header(request, b"content-length")
     size = None if declared is None else decimal(declared)
     if size is not None and size > limit:
+        # A client waiting for 100 Continue never sends the body: the connection closes (RFC
+        # 9110 10.1.1 asks to say so); any other's body is read and dropped, so that it reads
+        # this answer (closing while it still sends would reset the connection instead).
+        expecting = (header(request, b"expect") or "").strip().lower() == "100-continue"
         raise PayloadTooLarge(
             f"request body is {size} bytes; the limit is {limit} (LMHEAD_MAX_BODY_BYTES)",
-            headers={"Connection": "close"},  # the body is not read: say so (RFC 9110 10.1.1)
+            headers={"Connection": "close"} if expecting else None,
         )
     chunks, size = [], 0
     while True:  # the ASGI messages themselves: Request.stream() costs more for one chunk
@@ -107,8 +111,7 @@ async def read_body(request: Request, limit: int) -> bytes:
         size += len(chunk)
         if size > limit:
             raise PayloadTooLarge(
-                f"request body exceeds the limit of {limit} bytes (LMHEAD_MAX_BODY_BYTES)",
-                headers={"Connection": "close"},
+                f"request body exceeds the limit of {limit} bytes (LMHEAD_MAX_BODY_BYTES)"
             )
         charge(len(chunk) * BODY_EXPANSION)  # 503 when the requests in flight hold too much
         chunks.append(chunk)
@@ -116,7 +119,8 @@ async def read_body(request: Request, limit: int) -> bytes:
             return b"".join(chunks)  # a single chunk comes back as is, no copy
 
 
-UTF8_NAMES = ("utf-8", "utf8", "us-ascii", "ascii")
+#: Charsets whose JSON is not ASCII bytes (any other reads the same as UTF-8 while ASCII).
+WIDE_CHARSETS = ("utf-16", "utf16", "utf-32", "utf32", "ucs-2", "ucs-4", "ucs2", "ucs4")
 
 
 def content_type(request: Request, accepted: Iterable[str]) -> str:
@@ -128,10 +132,10 @@ def content_type(request: Request, accepted: Iterable[str]) -> str:
         raise UnsupportedMediaType(
             f"Content-Type {media[:64]!r} is not supported here; send one of {', '.join(accepted)}"
         )
-    for parameter in given.split(";")[1:]:  # JSON is read as UTF-8 (RFC 8259): say so
+    for parameter in given.split(";")[1:] if media == JSON else ():  # read as UTF-8 (RFC 8259)
         key, _, value = parameter.partition("=")
         charset = value.strip().strip('"').lower()
-        if key.strip().lower() == "charset" and charset not in UTF8_NAMES:
+        if key.strip().lower() == "charset" and charset.startswith(WIDE_CHARSETS):
             raise UnsupportedMediaType(f"charset {charset[:32]!r} is not read: send UTF-8")
     return media
 

@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import numpy as np
 import numpy.typing as npt
+import orjson
 import pytest
 
 from service.heads import HeadWeights, save_head
@@ -471,6 +472,18 @@ def test_messages_say_what_was_wrong(client: httpx.Client) -> None:
     )
     assert utf16.status_code == 415
     assert "send UTF-8" in utf16.json()["error"]["message"]
+    latin = client.post(  # ASCII-compatible: the same bytes as UTF-8
+        "/v1/models/tied/topk",
+        content=orjson.dumps({"hidden_states": _rows(1)}),
+        headers={"content-type": "application/json; charset=ISO-8859-1"},
+    )
+    assert latin.is_success
+    binary = client.post(
+        "/v1/models/tied/topk",
+        content=_npy(np.zeros((1, D_MODEL), np.float32)),
+        headers={"content-type": "application/x-npy; charset=binary"},
+    )
+    assert binary.is_success
 
 
 def test_a_value_given_twice_is_refused(client: httpx.Client) -> None:

@@ -408,3 +408,30 @@ def test_a_body_trickling_in_is_408(url: str) -> None:
             else:
                 sock.sendall(b" ")
     assert data.startswith(b"HTTP/1.1 408")
+
+
+def test_pipelined_posts_past_the_limit_are_answered_then_refused(url: str) -> None:
+    """The refused request stayed queued, its body never delivered: the connection and a
+    task hung for good once the requests before it were answered."""
+    body = orjson.dumps({"hidden_states": _rows(1).tolist()})
+    one = (
+        b"POST /v1/models/tied/topk HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(body)
+    ) + body
+    statuses = _answers(url, one * 40)
+    assert set(statuses[:-1]) == {200}
+    assert statuses[-1] == 503
+
+
+def test_an_upgrade_request_ends_the_connection_after_its_answer(url: str) -> None:
+    """httptools stops at an Upgrade request's head: its body was then read as a next request
+    (a request smuggled behind a proxy that reuses connections)."""
+    smuggled = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+    upgrade = (
+        b"POST /v1/models/tied/topk HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\n"
+        b"Upgrade: foo\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+        % len(smuggled)
+    )
+    assert len(_answers(url, upgrade + smuggled)) == 1
+    gzip = b"POST /v1/models/tied/topk HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n"
+    assert _answers(url, gzip) == [501]  # httptools' own refusal of it came first (400)

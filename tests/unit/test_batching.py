@@ -211,7 +211,7 @@ def test_a_request_larger_than_the_queue_is_413_not_a_503_to_retry(tied_path: Pa
     assert isinstance(outcome, tuple)
     error, served = outcome
     assert "5 rows are more than" in error.message
-    assert "(4 rows)" in error.message
+    assert "(4 rows, LMHEAD_MAX_QUEUE_ROWS)" in error.message
     assert error.headers == {}
     assert served.topk_token_ids.shape == (4, 1)
 
