@@ -185,7 +185,7 @@ class LimitedHttp(HttpToolsProtocol):
         """A refusal is decided: requests parsed after it (same read) are not served."""
         return self._refused is not None or self._pending is not None
 
-    def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+    def _start_asgi_task(self, cycle: Any, app: Any) -> None:  # uvicorn >= 0.45 calls it
         self._running = cycle
         super()._start_asgi_task(cycle, app)
 
