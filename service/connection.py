@@ -43,6 +43,7 @@ HEAD_LATE = "the request head did not arrive in time (LMHEAD_HEADER_TIMEOUT_S)"
 BODY_STALLED = "the request body stalled (LMHEAD_BODY_TIMEOUT_S)"
 #: A body must bring at least this much per ``body_timeout_s`` (mod_reqtimeout's idea: a rate).
 MIN_BODY_BYTES = 1024
+UPGRADE_WITH_BODY = "no protocol upgrades here; send the request without Upgrade"
 #: An answer must leave at this rate per ``body_timeout_s`` (1 MiB per 30 s: ~35 KB/s), or
 #: what remains of it: a reader that trickles would hold its request's budget for hours.
 MIN_SEND_BYTES = 2**20
@@ -169,9 +170,12 @@ class LimitedHttp(HttpToolsProtocol):
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             # httptools stops at the head: what follows (a body, a next request) is not
-            # parsed. Read nothing more, and close after this answer (no desync).
+            # parsed. Read nothing more, and close after this answer (no desync); a request
+            # with a body is refused (it would be served without it).
             self._upgraded = True
-            if self.cycle is not None:
+            if self._refused is not None:
+                self._refuse(*self._refused)
+            elif self.cycle is not None:
                 self.cycle.keep_alive = False
             return
         except httptools.HttpParserError as error:  # a refusal decided on a header comes first
@@ -212,6 +216,8 @@ class LimitedHttp(HttpToolsProtocol):
             hosts = sum(name == b"host" for name, _ in self.headers)
             if hosts != 1:
                 self._refused = (400, f"an HTTP/1.1 request needs one Host header, got {hosts}")
+        if self._refused is None and self.parser.should_upgrade() and _has_body(self.headers):
+            self._refused = (400, UPGRADE_WITH_BODY)
         if self._stopped:
             return
         super().on_headers_complete()
@@ -326,9 +332,19 @@ class LimitedHttp(HttpToolsProtocol):
         earlier = running is not None and running is not refused
         if self.pipeline or (earlier and not running.response_complete):
             self._pending = (status, reason)  # a backstop, should the answers never come:
-            self._backstop = self.loop.call_later(self.body_timeout_s, self.transport.abort)
+            self._backstop = self.loop.call_later(self.body_timeout_s, self._check_pending)
             return
         self._answer(status, reason)
+
+    def _check_pending(self) -> None:
+        """The deferred refusal's backstop: answer it once nothing earlier is left, and wait
+        while an earlier answer is still being made or sent (the slow-reader check bounds
+        that; aborting here cut a long answer short)."""
+        running = self._running
+        if self.pipeline or (running is not None and not running.response_complete):
+            self._backstop = self.loop.call_later(self.body_timeout_s, self._check_pending)
+        elif self._pending is not None and not self.transport.is_closing():
+            self._answer(*self._pending)
 
     def _answer(self, status: int, reason: str) -> None:
         """A JSON error of this layer's own, and close."""
@@ -340,6 +356,14 @@ class LimitedHttp(HttpToolsProtocol):
         )
         self.transport.write(head + body)
         self.transport.close()
+
+
+def _has_body(headers: list[tuple[bytes, bytes]]) -> bool:
+    return any(
+        (name == b"content-length" and value.strip() not in (b"", b"0"))
+        or name == b"transfer-encoding"
+        for name, value in headers
+    )
 
 
 _ERRORS = {

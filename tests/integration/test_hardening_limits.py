@@ -425,13 +425,44 @@ def test_pipelined_posts_past_the_limit_are_answered_then_refused(url: str) -> N
 
 def test_an_upgrade_request_ends_the_connection_after_its_answer(url: str) -> None:
     """httptools stops at an Upgrade request's head: its body was then read as a next request
-    (a request smuggled behind a proxy that reuses connections)."""
+    (a request smuggled behind a proxy that reuses connections), or the request served without
+    it; one with a body is refused, one without is answered and the connection closed."""
     smuggled = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
     upgrade = (
         b"POST /v1/models/tied/topk HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\n"
         b"Upgrade: foo\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
         % len(smuggled)
     )
-    assert len(_answers(url, upgrade + smuggled)) == 1
+    assert _answers(url, upgrade + smuggled) == [400]  # served without its body, before
+    status, refused, closed = _exchange(url, upgrade + smuggled)
+    assert (status, closed) == (400, True)
+    assert "without Upgrade" in orjson.loads(refused)["error"]["message"]
     gzip = b"POST /v1/models/tied/topk HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n"
     assert _answers(url, gzip) == [501]  # httptools' own refusal of it came first (400)
+
+
+def test_a_refusal_behind_a_long_answer_waits_for_all_of_it(repository: Path) -> None:
+    """The deferred refusal's backstop aborted the connection ``body_timeout_s`` after it was
+    decided: an earlier answer still being read (at a good rate) was cut short."""
+    settings = {**LIMITS, "max_logits_bytes": str(2**25), "max_body_bytes": str(2**20)}
+    body = _npy(_rows(2048, seed=6))
+    valid = (
+        b"POST /v1/models/tied/logits HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-npy\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(body)
+    ) + body
+    expected = 2048 * VOCAB * 4
+    with running_server(repository, **settings) as url, socket.socket() as client:
+        host, port = url.removeprefix("http://").split(":")
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+        client.connect((host, int(port)))
+        client.sendall(valid + b"GARBAGE\r\n\r\n")
+        data, deadline = b"", time.monotonic() + 30
+        while time.monotonic() < deadline:  # ~2 MB/s: 4 s for the answer, the timeout is 1 s
+            chunk = client.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+            time.sleep(0.03)
+    assert data.count(b"HTTP/1.1 200") == 1
+    assert len(data) > expected  # the whole answer came
+    assert b"HTTP/1.1 400" in data[expected:]  # then the refusal, then the close
