@@ -31,7 +31,6 @@ from starlette.routing import Match
 from starlette.types import Message, Receive, Scope, Send
 
 from service import __version__
-from service.limits import hold
 from service.metrics import Metrics
 from service.plane import Plane
 from service.routes import health, native, repository, v2
@@ -135,11 +134,7 @@ class LMHeadApp(FastAPI):
         started = perf_counter()
         route = self._raw_route(scope)
         if route is not None:  # the hot path: the response object itself has the status
-
-            def record(status: int) -> None:  # once answered, before the client has read it
-                self.metrics.observe_http(route.path, status, perf_counter() - started)
-
-            await _serve_raw(route, scope, receive, send, record)
+            await self._serve_raw(route, scope, receive, send, started)
             return
         status, answered = 500, False
 
@@ -163,6 +158,29 @@ class LMHeadApp(FastAPI):
             route_seen = scope.get("route")
             endpoint = route_seen.path if isinstance(route_seen, APIRoute) else "unmatched"
             self.metrics.observe_http(endpoint, status, perf_counter() - started)
+
+    async def _serve_raw(
+        self, route: APIRoute, scope: Scope, receive: Receive, send: Send, started: float
+    ) -> None:
+        """Call the handler, map any error as FastAPI's handlers do, send, record the status
+        and time (once answered, before the client has read it); the request's memory is held
+        until the answer has left (``service.connection``)."""
+        request = Request(scope, receive)
+        with self.state.plane.admit():  # the request's memory, held until it is sent
+            try:
+                response: Response = await route.endpoint(request)
+            except ClientDisconnect:  # nobody to answer; not an error of ours
+                self.metrics.observe_http(
+                    route.path, CLIENT_CLOSED_REQUEST, perf_counter() - started
+                )
+                return
+            except Exception as error:
+                response = error_response(request, error)
+            await response(scope, receive, send)
+            self.metrics.observe_http(route.path, response.status_code, perf_counter() - started)
+            sent = scope.get("lmhead.sent")
+            if sent is not None:
+                await sent()
 
     def openapi(self) -> dict[str, Any]:
         """FastAPI's document plus the request bodies that raw-request handlers parse."""
@@ -223,25 +241,3 @@ def _takes_only_request(route: APIRoute) -> bool:
         or dependant.body_params
         or dependant.dependencies
     )
-
-
-async def _serve_raw(
-    route: APIRoute, scope: Scope, receive: Receive, send: Send, record: Callable[[int], None]
-) -> None:
-    """Call the handler, map any error as FastAPI's handlers do, send, ``record`` the status;
-    the request's memory is held until the answer has left (``service.connection``)."""
-    request = Request(scope, receive)
-    with scope["app"].state.plane.admit():  # the request's memory, held until it is sent
-        try:
-            response: Response = await route.endpoint(request)
-        except ClientDisconnect:
-            record(CLIENT_CLOSED_REQUEST)  # nobody to answer; not an error of ours
-            return
-        except Exception as error:
-            response = error_response(request, error)
-        await response(scope, receive, send)
-        record(response.status_code)
-        sent = scope.get("lmhead.sent")
-        if sent is not None:  # the encoded answer counts while it waits in the buffer (a
-            hold(len(getattr(response, "body", b"")))  # front charged only the body read)
-            await sent()

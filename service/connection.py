@@ -36,6 +36,8 @@ import httptools
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from service.limits import hold
+
 logger = logging.getLogger("lmhead")
 #: Writes held for the end of the event-loop turn, at most (an answer's head and a small body).
 COALESCE_BYTES = 64 * 1024
@@ -221,7 +223,7 @@ class LimitedHttp(HttpToolsProtocol):
         if self._stopped:
             return
         super().on_headers_complete()
-        self.scope["lmhead.sent"] = self.flow.drain  # type: ignore[typeddict-unknown-key]
+        self.scope["lmhead.sent"] = self._sent  # type: ignore[typeddict-unknown-key]
         if self.expect_100_continue:
             self._expecting = self.cycle
         if len(self.pipeline) > self.max_pipelined:
@@ -255,8 +257,21 @@ class LimitedHttp(HttpToolsProtocol):
         if self._in_body and self.cycle is answered:  # answered without its whole body: the
             self._disarm()  # rest is absorbed, and the keep-alive timeout bounds it
         super().on_response_complete()  # arms uvicorn's keep-alive timeout for idle time
-        if self._pending is not None and not self.pipeline and self._running.response_complete:
+        if self._pending is not None and not self._answering():
             self._answer(*self._pending)
+
+    def _answering(self, refused: Any = None) -> bool:
+        """Whether a request read before ``refused`` still waits for (all of) its answer."""
+        running = self._running
+        earlier = running is not None and running is not refused
+        return bool(self.pipeline) or (earlier and not running.response_complete)
+
+    async def _sent(self) -> None:
+        """``scope["lmhead.sent"]``: return once the answer has left the process's buffer (or
+        the client was dropped); meanwhile its bytes count in the request's reservation."""
+        if self.flow.write_paused:
+            hold(self.transport.get_write_buffer_size())
+            await self.flow.drain()
 
     def _count(self, nbytes: int) -> None:
         self._head_bytes += nbytes
@@ -328,9 +343,7 @@ class LimitedHttp(HttpToolsProtocol):
         self.pipeline = type(self.pipeline)(
             (cycle, app) for cycle, app in self.pipeline if cycle is not refused
         )
-        running = self._running
-        earlier = running is not None and running is not refused
-        if self.pipeline or (earlier and not running.response_complete):
+        if self._answering(refused):
             self._pending = (status, reason)  # a backstop, should the answers never come:
             self._backstop = self.loop.call_later(self.body_timeout_s, self._check_pending)
             return
@@ -340,8 +353,7 @@ class LimitedHttp(HttpToolsProtocol):
         """The deferred refusal's backstop: answer it once nothing earlier is left, and wait
         while an earlier answer is still being made or sent (the slow-reader check bounds
         that; aborting here cut a long answer short)."""
-        running = self._running
-        if self.pipeline or (running is not None and not running.response_complete):
+        if self._answering():
             self._backstop = self.loop.call_later(self.body_timeout_s, self._check_pending)
         elif self._pending is not None and not self.transport.is_closing():
             self._answer(*self._pending)
