@@ -14,7 +14,8 @@ the server and the clients kept busy: where the split's cost goes, and whether t
 the limit. Memory per N: the engine's resident set, the fronts' together, and on a GPU the
 device memory in use, which must not grow with N (the heads live in the engine alone).
 
-    python -m bench.workers [--workers 2,4,8] [--large] [--provider cuda] [--output FILE]
+    python -m bench.workers [--workers 2,4,8] [--rounds 2] [--large] [--provider cuda]
+                            [--output FILE]
 
 ``--large`` replaces the demo head by a 128256 x 2048 tied head (the GPU measurement).
 """
@@ -47,6 +48,7 @@ from service.demo import write_demo_models
 from service.heads import HeadWeights, save_head
 from service.inspect import inspect_head
 from service.runtime import HeadSession, select_providers
+from service.settings import Settings
 from tests.server import running_server, server_process
 
 CLIENTS = (1, 16, 64)
@@ -96,6 +98,7 @@ def main() -> int:
     parser.add_argument("--workers", default="2,4,8")
     parser.add_argument("--large", action="store_true", help="a 128256 x 2048 tied head")
     parser.add_argument("--provider", default="auto")
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help="alternations per load")
     parser.add_argument("--output", type=Path)
     args = parser.parse_args()
     counts = [int(n) for n in args.workers.split(",") if int(n) > 1]
@@ -103,7 +106,7 @@ def main() -> int:
         repository = Path(scratch)
         big = _write_heads(repository, args.large)
         loads = [Load(big, "npy", 64), Load(big, "json", 1), Load("small", "json", 1)]
-        report = _run(repository, big, loads, counts, args.provider)
+        report = _run(repository, big, loads, counts, args.provider, args.rounds)
     print(report)
     if args.output:
         args.output.write_text(report + "\n", encoding="utf-8")
@@ -123,7 +126,9 @@ def _write_heads(repository: Path, large: bool) -> str:
     return "large"
 
 
-def _run(repository: Path, big: str, loads: list[Load], counts: list[int], provider: str) -> str:
+def _run(
+    repository: Path, big: str, loads: list[Load], counts: list[int], provider: str, rounds: int
+) -> str:
     path = repository / big / "1" / "model.onnx"
     d_model = inspect_head(path).d_model
     session = HeadSession(path, tied=True, providers=select_providers(provider))  # type: ignore[arg-type]
@@ -138,19 +143,19 @@ def _run(repository: Path, big: str, loads: list[Load], counts: list[int], provi
                 memory[workers] = _memory(split)
                 for load in loads:
                     for clients in CLIENTS:
-                        one, many = _alternate(single, split, load, clients, d_model)
+                        one, many = _alternate(single, split, load, clients, d_model, rounds)
                         rows.append(_row(load, clients, workers, one, many, bare))
     bare_after = _bare(session, 64, d_model, seconds=MAX_SECONDS)
     rate = (bare.rows_per_s + bare_after.rows_per_s) / 2
-    return _report(big, d_model, rows, memory, rate)
+    return _report(big, d_model, rows, memory, rate, rounds)
 
 
 def _alternate(
-    single: str, split: str, load: Load, clients: int, d_model: int
+    single: str, split: str, load: Load, clients: int, d_model: int, rounds: int
 ) -> tuple[Window, Window]:
-    """N = 1 and N > 1 in alternating windows, each averaged over ``ROUNDS``."""
+    """N = 1 and N > 1 in alternating windows, each averaged over ``rounds``."""
     runs: dict[str, list[Window]] = {single: [], split: []}
-    for _ in range(ROUNDS):
+    for _ in range(rounds):
         for url in (single, split):
             runs[url].append(_window(url, load, clients, d_model))
     return _mean(runs[single]), _mean(runs[split])
@@ -233,14 +238,20 @@ def _row(load: Load, clients: int, workers: int, one: Window, many: Window, bare
 
 
 def _report(
-    big: str, d_model: int, rows: list[str], memory: dict[int, Memory], bare_rate: float
+    big: str,
+    d_model: int,
+    rows: list[str],
+    memory: dict[int, Memory],
+    bare_rate: float,
+    rounds: int,
 ) -> str:
     lines = [
         describe_machine(),
         "",
         f"Top-{K}, loopback, raw HTTP/1.1 closed-loop clients on the same machine. N = 1 is one "
         f"process (the default); N > 1 is N fronts + one engine, measured alternately with N = 1 "
-        f"({ROUNDS} x {MAX_SECONDS:.0f} s windows each). Bare onnxruntime session on `{big}` "
+        f"({rounds} x {MAX_SECONDS:.0f} s windows each); the fronts run at nice "
+        f"{Settings().front_nice} (`LMHEAD_FRONT_NICE`). Bare onnxruntime session on `{big}` "
         f"(d_model {d_model}) at 64 rows: {bare_rate:.0f} rows/s.",
         "",
         "CPU per request: the one process / the engine + the fronts (microseconds). Cores busy: "

@@ -193,6 +193,8 @@ class LimitedHttp(HttpToolsProtocol):
 
     def _start_asgi_task(self, cycle: Any, app: Any) -> None:  # uvicorn >= 0.45 calls it
         self._running = cycle
+        if cycle.waiting_for_100_continue:
+            cycle.send = _closing_unasked(cycle, cycle.send)
         super()._start_asgi_task(cycle, app)
 
     def on_message_begin(self) -> None:
@@ -368,6 +370,19 @@ class LimitedHttp(HttpToolsProtocol):
         )
         self.transport.write(head + body)
         self.transport.close()
+
+
+def _closing_unasked(cycle: Any, send: Any) -> Any:
+    """``send`` of a request whose client waits for ``100 Continue``: an answer started
+    before the body was asked for (a 413, a 404) says ``connection: close``, as the
+    connection ends after it (``on_response_complete``)."""
+
+    async def sending(message: Any) -> None:
+        if message["type"] == "http.response.start" and cycle.waiting_for_100_continue:
+            cycle.keep_alive = False
+        await send(message)
+
+    return sending
 
 
 def _has_body(headers: list[tuple[bytes, bytes]]) -> bool:

@@ -168,6 +168,12 @@ def test_json_that_decodes_past_the_budget_is_413_before_decoding(url: str) -> N
 
 def _exchange(url: str, raw: bytes, timeout: float = 10.0) -> tuple[int, bytes, bool]:
     """Send raw bytes on a fresh connection; the status, the body and whether it was closed."""
+    head, body, closed = _exchange_head(url, raw, timeout)
+    return int(head.split(b" ", 2)[1]), body, closed
+
+
+def _exchange_head(url: str, raw: bytes, timeout: float = 10.0) -> tuple[bytes, bytes, bool]:
+    """``_exchange`` with the answer's status line and headers as sent."""
     host, port = url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=timeout) as sock:
         if raw:  # (nothing: a connection refused at once answers without being asked)
@@ -186,7 +192,7 @@ def _exchange(url: str, raw: bytes, timeout: float = 10.0) -> tuple[int, bytes, 
             closed = sock.recv(1) == b""
         except ConnectionResetError:
             closed = True
-    return int(head.split(b" ", 2)[1]), body, closed
+    return head, body, closed
 
 
 def test_oversized_headers_are_431_and_the_connection_closed(url: str) -> None:
@@ -318,7 +324,7 @@ def test_http_framing_refusals_are_json_and_keep_no_stale_state(url: str) -> Non
     chunked were ignored (a gzip body read as text), HTTP/1.1 without Host was served, HEAD
     was 405, a trailing slash was a 307 to the client's own Host, and a 413 to a client
     waiting for ``100 Continue`` kept the connection open, so its next request was read as
-    the refused body."""
+    the refused body (now closed, and said so in ``connection: close``)."""
     one = b"\r\nContent-Type: application/json\r\n"
     gzip = b"POST /v1/models/tied/topk HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip, chunked"
     status, body, closed = _exchange(url, gzip + one + b"\r\n0\r\n\r\n")
@@ -338,9 +344,14 @@ def test_http_framing_refusals_are_json_and_keep_no_stale_state(url: str) -> Non
         b"POST /v1/models/tied/topk HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         b"Content-Length: %d\r\nExpect: 100-continue\r\n\r\n" % (64 * 2**20)
     )
-    status, body, closed = _exchange(url, expecting)
-    assert (status, closed) == (413, True)
+    raw_head, body, closed = _exchange_head(url, expecting)
+    assert (raw_head.split(b" ", 2)[1], closed) == (b"413", True)
+    assert b"\r\nconnection: close" in raw_head.lower()  # the client is told, not just cut off
     assert "LMHEAD_MAX_BODY_BYTES" in orjson.loads(body)["error"]["message"]
+    unknown = expecting.replace(b"/topk", b"/nothing").replace(b"%d" % (64 * 2**20), b"100")
+    raw_head, body, closed = _exchange_head(url, unknown)  # any answer given before the body
+    assert (raw_head.split(b" ", 2)[1], closed) == (b"404", True)
+    assert b"\r\nconnection: close" in raw_head.lower()
 
 
 def _npy(array: npt.NDArray[np.float32]) -> bytes:
