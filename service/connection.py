@@ -14,7 +14,8 @@ made normal requests fail. ``LimitedHttp`` adds, per connection:
   (uvicorn wrote a text 400 at once: read as an earlier request's answer, which was lost);
   a transfer coding other than ``chunked`` -> 501; an HTTP/1.1 request without exactly one
   ``Host`` -> 400 (RFC 9112 3.2); an answer given without asking for a body the client holds
-  back for ``100 Continue`` closes the connection (its next request would be read as the body);
+  back for ``100 Continue`` says ``connection: close`` and closes (the next request would be
+  read as the body);
 * connections beyond ``max_connections`` -> 503 at once and close (uvicorn's own
   ``limit_concurrency`` answers only once a request arrives, holding the descriptor); with
   ``LMHEAD_WORKERS`` > 1 the cap holds for all fronts together (``SharedConnections``).

@@ -56,8 +56,8 @@ class Settings(PlaceSettings):
     """Also serve the V2 protocol over gRPC on this port (the image uses 8001); off if unset."""
     workers: int = Field(default=1, ge=1, le=64)
     """Front processes (HTTP, gRPC) feeding one engine holding each head once (`lmhead serve`)."""
-    front_nice: int = Field(default=19, ge=0, le=19)
-    """Nice levels the fronts run below the engine: its inference threads get the cores first."""
+    front_nice: int = Field(default=0, ge=0, le=19)
+    """Nice levels the fronts run below the engine (19: 64-row loads on 2 cores; see workers.md)."""
     default_k: int = Field(default=5, ge=1)
     """Top-k when a request does not say (a model's config.json may override it)."""
     max_k: int = Field(default=1000, ge=1)

@@ -44,13 +44,15 @@ def yield_to_engine(steps: int) -> None:
     """Lower this front's CPU priority by ``steps`` nice levels (``LMHEAD_FRONT_NICE``).
 
     On a machine whose cores the engine's onnxruntime threads fill, a front decoding a
-    request preempted one of them mid-run, and a run's parallel loop waits for its slowest
-    thread. At nice 19 the fronts take the cores as the runs leave them (they still get a
-    share when both want one: health checks answer). Measured on 2 cores, N = 2 against one
-    process, alternated in one run, two runs: 64-row ``.npy`` at 16 / 64 clients 1.00-1.02x /
-    0.99-1.03x at nice 0, 1.09-1.15x / 1.05-1.07x at nice 19 (nice 10: 1.01-1.07x /
-    1.01-1.02x); 1-row JSON at 64 clients on a small head 1.28-1.36x, 1.40-1.41x at 19; a
-    lone client unchanged. Where cores are spare (a GPU machine) nothing waits for them."""
+    request preempts one of them mid-run, and a run's parallel loop waits for its slowest
+    thread; at nice 19 the fronts take the cores as the runs leave them (still with a share
+    when both want one). A trade, so off by default. Measured on 2 cores against one
+    process, alternated in one run: with N = 2, 64-row ``.npy`` at 16 / 64 clients went
+    from 1.00-1.02x / 0.99-1.03x (nice 0) to 1.09-1.15x / 1.05-1.07x (nice 19; nice 10 was
+    no better than 0), and 1-row JSON at 64 clients on a small head from 1.28-1.36x to
+    1.40-1.49x. With 8 fronts of 1-row JSON the starved fronts fed the engine a few rows at
+    a time (2-7 rows per run instead of 23): 0.51-0.88x. Where cores are spare (a GPU
+    machine) nothing waits for them either way."""
     if steps:
         with contextlib.suppress(OSError):  # a platform without nice: priority unchanged
             os.nice(steps)
