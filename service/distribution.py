@@ -106,6 +106,8 @@ def shape_of(
     sample = None
     if options.sample is not None:
         sample, temperature = _sample_spec(options.sample, vocab, limits, temperature)
+    if bias is not None:  # added to the logits before temperature, as in transformers and
+        bias = bias.at(temperature)  # vLLM: the run's logits are already divided by it
     return Shape(allowed, bias, over, sample), temperature
 
 
@@ -190,7 +192,7 @@ def _sample_spec(
     if sampling is not None and temperature != 1.0 and sampling != temperature:
         raise InvalidInput("give the temperature once: sample.temperature or temperature")
     if sampling is not None and sampling != 0:
-        temperature = limits.temperature(sampling)  # the range check of every temperature
+        temperature = limits.temperature(sampling, "sample.temperature (or 0: greedy)")
     if options.top_k is not None:
         limits.k(options.top_k, options.top_k, "sample.top_k")
     if options.top_p is not None and not 0.0 < options.top_p <= 1.0:

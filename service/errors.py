@@ -103,6 +103,7 @@ class InferenceFailed(ServiceError):
 #: Client-given names an error message lists at most (each cut to ``NAME_CHARS``).
 LISTED_NAMES = 5
 NAME_CHARS = 64
+SHOWN_CHARS = 24  # a value shown back in a validation error: a number or a word
 
 
 def few(names: list[Any]) -> str:
@@ -121,9 +122,20 @@ def describe_validation_errors(errors: Any, whole: str = "body") -> str:
         location = ".".join(str(p)[:NAME_CHARS] for p in error.get("loc", ()) if p != "body")
         where = location or whole
         message = str(error.get("msg", "invalid")).removeprefix("Value error, ")
+        message += _what_came(error.get("input"))
         parts.append(f"{where}: {message}" if where else message)
     more = len(errors) - LISTED_NAMES
     return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
+
+
+def _what_came(value: Any) -> str:
+    """ ", got ..." for a number or a short word (what a client needs to see its slip);
+    nothing for anything longer, which could be a client's payload."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return f", got {value}" if len(str(value)) <= SHOWN_CHARS else ""
+    if isinstance(value, str) and len(value) <= SHOWN_CHARS and value.isprintable():
+        return f", got {value!r}"
+    return ""
 
 
 class InvalidModelName(ServiceError):

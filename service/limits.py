@@ -136,10 +136,11 @@ class Limits:
             raise ValueError(f"default_k {default} is above LMHEAD_MAX_K ({self.max_k})")
 
     @staticmethod
-    def temperature(value: float) -> float:
+    def temperature(value: float, field: str = "temperature") -> float:
         if not MIN_TEMPERATURE <= value <= MAX_TEMPERATURE:  # NaN fails too
             raise InvalidInput(
-                f"temperature must be a number in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]"
+                f"{field} must be a number in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], "
+                f"got {value:g}"
             )
         return float(value)
 

@@ -129,6 +129,11 @@ class Bias:
         ids = np.array(sorted(table), np.int64)
         return cls(ids, np.array([table[token] for token in ids.tolist()], np.float32))
 
+    def at(self, temperature: float) -> Bias:
+        """This bias on logits divided by ``temperature`` ((z + b) / T = z / T + b / T), so a
+        bias weighs the same at every temperature and temperature never reorders tokens."""
+        return Bias(self.ids, (self.values / np.float32(temperature)).astype(np.float32))
+
     @property
     def banned(self) -> int:
         return int(np.isneginf(self.values).sum())
@@ -145,17 +150,13 @@ def logsumexp(logits: Floats) -> Floats:
 
 
 def top_sorted(logits: Floats, ids: Ids, k: int) -> tuple[Floats, Ids]:
-    """The k largest of (rows, n) logits, descending, with their ids ((n,) or (rows, n))."""
-    k = min(k, logits.shape[1])
-    if k < logits.shape[1]:
-        part = np.argpartition(-logits, k - 1, axis=1)[:, :k]
-    else:
-        part = np.broadcast_to(np.arange(logits.shape[1]), logits.shape)
-    values = np.take_along_axis(logits, part, axis=1)
-    order = np.argsort(-values, axis=1, kind="stable")
-    chosen = np.take_along_axis(part, order, axis=1)
+    """The k largest of (rows, n) logits, descending, with their ids ((n,) or (rows, n));
+    equal logits in id order, as the graph's TopK gives them (not in column order: a biased
+    token, or an allowed list's order, must not decide a tie). n is small here: the top-k
+    plus the biased tokens, or an allowed list."""
     every = np.broadcast_to(ids, logits.shape) if ids.ndim == 1 else ids
-    return np.take_along_axis(values, order, axis=1), np.take_along_axis(every, chosen, axis=1)
+    order = np.lexsort((every, -logits), axis=1)[:, : min(k, logits.shape[1])]
+    return np.take_along_axis(logits, order, axis=1), np.take_along_axis(every, order, axis=1)
 
 
 def biased_topk(values: Floats, ids: Ids, raw_b: Floats, bias: Bias, k: int) -> tuple[Floats, Ids]:

@@ -279,10 +279,11 @@ def _identity(answer: httpx.Response) -> tuple[str, int, bool]:
 
 
 def _query(value: Any) -> str:
-    """A query parameter: JSON for lists, objects and booleans, text for numbers."""
+    """A query parameter: JSON for lists, objects and booleans, text for numbers and words
+    (``logprobs_over=vocabulary``; as JSON it arrived quoted and was refused)."""
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, int | float):
+    if isinstance(value, int | float | str):
         return str(value)
     return json.dumps(value, default=_jsonable, allow_nan=False)
 

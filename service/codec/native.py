@@ -9,6 +9,7 @@ default. Every inference answer carries ``x-lmhead-model``, ``-version`` and ``-
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -97,10 +98,10 @@ def _vocabulary(opts: TopKOptions, arrays: dict[str, Any]) -> VocabularyOptions 
 
 async def decode_logits(request: Request, body_limit: int) -> tuple[LogitsRequest, str]:
     answer = response_type(request, (NPY, JSON), NPY)
-    hidden, opts, arrays = await _hidden_and_options(request, body_limit, LogitsOptions)
-    allowed = arrays.pop("allowed_token_ids", None)
-    if arrays:
-        raise InvalidInput(f"/logits does not take {sorted(arrays)}")
+    hidden, opts, arrays = await _hidden_and_options(
+        request, body_limit, LogitsOptions, ("allowed_token_ids",)
+    )
+    allowed = arrays.get("allowed_token_ids")
     return LogitsRequest(target(request), hidden, opts.temperature, allowed), answer
 
 
@@ -263,20 +264,23 @@ QUERY_EXAMPLES = {"logit_bias": '{"3":-100}', "sample": '{"seed":1}'}
 
 
 async def _hidden_and_options(
-    request: Request, body_limit: int, schema: type[BaseModel]
+    request: Request, body_limit: int, schema: type[BaseModel], lists: Sequence[str] = ID_LISTS
 ) -> tuple[npt.NDArray[Any], Any, dict[str, npt.NDArray[Any]]]:
+    """The rows, the options of ``schema`` and the id ``lists`` the route takes."""
     body = await read_body(request, body_limit)
     if content_type(request, (JSON, NPY)) == NPY:
         array = parse_npy(body, HIDDEN)
         values = {k: _query_value(k, v) for k, v in request.query_params.items() if k != "version"}
-        arrays = _id_lists(values, booleans=True)
+        arrays = _id_lists(values, lists, booleans=True)
+        taken = (*lists, "version")
         typed = {k: v for k, v in values.items() if k in JSON_QUERY}
-        opts = options(schema, {k: v for k, v in values.items() if k not in typed}, strict=False)
+        untyped = {k: v for k, v in values.items() if k not in typed}
+        opts = options(schema, untyped, strict=False, taken=taken)
         if typed:  # JSON text holds JSON types: checked as strictly as in a JSON body
-            checked = options(schema, typed)
+            checked = options(schema, typed, taken=taken)
             opts = opts.model_copy(update={name: getattr(checked, name) for name in typed})
         return array, opts, arrays
-    return await off_loop(len(body), _json_hidden_and_options, body, schema)
+    return await off_loop(len(body), _json_hidden_and_options, body, schema, lists)
 
 
 def _query_value(name: str, text: str) -> Any:
@@ -289,23 +293,25 @@ def _query_value(name: str, text: str) -> Any:
         raise InvalidInput(f"query parameter {name} must be JSON, e.g. {name}={example}") from None
 
 
-def _id_lists(values: dict[str, Any], booleans: bool) -> dict[str, npt.NDArray[Any]]:
+def _id_lists(
+    values: dict[str, Any], lists: Sequence[str], booleans: bool
+) -> dict[str, npt.NDArray[Any]]:
     return {
         name: int_array(values.pop(name), name, booleans)
-        for name in ID_LISTS
+        for name in lists
         if values.get(name) is not None
     }
 
 
 def _json_hidden_and_options(
-    body: bytes, schema: type[BaseModel]
+    body: bytes, schema: type[BaseModel], lists: Sequence[str]
 ) -> tuple[npt.NDArray[Any], Any, dict[str, npt.NDArray[Any]]]:
     values = parse_json_object(body)
     booleans = booleans_hidden(body, values)
     expected = "(rows, d_model) or (batch, tokens, d_model)"
     array = float_array(_required(values, HIDDEN, expected), HIDDEN, booleans)
-    arrays = _id_lists(values, booleans)
-    return array, options(schema, values), arrays
+    arrays = _id_lists(values, lists, booleans)
+    return array, options(schema, values, taken=(HIDDEN, *lists)), arrays
 
 
 def _required(payload: dict[str, Any], field: str, expected: str) -> Any:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import io
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -207,16 +207,24 @@ def parse_npy(body: bytes, field: str) -> npt.NDArray[Any]:
         raise MalformedBody(f"{field}: body is not a valid .npy array") from None
 
 
-def options(model: type[BaseModel], values: Mapping[str, Any], *, strict: bool = True) -> Any:
+def options(
+    model: type[BaseModel],
+    values: Mapping[str, Any],
+    *,
+    strict: bool = True,
+    taken: Sequence[str] = (),
+) -> Any:
     """Validate the small option fields; errors name the field, never echo the value.
 
     JSON options are strict (``"5"`` or ``true`` is no k); query strings are text by nature.
+    ``taken``: the fields read before these (the rows, id lists), named with them when a
+    field is unknown.
     """
     unknown = [name for name in values if name not in model.model_fields]
     if unknown:  # pydantic would make an error of each: a million keys took 17 s and 1.2 GB
         raise InvalidInput(
             f"unknown field{'s' * (len(unknown) > 1)} {few(unknown)}; the options here are "
-            + ", ".join(model.model_fields)
+            + ", ".join([*taken, *model.model_fields])
         )
     try:
         return model.model_validate(dict(values), strict=strict)

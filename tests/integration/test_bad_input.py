@@ -394,6 +394,19 @@ def test_errors_name_field_expected_and_actual(client: httpx.Client) -> None:
     assert too_big["error"]["message"] == "k must be between 1 and 50 (LMHEAD_MAX_K), got 51"
     unknown = client.post("/v1/models/tied/topk", json={"hidden_states": _rows(1), "kk": 2})
     assert unknown.json()["error"]["message"].startswith("unknown field 'kk'; the options here are")
+    assert "allowed_token_ids, banned_token_ids" in unknown.json()["error"]["message"]
+    stream = io.BytesIO()  # the fields read before the options are named too (were left out)
+    np.save(stream, np.asarray(_rows(1), np.float32))
+    npy = {"content-type": "application/x-npy"}
+    query = client.post("/v1/models/tied/topk?foo=1", content=stream.getvalue(), headers=npy)
+    named = "allowed_token_ids, banned_token_ids, version, temperature"
+    assert named in query.json()["error"]["message"]
+    logits = client.post(
+        "/v1/models/tied/logits?banned_token_ids=[3]", content=stream.getvalue(), headers=npy
+    )
+    message = logits.json()["error"]["message"]
+    assert message.startswith("unknown field 'banned_token_ids'")
+    assert "allowed_token_ids" in message
     long_key = {"hidden_states": _rows(1), "y" * 5000: 1}
     refused = client.post("/v1/models/tied/topk", json=long_key).text
     assert "y" * 64 in refused

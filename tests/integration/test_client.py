@@ -10,6 +10,7 @@ import threading
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -65,6 +66,23 @@ def test_tokens_sampling_and_options_pass_through(url: str) -> None:
     assert top.tokens == [[labels[i] for i in row] for row in top.token_ids.tolist()]
     assert sampled.sampled_token_ids is not None
     assert set(sampled.sampled_token_ids.tolist()) <= {5, 9}
+    over: dict[bool, list[Any]] = {}  # a word option went as JSON text ("vocabulary", quoted)
+    for binary in (True, False):
+        with Client(url, binary=binary) as client:
+            over[binary] = [
+                client.topk(
+                    "tied",
+                    HIDDEN[:2],
+                    k=2,
+                    logprobs=True,
+                    allowed_token_ids=[5, 9, 40],
+                    logprobs_over=name,
+                ).logprobs
+                for name in ("vocabulary", "candidates")
+            ]
+    np.testing.assert_allclose(over[True], over[False], rtol=1e-5, atol=1e-6)
+    vocabulary, candidates = over[True]
+    assert (vocabulary < candidates).all()  # normalised over more tokens, each gets less
 
 
 def test_logits_embed_score_compare_and_metadata(

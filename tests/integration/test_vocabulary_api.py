@@ -111,6 +111,51 @@ def test_logit_bias_and_bans_reshape_the_whole_distribution(url: str, repository
     assert answer["results"][1]["token_ids"][0] == lifted
 
 
+def test_logit_bias_is_added_before_temperature(url: str, repository: Path) -> None:
+    """(z + b) / T, as transformers and vLLM apply it, so temperature never reorders tokens:
+    it was z / T + b, and at T = 0.1 the bias that put a token first weighed ten times less
+    and left it second."""
+    logits = _logits(repository, "tied")
+    second = int(np.argsort(-logits[0])[1])
+    lift = round(float(logits[0].max() - logits[0, second]) * 1.5, 3)
+    biased = logits.copy()
+    biased[:, second] += np.float32(lift)
+    for temperature in (0.1, 1.0, 4.0):
+        answer = _topk(
+            url,
+            "tied",
+            k=3,
+            logprobs=True,
+            temperature=temperature,
+            logit_bias={str(second): lift},
+        )
+        scaled = biased / temperature
+        assert answer["results"][0]["token_ids"][0] == second
+        for row, result in enumerate(answer["results"]):
+            order = np.argsort(-scaled[row], kind="stable")[:3]
+            assert result["token_ids"] == order.tolist()
+            np.testing.assert_allclose(result["logits"], scaled[row, order], rtol=RTOL, atol=ATOL)
+            want = log_softmax(scaled[row])[order]
+            np.testing.assert_allclose(result["logprobs"], want, rtol=RTOL, atol=ATOL)
+
+
+def test_ties_go_to_the_lower_id_whatever_the_bias_or_the_list_order(url: str) -> None:
+    """As the graph's TopK breaks them: a zero bias dropped its token from a tie (biased
+    tokens were ranked after the others), and an allowed list's order decided greedy draws."""
+    zeros = {"hidden_states": [[0.0] * D_MODEL]}  # every logit 0: one big tie
+
+    def first(**body: Any) -> Any:
+        answer = httpx.post(f"{url}/v1/models/tied/topk", json={**zeros, **body})
+        assert answer.status_code == 200, answer.text
+        return answer.json()["results"][0]
+
+    assert first(k=4)["token_ids"] == [0, 1, 2, 3]
+    assert first(k=4, logit_bias={"2": 0.0})["token_ids"] == [0, 1, 2, 3]
+    for allowed in ([9, 5, 3], [3, 5, 9]):
+        greedy = first(k=2, allowed_token_ids=allowed, sample={"temperature": 0})
+        assert (greedy["token_ids"], greedy["sampled_token_id"]) == ([3, 5], 3)
+
+
 def test_sampling_is_seeded_per_position_and_follows_filters(url: str, repository: Path) -> None:
     sample = {"seed": 11, "top_k": 5, "temperature": 0.7}
     first = _topk(url, "tied", k=5, sample=sample)
@@ -260,6 +305,8 @@ def test_v2_parameters_shape_the_distribution(url: str, repository: Path) -> Non
         ({"sample": {"top_p": 1.5}}, "sample.top_p must be in"),
         ({"sample": {"temperature": 0.5}, "temperature": 2.0}, "give the temperature once"),
         ({"logprobs_over": "candidates"}, "needs allowed_token_ids"),
+        ({"logprobs_over": "all"}, "got 'all'"),
+        ({"sample": {"temperature": 2e4}}, "sample.temperature (or 0: greedy) must be a number"),
         ({"allowed_token_ids": [3], "banned_token_ids": [3]}, "every allowed token"),
     ],
 )

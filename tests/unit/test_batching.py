@@ -493,10 +493,18 @@ def test_runs_the_executor_drops_fail_their_callers_and_close_ends(tied_path: Pa
         batcher.start()
         futures = [batcher.enqueue(_rows(1, i), 2) for i in range(2)]
         await run.wait_started()
-        hold = threading.Event()
-        blocker = executor.submit(hold.wait, WAIT)  # the chained run queues behind it
+        hold, blocking = threading.Event(), threading.Event()
+
+        def block() -> bool:
+            blocking.set()
+            return hold.wait(WAIT)
+
+        blocker = executor.submit(block)  # the chained run queues behind it
         run.gate.set()
         await futures[0]
+        # The worker takes the blocker once the first run has queued the next (shutting down
+        # before it did cancelled the blocker too: a race this test lost under load).
+        assert await asyncio.to_thread(blocking.wait, WAIT)
         executor.shutdown(wait=False, cancel_futures=True)
         hold.set()
         await asyncio.wait_for(batcher.close(), WAIT)
