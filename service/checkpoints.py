@@ -6,7 +6,7 @@ chunk. bf16 and fp16 convert to float32 exactly (numpy reads bf16 through ml_dty
 onnx already depends on).
 
 Head transforms from the config (Gemma-2 ``final_logit_softcapping``, Cohere ``logit_scale``,
-T5's tied ``d_model ** -0.5`` rescale) and Phi-2's ``lm_head.bias`` go into the graph.
+the T5 family's tied ``d_model ** -0.5`` rescale) and Phi-2's ``lm_head.bias`` go into the graph.
 
 Tying follows the checkpoint: no head tensor and ``tie_word_embeddings``
 true (the default) -> tied; a head tensor equal to the embedding (OPT-125m, Qwen1.5 ship a
@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,9 @@ EMBEDDING_TENSORS = (
     "shared.weight",  # T5
 )
 HEAD_TENSORS = ("lm_head.weight", "embed_out.weight")
+#: Models whose tied output is rescaled by d_model ** -0.5 (transformers'
+#: ``...ForConditionalGeneration``: ``if config.tie_word_embeddings``).
+T5_FAMILY = frozenset({"t5", "mt5", "umt5", "longt5", "switch_transformers"})
 FLOAT_DTYPES = ("F32", "F16", "BF16")
 CHUNKS = 32
 BIAS_TENSOR = "lm_head.bias"
@@ -79,7 +83,7 @@ class Checkpoint:
 
         Chunks keep the peak at the float32 result plus one chunk, and let a progress bar move.
         """
-        with safe_open(self._files[name], framework="numpy") as handle:
+        with _opened(self._files[name], name) as handle:
             view = handle.get_slice(name)
             if view.get_dtype() not in FLOAT_DTYPES:
                 raise CheckpointError(
@@ -127,11 +131,15 @@ class Checkpoint:
             return HeadPlan(embedding, head, tied=True, notes=["--tie: the head tensor is dropped"])
         return HeadPlan(embedding, head, tied=False)
 
-    def transforms(self, d_model: int) -> HeadTransforms:
-        """Head transforms the config asks for (soft-cap, logit scale, T5's rescale)."""
+    def transforms(self, d_model: int, tied: bool) -> HeadTransforms:
+        """Head transforms the config asks for (soft-cap, logit scale, T5's rescale). ``tied``:
+        the head is the embedding (T5 rescales only then: a differing ``lm_head`` imported
+        untied is served as an untied T5's, h @ lm_head.T)."""
         softcap = _number(self.config, "final_logit_softcapping")
-        t5_tied = self.config.get("model_type") == "t5" and _flag(
-            self.config, "tie_word_embeddings", True
+        t5_tied = (
+            tied
+            and self.config.get("model_type") in T5_FAMILY
+            and _flag(self.config, "tie_word_embeddings", True)
         )
         try:
             return HeadTransforms(
@@ -180,15 +188,7 @@ def tokenizer_tokens(directory: Path, vocab_size: int) -> list[str] | None:
     tokenizer = directory / "tokenizer.json"
     source = tokenizer if tokenizer.is_file() else directory / "vocab.json"
     if tokenizer.is_file():
-        model = _json_file(tokenizer).get("model", {})
-        raw = model.get("vocab") if isinstance(model, dict) else None
-        if isinstance(raw, dict):
-            vocab = raw
-        elif isinstance(raw, list):  # Unigram: [[piece, score], ...]
-            pieces = [entry[0] if isinstance(entry, list) and entry else None for entry in raw]
-            vocab = {piece: i for i, piece in enumerate(pieces) if isinstance(piece, str)}
-            if len(vocab) != len(raw):
-                raise CheckpointError(f"{tokenizer}: a Unigram vocab is [[piece, score], ...]")
+        vocab = _tokenizer_vocab(tokenizer)
     elif (directory / "vocab.json").is_file():
         vocab = _json_file(directory / "vocab.json")
     if vocab is None:
@@ -202,6 +202,35 @@ def tokenizer_tokens(directory: Path, vocab_size: int) -> list[str] | None:
         if 0 <= index < vocab_size:
             labels[index] = token.replace("\n", "\\n").replace("\r", "\\r")  # one line each
     return labels
+
+
+def _tokenizer_vocab(tokenizer: Path) -> dict[str, int] | None:
+    """Token -> id of a ``tokenizer.json``: its model's vocab and its ``added_tokens``."""
+    document = _json_file(tokenizer)
+    model = document.get("model", {})
+    raw = model.get("vocab") if isinstance(model, dict) else None
+    vocab: dict[str, int] | None = None
+    if isinstance(raw, dict):
+        vocab = raw
+    elif isinstance(raw, list):  # Unigram: [[piece, score], ...]
+        pieces = [entry[0] if isinstance(entry, list) and entry else None for entry in raw]
+        vocab = {piece: i for i, piece in enumerate(pieces) if isinstance(piece, str)}
+        if len(vocab) != len(raw):
+            raise CheckpointError(f"{tokenizer}: a Unigram vocab is [[piece, score], ...]")
+    if vocab is None:
+        return None  # special tokens (Llama-3's 128000-128255) live only in added_tokens
+    return {**vocab, **_added_tokens(document.get("added_tokens"), tokenizer)}
+
+
+def _added_tokens(entries: Any, source: Path) -> dict[str, int]:
+    """``added_tokens`` of a ``tokenizer.json``: [{"id": 128009, "content": "<|eot_id|>"}]."""
+    if entries is None:
+        return {}
+    if not isinstance(entries, list) or not all(
+        isinstance(entry, dict) and isinstance(entry.get("content"), str) for entry in entries
+    ):
+        raise CheckpointError(f"{source}: added_tokens is a list of {{id, content}} objects")
+    return {entry["content"]: entry.get("id") for entry in entries}
 
 
 def _json_file(path: Path) -> dict[str, Any]:
@@ -222,6 +251,25 @@ def _first(candidates: tuple[str, ...], present: dict[str, Path]) -> str | None:
 def _listing(names: list[str]) -> str:
     shown = ", ".join(names[:40])
     return shown + (f", ... ({len(names)} in all)" if len(names) > 40 else "")
+
+
+@contextmanager
+def _opened(path: Path, name: str) -> Iterator[Any]:
+    """``safe_open`` of the file holding tensor ``name``; its errors name the file (a shard's
+    error named neither the shard nor the index)."""
+    if not path.is_file():
+        raise CheckpointError(f"tensor {name} is in {path.name}, which is missing")
+    try:
+        handle = safe_open(path, framework="numpy")
+        with handle:
+            names = handle.keys()  # type: ignore[no-untyped-call]
+            if name not in names:
+                raise CheckpointError(f"tensor {name} is not in {path.name}, as the index says")
+            yield handle
+    except CheckpointError:
+        raise
+    except Exception as error:  # safetensors raises its own SafetensorError
+        raise CheckpointError(f"{path.name} is not a readable safetensors file: {error}") from None
 
 
 def _read_config(path: Path) -> dict[str, Any]:

@@ -67,8 +67,9 @@ def import_checkpoint(
     )
     table = checkpoint.tensor(plan.embedding, Progress(f"[1/3] reading {plan.embedding}"))
     notes = list(plan.notes)
-    weights = _weights(checkpoint, plan.head, table, options, notes)
-    transforms = checkpoint.transforms(table.shape[1])
+    notes += _config_notes(checkpoint)
+    weights, tied_in_source = _weights(checkpoint, plan.head, table, options, notes)
+    transforms = checkpoint.transforms(table.shape[1], tied=tied_in_source)
     bias = checkpoint.bias()
     if transforms.describe() or bias is not None or options.dtype != "float32":
         try:
@@ -118,12 +119,14 @@ def _weights(
     table: npt.NDArray[np.float32],
     options: ImportOptions,
     notes: list[str],
-) -> HeadWeights:
+) -> tuple[HeadWeights, bool]:
+    """The head's weights, and whether the checkpoint's head is its embedding (T5's rescale
+    follows that, even when ``--untie`` stores a separate copy)."""
     if head_name is None:
         if options.untie:
             notes.append("--untie: the head starts as a separate copy of the embedding")
-            return HeadWeights.from_arrays(table, table.copy(), twin=True)
-        return HeadWeights.from_arrays(table)
+            return _arrays(table, table.copy(), twin=True), True
+        return _arrays(table), True
     head = checkpoint.tensor(head_name, Progress(f"[2/3] reading {head_name}"))
     if head.shape != table.shape:
         raise CheckpointError(
@@ -131,16 +134,38 @@ def _weights(
         )
     if options.tie:
         notes.append(_tie_warning(table, head))
-        return HeadWeights.from_arrays(table)
-    if np.array_equal(head, table) and not options.untie:
+        return _arrays(table), True
+    redundant = bool(np.array_equal(head, table))
+    if redundant and not options.untie:
         notes.append(f"{head_name} equals the embedding (a redundant copy): tied")
-        return HeadWeights.from_arrays(table)
-    if checkpoint.config.get("tie_word_embeddings") is True and not options.untie:
+        return _arrays(table), True
+    if checkpoint.config.get("tie_word_embeddings") is True and not redundant:
         notes.append(
             f"config.json says tie_word_embeddings, but {head_name} differs from the "
             "embedding: imported untied, as the weights are (--tie ties it to the embedding)"
         )
-    return HeadWeights.from_arrays(table, head)
+    return _arrays(table, head), redundant
+
+
+def _arrays(
+    table: npt.NDArray[np.float32],
+    head: npt.NDArray[np.float32] | None = None,
+    twin: bool = False,
+) -> HeadWeights:
+    """``HeadWeights.from_arrays``; NaN or Inf in the weights is the checkpoint's fault."""
+    try:
+        return HeadWeights.from_arrays(table, head, twin=twin)
+    except ValueError as error:
+        raise CheckpointError(str(error)) from None
+
+
+def _config_notes(checkpoint: Checkpoint) -> list[str]:
+    if (checkpoint.directory / "config.json").is_file():
+        return []
+    return [
+        "WARNING no config.json: tying from the tensors alone, and no head transforms "
+        "(a Gemma-2 soft-cap, Cohere logit_scale or T5's tied rescale would be missing)"
+    ]
 
 
 def _tie_warning(table: npt.NDArray[np.float32], head: npt.NDArray[np.float32]) -> str:

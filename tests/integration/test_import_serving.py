@@ -20,6 +20,7 @@ from service.reference import log_softmax, top_k
 from tests.server import running_server
 
 VOCAB, D = 400, 32
+T5_FAMILY = ("t5", "mt5", "umt5", "longt5", "switch_transformers")
 HIDDEN = np.random.default_rng(3).standard_normal((5, D)).astype(np.float32)
 
 
@@ -36,8 +37,8 @@ class Family:
         table = next(weights[k] for k in weights if "embed" in k or "wte" in k or "shared" in k)
         head = weights.get("lm_head.weight", weights.get("embed_out.weight", table))
         hidden = HIDDEN.astype(np.float64)
-        if self.config.get("model_type") == "t5":
-            hidden = hidden * D**-0.5
+        if self.config.get("model_type") in T5_FAMILY and self.tied:  # (transformers'
+            hidden = hidden * D**-0.5  # ...ForConditionalGeneration: tied ones only)
         logits = hidden @ head.T + weights.get("lm_head.bias", 0.0)
         logits = logits * self.config.get("logit_scale", 1.0)
         cap = self.config.get("final_logit_softcapping")
@@ -86,6 +87,13 @@ FAMILIES = [
         tied=False,
     ),
     Family("t5", {"shared.weight": _w(10)}, {"model_type": "t5"}, tied=True),
+    Family("mt5", {"shared.weight": _w(12)}, {"model_type": "mt5"}, tied=True),
+    Family(  # said tied, but the head differs: untied as the weights are, so no rescale
+        "t5-own-head",
+        {"shared.weight": _w(13), "lm_head.weight": _w(14)},
+        {"model_type": "t5", "tie_word_embeddings": True},
+        tied=False,
+    ),
     Family("cohere", {"model.embed_tokens.weight": _w(11)}, {"logit_scale": 0.0625}, tied=True),
 ]
 

@@ -134,6 +134,22 @@ def test_sharded_checkpoints_are_read_through_the_index(tmp_path: Path) -> None:
     result = import_checkpoint(source, tmp_path / "models", "sharded")
     _, output = initializers(result.directory / "model.onnx").values()
     np.testing.assert_array_equal(output, head)
+    # A shard's failure names the shard (it named neither the shard nor the index)
+    weight_map["lm_head.weight"] = "model-00001.safetensors"
+    (source / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(CheckpointError, match="lm_head.weight is not in model-00001"):
+        import_checkpoint(source, tmp_path / "models", "sharded")
+    weight_map["lm_head.weight"] = "model-00003.safetensors"
+    (source / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(CheckpointError, match="lm_head.weight is in model-00003.*missing"):
+        import_checkpoint(source, tmp_path / "models", "sharded")
+    weight_map["lm_head.weight"] = "model-00002.safetensors"
+    (source / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    shard = source / "model-00002.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match="model-00002.safetensors is not a readable"):
+        import_checkpoint(source, tmp_path / "models", "sharded")
+    assert [p.name for p in (tmp_path / "models" / "sharded").iterdir()] == ["1"]
 
 
 def test_untie_and_tie_flags(tmp_path: Path) -> None:
@@ -179,6 +195,15 @@ def test_labels_from_tokenizer_json_and_versions_count_up(tmp_path: Path) -> Non
     assert labels[7] == "line\\nbreak"
     assert labels[9] == "carriage\\rreturn"
     assert labels[10] == "tok10"
+    added = [{"id": VOCAB - 1, "content": "<|eot_id|>"}]  # Llama-3's specials live only here
+    vocab = {f"tok{i}": i for i in range(VOCAB - 1)}
+    (source / "tokenizer.json").write_text(
+        json.dumps({"model": {"vocab": vocab}, "added_tokens": added})
+    )
+    special = import_checkpoint(source, tmp_path / "models", "special")
+    specials = read_labels(special.directory, "vocab.txt", VOCAB)
+    assert specials is not None
+    assert specials[-2:] == [f"tok{VOCAB - 2}", "<|eot_id|>"]
     with pytest.raises(CheckpointError, match="exists already"):
         import_checkpoint(source, tmp_path / "models", "labelled", ImportOptions(version=1))
 
@@ -261,7 +286,7 @@ def test_weights_holding_nan_are_refused(tmp_path: Path) -> None:
     table = _table()
     table[7, 3] = np.nan
     source = _checkpoint(tmp_path / "ckpt", {"model.embed_tokens.weight": table})
-    with pytest.raises(ValueError, match="NaN or Inf .* in row 7"):
+    with pytest.raises(CheckpointError, match="NaN or Inf .* in row 7"):  # the CLI's exit 2
         import_checkpoint(source, tmp_path / "models", "head")
     big = _table() * 1e6  # finite in float32, beyond float16's range
     source = _checkpoint(tmp_path / "big", {"model.embed_tokens.weight": big})
@@ -333,6 +358,19 @@ def test_trim_and_quantize_refuse_what_they_cannot_read_right(
     onnx.save_model(foreign, repository / "head" / "1" / "model.onnx")
     assert main(["quantize", "head", "--quantize", "int8", *where]) == 2
     assert "has no 'embedding.weight' initializer" in capsys.readouterr().err
+
+
+def test_a_checkpoint_without_config_json_is_imported_with_a_warning(tmp_path: Path) -> None:
+    """Tying and the head transforms come from config.json: without it a T5 or Gemma-2 head
+    would silently lose its rescale or soft-cap, so the import says so."""
+    source = _checkpoint(tmp_path / "ckpt", {"shared.weight": _table()})
+    (source / "config.json").unlink()
+    result = import_checkpoint(source, tmp_path / "models", "bare")
+    assert any(note.startswith("WARNING no config.json") for note in result.notes)
+    with_config = import_checkpoint(
+        _checkpoint(tmp_path / "c2", {"shared.weight": _table()}), tmp_path / "models", "ok"
+    )
+    assert not any("config.json" in note for note in with_config.notes)
 
 
 def test_version_numbers_count_whatever_their_zeros(tmp_path: Path) -> None:
