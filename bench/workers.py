@@ -134,7 +134,7 @@ def _run(
     session = HeadSession(path, tied=True, providers=select_providers(provider))  # type: ignore[arg-type]
     bare = _bare(session, 64, d_model, seconds=MAX_SECONDS)
     settings = {"log_level": "warning", "provider": provider}
-    rows: list[str] = []
+    measured: list[tuple[Load, int, int, Window, Window]] = []
     memory: dict[int, Memory] = {}
     with running_server(repository, **settings) as single:
         memory[1] = _memory(single)
@@ -144,9 +144,10 @@ def _run(
                 for load in loads:
                     for clients in CLIENTS:
                         one, many = _alternate(single, split, load, clients, d_model, rounds)
-                        rows.append(_row(load, clients, workers, one, many, bare))
+                        measured.append((load, clients, workers, one, many))
     bare_after = _bare(session, 64, d_model, seconds=MAX_SECONDS)
-    rate = (bare.rows_per_s + bare_after.rows_per_s) / 2
+    rate = (bare.rows_per_s + bare_after.rows_per_s) / 2  # the machine drifts: before and after
+    rows = [_row(*window, rate) for window in measured]
     return _report(big, d_model, rows, memory, rate, rounds)
 
 
@@ -223,10 +224,14 @@ def _mean(windows: list[Window]) -> Window:
     )
 
 
-def _row(load: Load, clients: int, workers: int, one: Window, many: Window, bare: Result) -> str:
+def _row(
+    load: Load, clients: int, workers: int, one: Window, many: Window, bare_rate: float
+) -> str:
+    """One table row; ``bare_rate``: the bare session's rows/s the report states (the mean
+    of before and after: the column had used the one before, while the header said mean)."""
     big = load.model != "small"
     a, b = one.result, many.result
-    versus_bare = f"{b.rows_per_s / bare.rows_per_s:.2f}x" if big else "-"
+    versus_bare = f"{b.rows_per_s / bare_rate:.2f}x" if big else "-"
     cpu = f"{one.usage.engine_us:.0f} / {many.usage.engine_us:.0f} + {many.usage.fronts_us:.0f}"
     return (
         f"| {load} | {clients} | {workers} | {a.rows_per_s:.0f} | {b.rows_per_s:.0f} | "

@@ -27,7 +27,7 @@ from typing import Any
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, so bf16 slices read exactly)
 import numpy as np
 import numpy.typing as npt
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from service.graph import HeadTransforms
 
@@ -96,7 +96,7 @@ class Checkpoint:
             step = max(1, -(-rows // CHUNKS))
             for start in range(0, rows, step):
                 end = min(start + step, rows)  # safetensors refuses slices past the end
-                result[start:end] = view[start:end]
+                result[start:end] = _rows(view, start, end, self._files[name])
                 progress(end, rows)
         return result
 
@@ -184,17 +184,17 @@ class Checkpoint:
 
 def tokenizer_tokens(directory: Path, vocab_size: int) -> list[str] | None:
     """Token strings by id from ``tokenizer.json`` or ``vocab.json``; None when neither."""
-    vocab: dict[str, int] | None = None
+    vocab: list[tuple[str, Any]] | None = None
     tokenizer = directory / "tokenizer.json"
     source = tokenizer if tokenizer.is_file() else directory / "vocab.json"
     if tokenizer.is_file():
         vocab = _tokenizer_vocab(tokenizer)
     elif (directory / "vocab.json").is_file():
-        vocab = _json_file(directory / "vocab.json")
+        vocab = list(_json_file(directory / "vocab.json").items())
     if vocab is None:
         return None
     labels = [""] * vocab_size
-    for token, index in vocab.items():
+    for token, index in vocab:  # by id: a later pair (an added token) wins its id
         if type(index) is not int:
             raise CheckpointError(
                 f"{source}: token {token[:32]!r} has id {str(index)[:32]!r}, not an integer"
@@ -204,8 +204,10 @@ def tokenizer_tokens(directory: Path, vocab_size: int) -> list[str] | None:
     return labels
 
 
-def _tokenizer_vocab(tokenizer: Path) -> dict[str, int] | None:
-    """Token -> id of a ``tokenizer.json``: its model's vocab and its ``added_tokens``."""
+def _tokenizer_vocab(tokenizer: Path) -> list[tuple[str, Any]] | None:
+    """(token, id) pairs of a ``tokenizer.json``: its model's vocab, then its
+    ``added_tokens`` (pairs, not a dict by token: an added token may share its text with a
+    vocab entry of another id, and both ids keep their label)."""
     document = _json_file(tokenizer)
     model = document.get("model", {})
     raw = model.get("vocab") if isinstance(model, dict) else None
@@ -219,18 +221,18 @@ def _tokenizer_vocab(tokenizer: Path) -> dict[str, int] | None:
             raise CheckpointError(f"{tokenizer}: a Unigram vocab is [[piece, score], ...]")
     if vocab is None:
         return None  # special tokens (Llama-3's 128000-128255) live only in added_tokens
-    return {**vocab, **_added_tokens(document.get("added_tokens"), tokenizer)}
+    return [*vocab.items(), *_added_tokens(document.get("added_tokens"), tokenizer)]
 
 
-def _added_tokens(entries: Any, source: Path) -> dict[str, int]:
+def _added_tokens(entries: Any, source: Path) -> list[tuple[str, Any]]:
     """``added_tokens`` of a ``tokenizer.json``: [{"id": 128009, "content": "<|eot_id|>"}]."""
     if entries is None:
-        return {}
+        return []
     if not isinstance(entries, list) or not all(
         isinstance(entry, dict) and isinstance(entry.get("content"), str) for entry in entries
     ):
         raise CheckpointError(f"{source}: added_tokens is a list of {{id, content}} objects")
-    return {entry["content"]: entry.get("id") for entry in entries}
+    return [(entry["content"], entry.get("id")) for entry in entries]
 
 
 def _json_file(path: Path) -> dict[str, Any]:
@@ -255,20 +257,26 @@ def _listing(names: list[str]) -> str:
 
 @contextmanager
 def _opened(path: Path, name: str) -> Iterator[Any]:
-    """``safe_open`` of the file holding tensor ``name``; its errors name the file (a shard's
-    error named neither the shard nor the index)."""
+    """``safe_open`` of the file holding tensor ``name``; the file's own faults name it (a
+    shard's error named neither the shard nor the index). Reading it is ``_rows``'s."""
     if not path.is_file():
         raise CheckpointError(f"tensor {name} is in {path.name}, which is missing")
     try:
         handle = safe_open(path, framework="numpy")
-        with handle:
-            names = handle.keys()  # type: ignore[no-untyped-call]
-            if name not in names:
-                raise CheckpointError(f"tensor {name} is not in {path.name}, as the index says")
-            yield handle
-    except CheckpointError:
-        raise
-    except Exception as error:  # safetensors raises its own SafetensorError
+        names = handle.keys()  # type: ignore[no-untyped-call]
+    except SafetensorError as error:
+        raise CheckpointError(f"{path.name} is not a readable safetensors file: {error}") from None
+    if name not in names:
+        raise CheckpointError(f"tensor {name} is not in {path.name}, as the index says")
+    with handle:
+        yield handle
+
+
+def _rows(view: Any, start: int, end: int, path: Path) -> Any:
+    """Rows of a tensor's slice; a file cut short says so, naming the file."""
+    try:
+        return view[start:end]
+    except SafetensorError as error:
         raise CheckpointError(f"{path.name} is not a readable safetensors file: {error}") from None
 
 

@@ -134,7 +134,6 @@ class LimitedHttp(HttpToolsProtocol):
         self._refused: tuple[int, str] | None = None
         self._pending: tuple[int, str] | None = None  # a refusal waiting for earlier answers
         self._running: Any = None  # the request cycle whose app runs (uvicorn's is the last)
-        self._expecting: Any = None  # a cycle whose client waits for 100 Continue
         self._timer: asyncio.TimerHandle | None = None
         self._body_bytes = 0
         self._send_timer: asyncio.TimerHandle | None = None
@@ -227,8 +226,6 @@ class LimitedHttp(HttpToolsProtocol):
             return
         super().on_headers_complete()
         self.scope["lmhead.sent"] = self._sent  # type: ignore[typeddict-unknown-key]
-        if self.expect_100_continue:
-            self._expecting = self.cycle
         if len(self.pipeline) > self.max_pipelined:
             self._in_body = True  # this request's cycle is dropped with it (it was left queued)
             self._refuse(503, f"more than {self.max_pipelined} pipelined requests waiting")
@@ -252,11 +249,6 @@ class LimitedHttp(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         answered = self._running
-        if answered is not None and answered is self._expecting and answered.more_body:
-            # Answered without asking for the body (a 413, a 404): the client never sends it,
-            # and its next request would be read as this one's body.
-            self.transport.close()
-            return
         if self._in_body and self.cycle is answered:  # answered without its whole body: the
             self._disarm()  # rest is absorbed, and the keep-alive timeout bounds it
         super().on_response_complete()  # arms uvicorn's keep-alive timeout for idle time
@@ -375,8 +367,10 @@ class LimitedHttp(HttpToolsProtocol):
 
 def _closing_unasked(cycle: Any, send: Any) -> Any:
     """``send`` of a request whose client waits for ``100 Continue``: an answer started
-    before the body was asked for (a 413, a 404) says ``connection: close``, as the
-    connection ends after it (``on_response_complete``)."""
+    before the body was asked for (a 413, a 404) ends the connection, saying
+    ``connection: close`` (the client never sends that body, and its next request would be
+    read as it). Once ``100 Continue`` went out the body comes, and an answer given before
+    its end keeps the connection like any other (the rest is absorbed)."""
 
     async def sending(message: Any) -> None:
         if message["type"] == "http.response.start" and cycle.waiting_for_100_continue:

@@ -2,8 +2,8 @@
 
 Hot path: JSON is parsed with orjson and converted with one ``np.array`` call; ``.npy`` bodies
 are read without pickle. These judge the wire format only (valid JSON, numbers, a readable
-array); what a model can take is the data plane's call. Messages name the field and never
-echo values.
+array); what a model can take is the data plane's call. Messages name the field, and show a
+value only when it is a number or a short word.
 """
 
 from __future__ import annotations
@@ -214,7 +214,8 @@ def options(
     strict: bool = True,
     taken: Sequence[str] = (),
 ) -> Any:
-    """Validate the small option fields; errors name the field, never echo the value.
+    """Validate the small option fields; errors name the field, and show the value only when
+    it is a number or a short word (``service.errors``).
 
     JSON options are strict (``"5"`` or ``true`` is no k); query strings are text by nature.
     ``taken``: the fields read before these (the rows, id lists), named with them when a

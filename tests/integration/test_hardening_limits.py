@@ -354,6 +354,33 @@ def test_http_framing_refusals_are_json_and_keep_no_stale_state(url: str) -> Non
     assert b"\r\nconnection: close" in raw_head.lower()
 
 
+def test_a_body_refused_after_100_continue_keeps_the_connection(url: str) -> None:
+    """Once ``100 Continue`` went out the client sends its body, so an answer given before
+    the body's end (413 past the limit) keeps the connection like any other request, and
+    the rest is absorbed (it was closed without a word while the client still sent)."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(
+            b"POST /v1/models/tied/topk HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+            b"\r\nTransfer-Encoding: chunked\r\nExpect: 100-continue\r\n\r\n"
+        )
+        assert sock.recv(64).startswith(b"HTTP/1.1 100 Continue")
+        for _ in range(5):  # 5 MiB of a body whose limit is 4 MiB
+            sock.sendall(b"%x\r\n%s\r\n" % (2**20, b" " * 2**20))
+        buffered = b""
+        while b"\r\n\r\n" not in buffered:
+            buffered += sock.recv(65536)
+        head = buffered.partition(b"\r\n\r\n")[0].lower()
+        assert head.startswith(b"http/1.1 413")
+        assert b"connection: close" not in head
+        sock.sendall(b"0\r\n\r\nGET /health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+        while buffered.count(b"HTTP/1.1 ") < 2 or not buffered.endswith(b"}"):
+            chunk = sock.recv(65536)
+            assert chunk, "the connection was closed"
+            buffered += chunk
+        assert buffered.rpartition(b"HTTP/1.1 ")[2].startswith(b"200 OK")
+
+
 def _npy(array: npt.NDArray[np.float32]) -> bytes:
     stream = io.BytesIO()
     np.save(stream, array)

@@ -195,7 +195,10 @@ def test_labels_from_tokenizer_json_and_versions_count_up(tmp_path: Path) -> Non
     assert labels[7] == "line\\nbreak"
     assert labels[9] == "carriage\\rreturn"
     assert labels[10] == "tok10"
-    added = [{"id": VOCAB - 1, "content": "<|eot_id|>"}]  # Llama-3's specials live only here
+    added = [  # Llama-3's specials live only here; one shares its text with another id
+        {"id": VOCAB - 1, "content": "<|eot_id|>"},
+        {"id": VOCAB - 3, "content": "tok4"},
+    ]
     vocab = {f"tok{i}": i for i in range(VOCAB - 1)}
     (source / "tokenizer.json").write_text(
         json.dumps({"model": {"vocab": vocab}, "added_tokens": added})
@@ -203,7 +206,8 @@ def test_labels_from_tokenizer_json_and_versions_count_up(tmp_path: Path) -> Non
     special = import_checkpoint(source, tmp_path / "models", "special")
     specials = read_labels(special.directory, "vocab.txt", VOCAB)
     assert specials is not None
-    assert specials[-2:] == [f"tok{VOCAB - 2}", "<|eot_id|>"]
+    assert specials[-3:] == ["tok4", f"tok{VOCAB - 2}", "<|eot_id|>"]
+    assert specials[4] == "tok4"  # the vocab's own id keeps its label
     with pytest.raises(CheckpointError, match="exists already"):
         import_checkpoint(source, tmp_path / "models", "labelled", ImportOptions(version=1))
 
