@@ -180,13 +180,13 @@ def _tie_warning(table: npt.NDArray[np.float32], head: npt.NDArray[np.float32]) 
     )
 
 
-def _version_dir(model_dir: Path, version: int | None) -> Path:
+def _version_dir(model_dir: Path, version: int | None, flag: str) -> Path:
     existing = [n for p in model_dir.glob("*") if (n := decimal(p.name)) is not None]
     number = version if version is not None else max(existing, default=0) + 1
     directory = model_dir / str(number)
     if directory.exists() or number in existing:  # "0003" is version 3 too
         raise CheckpointError(
-            f"version {number} of {model_dir} exists already; choose another --version"
+            f"version {number} of {model_dir} exists already; choose another {flag}"
         )
     return directory
 
@@ -218,7 +218,7 @@ def quantize_version(
         if (source / LABELS_FILE).is_file():
             shutil.copyfile(source / LABELS_FILE, staging / LABELS_FILE)
 
-    return write_version(model_dir, to_version, write)
+    return write_version(model_dir, to_version, write, flag="--to-version")
 
 
 def source_version(model_dir: Path, version: int | None) -> Path:
@@ -240,11 +240,17 @@ def read_float_head(source: Path) -> HeadWeights:
         raise CheckpointError(f"{error} (--version picks another)") from None
 
 
-def write_version(model_dir: Path, to_version: int | None, write: Callable[[Path], None]) -> Path:
+def write_version(
+    model_dir: Path,
+    to_version: int | None,
+    write: Callable[[Path], None],
+    flag: str = "--version",
+) -> Path:
     """``write`` fills a staging directory beside the versions, renamed into place when done:
-    the new version appears complete or not at all (the poller never sees half of it)."""
+    the new version appears complete or not at all (the poller never sees half of it).
+    ``flag``: the option that chose ``to_version``, named when that version exists."""
     model_dir.mkdir(parents=True, exist_ok=True)
-    target = _version_dir(model_dir, to_version)
+    target = _version_dir(model_dir, to_version, flag)
     with tempfile.TemporaryDirectory(prefix=".writing-", dir=model_dir) as staging:
         write(Path(staging))
         os.chmod(staging, 0o755)  # mkdtemp made it private

@@ -121,7 +121,9 @@ def _quantize_rows(rows: npt.NDArray[Any], spec: QuantSpec) -> tuple[npt.NDArray
     low = np.minimum(values.min(axis=2), 0.0)
     high = np.maximum(values.max(axis=2), 0.0)
     top = (1 << spec.bits) - 1
-    scales = ((high - low) / top).astype(np.float32)
+    # The range in float64: a block spanning -1.8e38..1.8e38 (finite float32) overflowed to an
+    # inf scale, and the head decoded NaN and failed to load; once divided by ``top`` it fits.
+    scales = ((high.astype(np.float64) - low) / top).astype(np.float32)
     scales[scales == 0] = 1.0  # an all-zero block: any scale decodes it exactly
     zero = np.clip(np.rint(-low / scales), 0, top)
     codes = np.clip(np.rint(values / scales[..., None]) + zero[..., None], 0, top)

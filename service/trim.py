@@ -70,4 +70,4 @@ def trim_version(
             kept_labels = [labels[i] if i < len(labels) else "" for i in columns.tolist()]
             (staging / LABELS_FILE).write_text("\n".join(kept_labels) + "\n", encoding="utf-8")
 
-    return write_version(Path(repository) / new_name, to_version, write)
+    return write_version(Path(repository) / new_name, to_version, write, flag="--to-version")

@@ -387,3 +387,5 @@ def test_version_numbers_count_whatever_their_zeros(tmp_path: Path) -> None:
         import_checkpoint(source, repository, "head", ImportOptions(version=1))
     written = quantize_version(repository, "head", None, None, QuantSpec.parse("int8"))
     assert written.name == "2"
+    with pytest.raises(CheckpointError, match="choose another --to-version"):  # not --version
+        quantize_version(repository, "head", 1, 2, QuantSpec.parse("int8"))

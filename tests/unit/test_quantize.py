@@ -72,6 +72,12 @@ def test_each_value_is_within_half_a_step_and_bytes_are_as_declared(
     np.testing.assert_array_equal(again[0], 0.0)
     assert again[1, 2] == 0.0
     assert again[1, 4] == 0.0
+    extreme = zeros.copy()  # finite float32 whose range is not: a scale that overflowed
+    extreme[1, :2] = [1.8e38, -1.8e38]
+    wide = quantize(extreme, spec)
+    assert np.isfinite(wide.scales).all()
+    error = np.abs(wide.dequantize()[1, :2].astype(np.float64) - [1.8e38, -1.8e38])
+    assert (error <= wide.scales[1, 0] / 2 * (1 + 1e-5)).all()  # within half a step, as any
 
 
 @pytest.mark.parametrize("spec", [QuantSpec(8, 32), QuantSpec(4, 32)], ids=str)
