@@ -64,6 +64,7 @@ def retie(path: str | Path, output: str | Path | None = None) -> RetieResult:
     remaining = [t for t in repaired.graph.initializer if t.name not in dropped]
     del repaired.graph.initializer[:]
     repaired.graph.initializer.extend(remaining)
+    _say_tied(repaired)
     onnx.checker.check_model(repaired)
     difference = _compare(original, repaired)
     target = Path(output) if output is not None else source
@@ -76,6 +77,15 @@ def retie(path: str | Path, output: str | Path | None = None) -> RetieResult:
         location=f"{target.name}.data",
     )
     return RetieResult(target, report.duplicate_bytes, difference)
+
+
+def _say_tied(model: onnx.ModelProto) -> None:
+    """The metadata of an lmhead file says what it now is (it said ``lmhead.tied: false``)."""
+    for prop in model.metadata_props:
+        if prop.key == "lmhead.tied":
+            prop.value = "true"
+    if model.graph.name == "lmhead_untied":
+        model.graph.name = "lmhead_tied"
 
 
 def _rename_input(graph: onnx.GraphProto, old: str, new: str) -> None:

@@ -206,6 +206,8 @@ def test_a_duplicated_quantized_tie_is_found_and_retied(
     assert retied.quantization is not None
     assert retied.quantization["shared"]
     assert retied.weight_bytes == report.weight_bytes // 2
+    props = {p.key: p.value for p in onnx.load(str(result.output)).metadata_props}
+    assert props["lmhead.tied"] == "true"  # the file's own metadata says so too (said false)
 
 
 def test_float_weights_are_not_read_back_from_a_quantized_head(
