@@ -32,6 +32,7 @@ from service.client.calls import (
     TopK,
     UnreadableAnswer,
     checked,
+    model_path,
     read_json,
     retry_after,
 )
@@ -120,12 +121,16 @@ class Client:
         return answer
 
     def model(self, name: str) -> dict[str, Any]:
-        answer: dict[str, Any] = read_json(self._send(Call("GET", f"/v1/models/{name}")))
+        answer: dict[str, Any] = read_json(self._send(Call("GET", model_path(name))))
         return answer
 
     def ready(self) -> bool:
-        """Whether the service is ready (every model found at start loaded or failed)."""
-        return self._http.get("/health/ready").status_code == 200
+        """Whether the service is ready (every model found at start loaded or failed); False
+        while it cannot be reached."""
+        try:
+            return self._http.get("/health/ready").status_code == 200
+        except httpx.TransportError:
+            return False
 
     def load(self, name: str, version: int | None = None) -> dict[str, Any]:
         answer: dict[str, Any] = read_json(self._send(self._calls.control("load", name, version)))
@@ -228,7 +233,7 @@ class AsyncClient:
         return answer
 
     async def model(self, name: str) -> dict[str, Any]:
-        answer: dict[str, Any] = read_json(await self._send(Call("GET", f"/v1/models/{name}")))
+        answer: dict[str, Any] = read_json(await self._send(Call("GET", model_path(name))))
         return answer
 
     async def load(self, name: str, version: int | None = None) -> dict[str, Any]:
@@ -249,7 +254,11 @@ class AsyncClient:
         return answer
 
     async def ready(self) -> bool:
-        return (await self._http.get("/health/ready")).status_code == 200
+        """Whether the service is ready; False while it cannot be reached."""
+        try:
+            return (await self._http.get("/health/ready")).status_code == 200
+        except httpx.TransportError:
+            return False
 
     async def _send(self, call: Call) -> httpx.Response:
         for wait in self._retry.waits():

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import numpy as np
@@ -28,6 +29,9 @@ from service.errors import (
 from service.npyio import read_npy, read_npz
 
 NPY, NPZ, JSON = "application/x-npy", "application/x-npz", "application/json"
+#: Options longer than this go in a JSON body instead of the query (the service refuses
+#: header bytes past ``LMHEAD_MAX_HEADER_BYTES``, 32 KiB by default: 4096 ids did not fit).
+MAX_QUERY_CHARS = 8192
 #: V2 errors carry a message and no code (the protocol's ``{"error": "..."}``): by status.
 V2_ERRORS: dict[int, type[ServiceError]] = {
     400: InvalidInput,
@@ -83,6 +87,9 @@ class TopK:
     tokens: list[list[str | None]] | None = None
     sampled_token_ids: npt.NDArray[np.int64] | None = None
     sampled_logprobs: npt.NDArray[np.float32] | None = None
+    seed: int | None = None
+    """The seed the draws came from (the service's own when none was given): pass it as
+    ``sample={"seed": ...}`` to draw the same tokens again."""
 
 
 @dataclass(frozen=True)
@@ -130,7 +137,11 @@ class Calls:
             values["k"] = k
         if self.binary and not tokens:
             params = {name: _query(value) for name, value in values.items()}
-            return self._npy("POST", _path(model, "topk", version), hidden, params, NPZ)
+            if sum(len(text) for text in params.values()) <= MAX_QUERY_CHARS:
+                return self._npy(
+                    "POST", _path(model, "topk", version), _floats(hidden), params, NPZ
+                )
+        # JSON: asked for token strings, or options too long for a URL (thousands of ids)
         return self._json(_path(model, "topk", version), {"hidden_states": hidden, **values})
 
     def read_topk(self, answer: httpx.Response) -> TopK:
@@ -152,6 +163,7 @@ class Calls:
                 None,
                 arrays.get("sampled_token_ids"),
                 arrays.get("sampled_logprobs"),
+                int(arrays["seed"]) if "seed" in arrays else None,
             )
         payload = answer.json()
         rows, shape = payload["results"], tuple(payload["shape"])
@@ -174,11 +186,12 @@ class Calls:
             [row["tokens"] for row in rows] if rows and "tokens" in rows[0] else None,
             None if sampled is None else sampled.reshape(shape),
             None if drawn is None else drawn.reshape(shape),
+            payload.get("seed"),
         )
 
     def logits(self, model: str, hidden: Any, temperature: float, version: int | None) -> Call:
         params = {"temperature": _query(temperature)}
-        return self._npy("POST", _path(model, "logits", version), hidden, params, NPY)
+        return self._npy("POST", _path(model, "logits", version), _floats(hidden), params, NPY)
 
     def embed(self, model: str, ids: Any, version: int | None) -> Call:
         body = np.asarray(ids)
@@ -203,7 +216,13 @@ class Calls:
         )
 
     def control(self, verb: str, model: str | None, version: int | None) -> Call:
-        path = "/v2/repository/index" if model is None else f"/v2/repository/models/{model}/{verb}"
+        # The native routes: their errors carry a code (V2's only a message, read by status:
+        # a missing version came back as ModelNotFound)
+        path = (
+            "/v1/repository/index"
+            if model is None
+            else f"/v1/repository/models/{quote(model, safe='')}/{verb}"
+        )
         body = json.dumps({} if version is None else {"version": version}).encode()
         headers = {"content-type": JSON}
         if self.token is not None:
@@ -264,8 +283,13 @@ def checked(answer: httpx.Response) -> httpx.Response:
     raise raised
 
 
+def model_path(model: str) -> str:
+    """A model's route, its name escaped (``a/../b`` was sent as a path and served ``b``)."""
+    return f"/v1/models/{quote(model, safe='')}"
+
+
 def _path(model: str, verb: str, version: int | None) -> str:
-    where = f"/v1/models/{model}" + ("" if version is None else f"/versions/{version}")
+    where = model_path(model) + ("" if version is None else f"/versions/{version}")
     return f"{where}/{verb}"
 
 
@@ -286,6 +310,13 @@ def _query(value: Any) -> str:
     if isinstance(value, int | float | str):
         return str(value)
     return json.dumps(value, default=_jsonable, allow_nan=False)
+
+
+def _floats(hidden: Any) -> Any:
+    """Hidden states as an ``.npy`` body takes them: integers as float32, as JSON reads them
+    (an int64 array was refused in binary mode and served in JSON mode)."""
+    values = np.asarray(hidden)
+    return values.astype(np.float32) if values.dtype.kind in "iu" else values
 
 
 def _npy_bytes(array: Any) -> bytes:

@@ -205,6 +205,7 @@ def _topk_response(result: TopKResult, answer: str) -> Response:
         if result.sampled is not None:
             arrays["sampled_token_ids"] = result.sampled.token_ids
             arrays["sampled_logprobs"] = result.sampled.logprobs
+            arrays["seed"] = np.array(result.sampled.seed, np.uint64)  # to draw them again
         return _reply(result.head, npz_bytes({**arrays, "logsumexp": result.logsumexp}), NPZ)
     return _reply(result.head, npy_bytes(_topk_records(result)), NPY)
 

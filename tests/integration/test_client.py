@@ -18,7 +18,7 @@ import numpy.typing as npt
 import pytest
 
 from service.client import AsyncClient, Client, UnreadableAnswer
-from service.client.calls import retry_after
+from service.client.calls import Calls, retry_after
 from service.demo import demo_tokens
 from service.errors import (
     InvalidInput,
@@ -26,6 +26,7 @@ from service.errors import (
     ModelNotReady,
     ServiceError,
     Unauthorized,
+    VersionNotFound,
 )
 from service.reference import log_softmax, top_k
 from tests.conftest import D_MODEL, VOCAB, reference_logits
@@ -129,6 +130,37 @@ def test_service_errors_come_back_as_their_classes(url: str) -> None:
             client.topk("tied", holes)  # says what is wrong with it
     with Client(url, token=TOKEN) as admin:
         assert admin.load("tied")["state"] == "READY"
+        with pytest.raises(VersionNotFound):  # V2's control errors carry no code: by status
+            admin.load("tied", 9)  # it was ModelNotFound
+    with Client(url) as client, pytest.raises(ServiceError) as refused:
+        client.topk("tied/../untied", HIDDEN)  # one path segment: it was a path, served untied
+    assert refused.value.status == 404
+
+
+def test_binary_mode_sends_what_json_mode_sends(url: str) -> None:
+    """Thousands of ids did not fit in a URL (431); integer rows were refused; the seed of a
+    draw was lost (neither answer kept it); ``ready`` raised while the service was down."""
+    many = list(range(VOCAB))
+    rows = np.rint(HIDDEN[:2] * 4).astype(np.int64)  # integers, as JSON reads any number
+    answers = []
+    for binary in (True, False):
+        with Client(url, binary=binary) as client:
+            answers.append(client.topk("tied", rows, k=3, allowed_token_ids=many, sample={}))
+            banned = client.topk("tied", rows, k=3, banned_token_ids=many[:-3])
+            assert set(banned.token_ids.reshape(-1).tolist()) <= set(many[-3:])
+    calls = Calls(binary=True, token=None)  # 4096 ids: over the service's header limit
+    long = calls.topk("tied", rows, 3, False, 1.0, False, None, {"banned_token_ids": [1] * 4096})
+    assert long.headers is not None
+    assert long.headers["content-type"] == "application/json"  # sent as a body instead
+    from_npz, from_json = answers
+    np.testing.assert_array_equal(from_npz.token_ids, from_json.token_ids)
+    assert from_npz.seed is not None
+    assert from_json.seed is not None
+    with Client(url) as client:
+        again = client.topk("tied", rows, k=3, sample={"seed": from_npz.seed})
+    np.testing.assert_array_equal(again.sampled_token_ids, from_npz.sampled_token_ids)
+    with Client("http://127.0.0.1:9", retries=0) as nobody:
+        assert nobody.ready() is False
 
 
 def test_a_503_is_retried_then_raised(repository: Path) -> None:
