@@ -5,7 +5,8 @@ process can use it without onnxruntime or the server's packages. Hidden states g
 and top-k answers come back as ``.npz`` (``binary=False``, or ``tokens=True``, speaks JSON);
 anything with ``__array__`` is accepted, so CPU torch tensors work without importing torch.
 Inference calls are pure functions of their input, so they are retried, with backoff, on 503
-(after the service's ``Retry-After``) and on connection errors; control calls on 503 only. A
+(after the service's ``Retry-After``, at most 10 x the backoff) and on connection errors;
+control calls on 503 only. A
 service error is raised as its class from ``service.errors`` (``QueueFull``, ``InvalidInput``,
 ...) with the service's message; a success whose body cannot be read as the call's answer is
 an ``UnreadableAnswer`` (a ``ServiceError`` too). Every answer says which model, version and
@@ -85,11 +86,17 @@ class Client:
         return self._calls.read_topk(self._send(call))
 
     def logits(
-        self, model: str, hidden: Any, *, temperature: float = 1.0, version: int | None = None
+        self,
+        model: str,
+        hidden: Any,
+        *,
+        temperature: float = 1.0,
+        version: int | None = None,
+        allowed_token_ids: Any = None,
     ) -> Arrays:
-        return self._calls.read_array(
-            self._send(self._calls.logits(model, hidden, temperature, version))
-        )
+        """(rows, vocab) logits, or (rows, len(allowed_token_ids)) for those ids alone."""
+        call = self._calls.logits(model, hidden, temperature, version, allowed_token_ids)
+        return self._calls.read_array(self._send(call))
 
     def embed(self, model: str, ids: Any, *, version: int | None = None) -> Arrays:
         return self._calls.read_array(self._send(self._calls.embed(model, ids, version)))
@@ -105,14 +112,15 @@ class Client:
     ) -> dict[str, Any]:
         """``options``: candidate_ids, k, logprobs_over. The answer as the service sends it."""
         answer: dict[str, Any] = read_json(
-            self._send(self._calls.score(model, hidden, target_ids, version, **options))
+            self._send(self._calls.score(model, hidden, target_ids, version, **options)),
+            has="results",
         )
         return answer
 
     def compare(self, model_a: str, model_b: str, hidden: Any, **options: Any) -> dict[str, Any]:
         """``options``: target_ids, k, measure_speed."""
         answer: dict[str, Any] = read_json(
-            self._send(self._calls.compare((model_a, model_b), hidden, **options))
+            self._send(self._calls.compare((model_a, model_b), hidden, **options)), has="rows"
         )
         return answer
 
@@ -121,7 +129,7 @@ class Client:
         return answer
 
     def model(self, name: str) -> dict[str, Any]:
-        answer: dict[str, Any] = read_json(self._send(Call("GET", model_path(name))))
+        answer: dict[str, Any] = read_json(self._send(Call("GET", model_path(name))), has="name")
         return answer
 
     def ready(self) -> bool:
@@ -133,7 +141,8 @@ class Client:
             return False
 
     def load(self, name: str, version: int | None = None) -> dict[str, Any]:
-        answer: dict[str, Any] = read_json(self._send(self._calls.control("load", name, version)))
+        call = self._calls.control("load", name, version)
+        answer: dict[str, Any] = read_json(self._send(call), has="state")
         return answer
 
     def unload(self, name: str) -> dict[str, Any]:
@@ -204,9 +213,15 @@ class AsyncClient:
         return self._calls.read_topk(await self._send(call))
 
     async def logits(
-        self, model: str, hidden: Any, *, temperature: float = 1.0, version: int | None = None
+        self,
+        model: str,
+        hidden: Any,
+        *,
+        temperature: float = 1.0,
+        version: int | None = None,
+        allowed_token_ids: Any = None,
     ) -> Arrays:
-        call = self._calls.logits(model, hidden, temperature, version)
+        call = self._calls.logits(model, hidden, temperature, version, allowed_token_ids)
         return self._calls.read_array(await self._send(call))
 
     async def embed(self, model: str, ids: Any, *, version: int | None = None) -> Arrays:
@@ -222,23 +237,25 @@ class AsyncClient:
         **options: Any,
     ) -> dict[str, Any]:
         call = self._calls.score(model, hidden, target_ids, version, **options)
-        answer: dict[str, Any] = read_json(await self._send(call))
+        answer: dict[str, Any] = read_json(await self._send(call), has="results")
         return answer
 
     async def compare(
         self, model_a: str, model_b: str, hidden: Any, **options: Any
     ) -> dict[str, Any]:
         call = self._calls.compare((model_a, model_b), hidden, **options)
-        answer: dict[str, Any] = read_json(await self._send(call))
+        answer: dict[str, Any] = read_json(await self._send(call), has="rows")
         return answer
 
     async def model(self, name: str) -> dict[str, Any]:
-        answer: dict[str, Any] = read_json(await self._send(Call("GET", model_path(name))))
+        answer: dict[str, Any] = read_json(
+            await self._send(Call("GET", model_path(name))), has="name"
+        )
         return answer
 
     async def load(self, name: str, version: int | None = None) -> dict[str, Any]:
         answer: dict[str, Any] = read_json(
-            await self._send(self._calls.control("load", name, version))
+            await self._send(self._calls.control("load", name, version)), has="state"
         )
         return answer
 

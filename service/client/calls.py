@@ -66,10 +66,13 @@ def unreadable(answer: httpx.Response) -> Iterator[None]:
         ) from error
 
 
-def read_json(answer: httpx.Response, key: str | None = None) -> Any:
-    """The answer's JSON (or its ``key``), or ``UnreadableAnswer``."""
+def read_json(answer: httpx.Response, key: str | None = None, has: str | None = None) -> Any:
+    """The answer's JSON (or its ``key``), or ``UnreadableAnswer``; ``has``: a field the
+    whole answer must hold (``{}`` or a list came back as the answer itself)."""
     with unreadable(answer):
         payload = answer.json()
+        if has is not None and has not in payload:
+            raise KeyError(has)
         return payload if key is None else payload[key]
 
 
@@ -189,9 +192,19 @@ class Calls:
             payload.get("seed"),
         )
 
-    def logits(self, model: str, hidden: Any, temperature: float, version: int | None) -> Call:
-        params = {"temperature": _query(temperature)}
-        return self._npy("POST", _path(model, "logits", version), _floats(hidden), params, NPY)
+    def logits(
+        self, model: str, hidden: Any, temperature: float, version: int | None, allowed: Any
+    ) -> Call:
+        """All logits, or only the columns of ``allowed`` token ids (then in that order)."""
+        values: dict[str, Any] = {"temperature": temperature}
+        if allowed is not None:
+            values["allowed_token_ids"] = allowed
+        params = {name: _query(value) for name, value in values.items()}
+        path = _path(model, "logits", version)
+        if sum(len(text) for text in params.values()) <= MAX_QUERY_CHARS:
+            return self._npy("POST", path, _floats(hidden), params, NPY)
+        body = self._json(path, {"hidden_states": hidden, **values})
+        return Call("POST", path, body.content, {"content-type": JSON, "accept": NPY})
 
     def embed(self, model: str, ids: Any, version: int | None) -> Call:
         body = np.asarray(ids)

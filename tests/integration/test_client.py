@@ -61,10 +61,15 @@ def test_topk_equals_the_reference(url: str, repository: Path, model: str, binar
 
 def test_tokens_sampling_and_options_pass_through(url: str) -> None:
     with Client(url) as client:
+        restricted = client.logits("tied", HIDDEN, allowed_token_ids=[40, 5, 9])
         top = client.topk("tied", HIDDEN[0], k=2, tokens=True)
         sampled = client.topk("tied", HIDDEN[0], k=2, allowed_token_ids=[5, 9], sample={"seed": 1})
     labels = demo_tokens(VOCAB)
     assert top.tokens == [[labels[i] for i in row] for row in top.token_ids.tolist()]
+    assert restricted.array.shape == (*HIDDEN.shape[:-1], 3)  # the columns asked for
+    with Client(url) as client:
+        full = client.logits("tied", HIDDEN).array
+    np.testing.assert_allclose(restricted.array, full[..., [40, 5, 9]], rtol=RTOL, atol=ATOL)
     assert sampled.sampled_token_ids is not None
     assert set(sampled.sampled_token_ids.tolist()) <= {5, 9}
     over: dict[bool, list[Any]] = {}  # a word option went as JSON text ("vocabulary", quoted)
@@ -250,9 +255,11 @@ def test_retry_after_is_bounded_whatever_the_header(header: str, wait: float) ->
 class _NotLmhead(BaseHTTPRequestHandler):
     """Something else on the port (a proxy's page, another service): 200 and HTML to all."""
 
+    body = b"<html>welcome to the proxy</html>"
+
     def _answer(self) -> None:
         self.rfile.read(int(self.headers.get("content-length", 0)))
-        body = b"<html>welcome to the proxy</html>"
+        body = self.body
         self.send_response(200)
         self.send_header("content-type", self.headers.get("accept", "text/html"))
         self.send_header("content-length", str(len(body)))
@@ -301,6 +308,12 @@ def test_a_success_that_is_no_answer_is_a_service_error(not_lmhead: str) -> None
         for call in calls:
             with pytest.raises(UnreadableAnswer, match=r"200 answer to (GET|POST) /v"):
                 call(client)
+        for body in (b"{}", b"[1, 2]"):  # JSON, but not the call's answer: it was returned
+            _NotLmhead.body = body
+            for call in (calls[4], calls[5], calls[7], calls[8]):
+                with pytest.raises(UnreadableAnswer):
+                    call(client)
+        _NotLmhead.body = b"<html>welcome to the proxy</html>"
 
     async def scenario() -> None:
         async with AsyncClient(not_lmhead, retries=0) as client:
