@@ -176,9 +176,7 @@ class Checkpoint:
                 with safe_open(path, framework="numpy") as handle:
                     found.update(dict.fromkeys(handle.keys(), path))
             except Exception as error:  # safetensors raises its own SafetensorError
-                raise CheckpointError(
-                    f"{path.name} is not a readable safetensors file: {error}"
-                ) from None
+                raise _unreadable(path, error) from None
         return found
 
 
@@ -265,7 +263,7 @@ def _opened(path: Path, name: str) -> Iterator[Any]:
         handle = safe_open(path, framework="numpy")
         names = handle.keys()  # type: ignore[no-untyped-call]
     except SafetensorError as error:
-        raise CheckpointError(f"{path.name} is not a readable safetensors file: {error}") from None
+        raise _unreadable(path, error) from None
     if name not in names:
         raise CheckpointError(f"tensor {name} is not in {path.name}, as the index says")
     with handle:
@@ -277,7 +275,11 @@ def _rows(view: Any, start: int, end: int, path: Path) -> Any:
     try:
         return view[start:end]
     except SafetensorError as error:
-        raise CheckpointError(f"{path.name} is not a readable safetensors file: {error}") from None
+        raise _unreadable(path, error) from None
+
+
+def _unreadable(path: Path, error: Exception) -> CheckpointError:
+    return CheckpointError(f"{path.name} is not a readable safetensors file: {error}")
 
 
 def _read_config(path: Path) -> dict[str, Any]:

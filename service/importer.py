@@ -10,6 +10,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -72,17 +73,14 @@ def import_checkpoint(
     transforms = checkpoint.transforms(table.shape[1], tied=tied_in_source)
     bias = checkpoint.bias()
     if transforms.describe() or bias is not None or options.dtype != "float32":
-        try:
-            weights = HeadWeights.from_arrays(
-                weights.embedding,
-                weights.output,
-                bias=bias,
-                transforms=transforms,
-                twin=weights.twin,
-                dtype=options.dtype,
-            )
-        except ValueError as error:  # NaN or Inf in the bias, or in the weights as --dtype
-            raise CheckpointError(str(error)) from None
+        weights = _arrays(  # NaN or Inf in the bias, or in the weights as --dtype, refused
+            weights.embedding,
+            weights.output,
+            bias=bias,
+            transforms=transforms,
+            twin=weights.twin,
+            dtype=options.dtype,
+        )
         shown = transforms.describe() | ({"bias": True} if bias is not None else {})
         if shown:  # a half-precision head alone has none to tell
             notes.append(f"head transforms in the graph: {shown}")
@@ -150,11 +148,11 @@ def _weights(
 def _arrays(
     table: npt.NDArray[np.float32],
     head: npt.NDArray[np.float32] | None = None,
-    twin: bool = False,
+    **options: Any,
 ) -> HeadWeights:
     """``HeadWeights.from_arrays``; NaN or Inf in the weights is the checkpoint's fault."""
     try:
-        return HeadWeights.from_arrays(table, head, twin=twin)
+        return HeadWeights.from_arrays(table, head, **options)
     except ValueError as error:
         raise CheckpointError(str(error)) from None
 

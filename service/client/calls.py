@@ -138,12 +138,9 @@ class Calls:
         values = {"logprobs": logprobs, "temperature": temperature, **options}
         if k is not None:
             values["k"] = k
-        if self.binary and not tokens:
-            params = {name: _query(value) for name, value in values.items()}
-            if sum(len(text) for text in params.values()) <= MAX_QUERY_CHARS:
-                return self._npy(
-                    "POST", _path(model, "topk", version), _floats(hidden), params, NPZ
-                )
+        params = _fitting_query(values) if self.binary and not tokens else None
+        if params is not None:
+            return self._npy("POST", _path(model, "topk", version), _floats(hidden), params, NPZ)
         # JSON: asked for token strings, or options too long for a URL (thousands of ids)
         return self._json(_path(model, "topk", version), {"hidden_states": hidden, **values})
 
@@ -199,9 +196,9 @@ class Calls:
         values: dict[str, Any] = {"temperature": temperature}
         if allowed is not None:
             values["allowed_token_ids"] = allowed
-        params = {name: _query(value) for name, value in values.items()}
+        params = _fitting_query(values)
         path = _path(model, "logits", version)
-        if sum(len(text) for text in params.values()) <= MAX_QUERY_CHARS:
+        if params is not None:
             return self._npy("POST", path, _floats(hidden), params, NPY)
         body = self._json(path, {"hidden_states": hidden, **values})
         return Call("POST", path, body.content, {"content-type": JSON, "accept": NPY})
@@ -323,6 +320,13 @@ def _query(value: Any) -> str:
     if isinstance(value, int | float | str):
         return str(value)
     return json.dumps(value, default=_jsonable, allow_nan=False)
+
+
+def _fitting_query(values: dict[str, Any]) -> dict[str, str] | None:
+    """``values`` as query parameters, or None when they would not fit a URL
+    (``MAX_QUERY_CHARS``): the caller sends them in a JSON body instead."""
+    params = {name: _query(value) for name, value in values.items()}
+    return params if sum(len(text) for text in params.values()) <= MAX_QUERY_CHARS else None
 
 
 def _floats(hidden: Any) -> Any:
