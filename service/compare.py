@@ -8,6 +8,7 @@ chunk are ~10x its bytes, so the statistics never hold more than ~10 x CHUNK_BYT
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,8 @@ from service.reference import log_softmax
 CHUNK_BYTES = 4 * 2**20
 #: What the statistics hold at most: a chunk's float64 and index temporaries are ~10x it.
 STATISTICS_BYTES = 10 * CHUNK_BYTES
+#: The largest x whose exp float64 holds.
+MAX_EXP = math.log(np.finfo(np.float64).max)
 
 
 def _chunks(rows: int, vocab_size: int) -> Iterator[slice]:
@@ -50,7 +53,12 @@ class Scores:
 
     @property
     def perplexity(self) -> float:
-        return float(np.exp(self.nll))
+        return perplexity(self.nll)
+
+
+def perplexity(nll: float) -> float:
+    """exp(NLL); Inf past float64 (NLL over ~709), which JSON answers carry as null."""
+    return math.exp(nll) if nll < MAX_EXP else math.inf
 
 
 def score(
@@ -97,8 +105,8 @@ def row_agreement(
 ) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.float64], npt.NDArray[np.float64]]:
     """Per row: top-1 agreement, top-k overlap (Jaccard at k) and KL(A || B).
 
-    Top-1 is ``argmax`` (the lowest id on ties, as in the top-k contract); the top-k sets come
-    from ``argpartition`` (linear in the vocabulary, no full sort).
+    Top-1 is ``argmax`` and the top-k sets are ``top_k_sets``: equal logits go to the lower
+    id, as in the top-k contract, so two heads that answer the same top-k overlap fully.
     """
     agree, overlap, kl = _by_rows(lambda a, b: _row_agreement(a, b, k), logits_a, logits_b)
     return agree, overlap, kl
@@ -108,16 +116,21 @@ def _row_agreement(
     logits_a: npt.NDArray[np.floating], logits_b: npt.NDArray[np.floating], k: int
 ) -> tuple[npt.NDArray[Any], ...]:
     k = min(k, logits_a.shape[1])
-    top_a = np.argpartition(-logits_a, k - 1, axis=1)[:, :k]
-    top_b = np.argpartition(-logits_b, k - 1, axis=1)[:, :k]
-    overlap = np.array(
-        [
-            len(set(a.tolist()) & set(b.tolist())) / len(set(a.tolist()) | set(b.tolist()))
-            for a, b in zip(top_a, top_b, strict=True)
-        ]
-    )
+    in_a, in_b = top_k_sets(logits_a, k), top_k_sets(logits_b, k)
+    overlap = (in_a & in_b).sum(axis=1) / (in_a | in_b).sum(axis=1)
     agree = logits_a.argmax(axis=1) == logits_b.argmax(axis=1)
     return agree, overlap, _kl(logits_a, logits_b)
+
+
+def top_k_sets(logits: npt.NDArray[np.floating], k: int) -> npt.NDArray[np.bool_]:
+    """(rows, vocab) masks of each row's k largest logits, equal ones taken in id order
+    (``argpartition`` alone picks any of them: linear in the vocabulary, no full sort)."""
+    kth = -np.partition(-logits, k - 1, axis=1)[:, k - 1 : k]
+    above = logits > kth
+    level = logits == kth
+    wanted = k - above.sum(axis=1, keepdims=True)  # of the tied: the lowest ids
+    chosen: npt.NDArray[np.bool_] = above | (level & (np.cumsum(level, axis=1) <= wanted))
+    return chosen
 
 
 def agreement(
@@ -135,14 +148,14 @@ def agreement(
     }
 
 
-def wins(name_a: str, name_b: str, a: Scores, b: Scores) -> dict[str, float]:
-    """Share of rows where each head gives the target the higher log-prob.
+def wins(a: Scores, b: Scores) -> tuple[float, float, float]:
+    """Shares of rows where A, where B gives the target the higher log-prob, and of ties.
 
     Equal within float32 rounding is a tie: two kernels on one matrix differ in the last bits.
     """
     tie = np.isclose(a.logprob, b.logprob, rtol=1e-5, atol=1e-5)
-    return {
-        name_a: float(np.mean((a.logprob > b.logprob) & ~tie)),
-        name_b: float(np.mean((b.logprob > a.logprob) & ~tie)),
-        "tie": float(np.mean(tie)),
-    }
+    return (
+        float(np.mean((a.logprob > b.logprob) & ~tie)),
+        float(np.mean((b.logprob > a.logprob) & ~tie)),
+        float(np.mean(tie)),
+    )

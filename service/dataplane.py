@@ -31,11 +31,8 @@ import numpy.typing as npt
 
 from service import compare, distribution, grouping, scoring
 from service.control import ControlAPI
-from service.errors import (
-    InvalidInput,
-    ServiceError,
-)
-from service.limits import LOGIT_BYTES, Limits, MemoryBudget, Reservation, charge
+from service.errors import InvalidInput, LogitsOverflow, ServiceError
+from service.limits import LOGIT_BYTES, Limits, MemoryBudget, Reservation, charge, refuse_overflow
 from service.loaded_version import LoadedVersion
 from service.messages import (
     CandidateScores,
@@ -144,13 +141,19 @@ class DataPlane(ControlAPI):
                 serving.calls = len(kept)
                 k = self._limits.k(first.k, model.default_k)
                 temperature = self._limits.temperature(first.temperature)
+                by_itself = alone or (lambda index: self.topk(requests[index]))
                 outcomes: list[Any] = []
                 if len(kept) > 1 and grouping.rows(kept) > model.group_room():
                     serving.calls = 0  # each call is queued (or refused) and batched alone
-                    by_itself = alone or (lambda index: self.topk(requests[index]))
                     outcomes = await grouping.one_by_one([by_itself(i) for i, _ in kept])
                 elif kept:
-                    outcomes = await self._grouped(model, kept, k, temperature, first)
+                    try:
+                        outcomes = await self._grouped(model, kept, k, temperature, first)
+                    except LogitsOverflow:
+                        if len(kept) == 1:
+                            raise
+                        serving.calls = 0  # one call's rows overflow: alone, only it fails
+                        outcomes = await grouping.one_by_one([by_itself(i) for i, _ in kept])
                 for (index, _), outcome in zip(kept, outcomes, strict=True):
                     answers[index] = outcome
         except ServiceError as error:
@@ -297,17 +300,18 @@ class DataPlane(ControlAPI):
             (logits_a, _), (logits_b, _) = full
             agreement = await self._statistics(compare.agreement, logits_a, logits_b, k)
             blocks = ({"name": a.name, **a.describe()}, {"name": b.name, **b.describe()})
-            wins = None
+            ties = None
             if targets is not None:
                 scores = [await self._statistics(compare.score, *f, targets) for f in full]
-                wins = compare.wins(a.name, b.name, scores[0], scores[1])
-                for block, result in zip(blocks, scores, strict=True):
+                *wins, ties = compare.wins(scores[0], scores[1])
+                for block, result, won in zip(blocks, scores, wins, strict=True):
                     block["nll"], block["perplexity"] = result.nll, result.perplexity
+                    block["wins"] = won
             if request.measure_speed:
                 for head, block in zip(heads, blocks, strict=True):
                     block["rows_per_s"] = await head.rows_per_second(hidden, SPEED_ROWS, SPEED_RUNS)
                     block["speed_rows"] = SPEED_ROWS
-            return CompareResult(agreement, blocks, wins)
+            return CompareResult(agreement, blocks, ties)
 
     # -- the rules' helpers -----------------------------------------------------------------
 
@@ -334,6 +338,9 @@ class DataPlane(ControlAPI):
         projection = await model.project(
             hidden, k, temperature=temperature, full_logits=full_logits or sampled
         )
+        if full_logits:  # the answer's (a shadow copes with what it is sent)
+            assert projection.logits is not None
+            refuse_overflow(projection.logsumexp, projection.logits, temperature=temperature)
         if sampled:
             assert projection.logits is not None
             self._shadow.submit(model, hidden, projection.logits, temperature)
@@ -378,6 +385,7 @@ class DataPlane(ControlAPI):
         charge(len(rows) * model.vocab_size * LOGIT_BYTES)
         projection = await model.project(rows, 1, full_logits=True)
         assert projection.logits is not None
+        refuse_overflow(projection.logsumexp, projection.logits)
         return projection.logits, projection.logsumexp
 
     async def _statistics(self, function: Any, *args: Any) -> Any:

@@ -27,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from service.errors import InvalidInput
-from service.limits import LOGIT_BYTES, Limits, charge
+from service.limits import LOGIT_BYTES, Limits, charge, refuse_overflow
 from service.loaded_version import LoadedVersion
 from service.messages import (
     Sampled,
@@ -216,7 +216,9 @@ async def candidate_logits(
     per_row = np.full(len(rows), temperature, np.float32)
     candidates = model.session.candidates
     if candidates is not None:
-        return await _off_loop(model, candidates, rows, ids, per_row)
+        found = await _off_loop(model, candidates, rows, ids, per_row)
+        refuse_overflow(found, found, temperature=temperature)
+        return found
     every = np.broadcast_to(ids, (len(rows), ids.shape[-1])) if ids.ndim == 1 else ids
     step = model.rows_per_run  # one run's full logits at a time, never (rows x vocab)
     charge(min(len(rows), step) * model.vocab_size * LOGIT_BYTES)
@@ -226,7 +228,9 @@ async def candidate_logits(
         logits = await model.project(rows[part], 1, temperature=temperature, full_logits=True)
         assert logits.logits is not None
         parts.append(np.take_along_axis(logits.logits, every[part], axis=1))
-    return np.concatenate(parts) if parts else np.zeros(every.shape, np.float32)
+    found = np.concatenate(parts) if parts else np.zeros(every.shape, np.float32)
+    refuse_overflow(found, found, temperature=temperature)
+    return found
 
 
 async def full_logits(model: LoadedVersion, rows: Floats, temperature: float) -> Floats:
@@ -234,6 +238,7 @@ async def full_logits(model: LoadedVersion, rows: Floats, temperature: float) ->
     charge(len(rows) * model.vocab_size * LOGIT_BYTES)
     projection = await model.project(rows, 1, temperature=temperature, full_logits=True)
     assert projection.logits is not None
+    refuse_overflow(projection.logsumexp, projection.logits, temperature=temperature)
     return projection.logits
 
 

@@ -37,6 +37,11 @@ class InvalidInput(ServiceError):
     code = "invalid_input"
 
 
+class LogitsOverflow(InvalidInput):
+    """422: finite hidden states whose logits pass float32's range (Inf logits, then NaN
+    log-probs, shown as JSON null); a group of calls that meets one runs each call alone."""
+
+
 class ModelNotFound(ServiceError):
     """404: no model of that name in the repository."""
 
@@ -179,4 +184,6 @@ def _subclasses(base: type[ServiceError]) -> list[type[ServiceError]]:
     return [c for sub in base.__subclasses__() for c in (sub, *_subclasses(sub))]
 
 
-_CODES = {error.code: error for error in _subclasses(ServiceError)}
+_CODES: dict[str, type[ServiceError]] = {}
+for _error in _subclasses(ServiceError):  # a code's first class: InvalidInput, not a subclass
+    _CODES.setdefault(_error.code, _error)

@@ -91,14 +91,20 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: 
     # -- health and metadata ----------------------------------------------------------------
 
     async def ServerLive(self, request: Any, context: Any) -> Any:
-        return pb.ServerLiveResponse(live=True)
+        async def live() -> Any:
+            return pb.ServerLiveResponse(live=True)
+
+        return await self._answer("ServerLive", context, live)
 
     async def ServerReady(self, request: Any, context: Any) -> Any:
-        try:
-            await self._plane.check_ready()
-        except ModelNotReady:
-            return pb.ServerReadyResponse(ready=False)
-        return pb.ServerReadyResponse(ready=True)
+        async def ready() -> Any:
+            try:
+                await self._plane.check_ready()
+            except ModelNotReady:
+                return pb.ServerReadyResponse(ready=False)
+            return pb.ServerReadyResponse(ready=True)
+
+        return await self._answer("ServerReady", context, ready)
 
     async def ModelReady(self, request: Any, context: Any) -> Any:
         async def ready() -> Any:
@@ -111,7 +117,12 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: 
         return await self._answer("ModelReady", context, ready)
 
     async def ServerMetadata(self, request: Any, context: Any) -> Any:
-        return pb.ServerMetadataResponse(name="lmhead", version=__version__, extensions=EXTENSIONS)
+        async def metadata() -> Any:
+            return pb.ServerMetadataResponse(
+                name="lmhead", version=__version__, extensions=EXTENSIONS
+            )
+
+        return await self._answer("ServerMetadata", context, metadata)
 
     async def ModelMetadata(self, request: Any, context: Any) -> Any:
         async def metadata() -> Any:

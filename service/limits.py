@@ -20,7 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from service.compare import STATISTICS_BYTES
-from service.errors import InvalidInput, PayloadTooLarge, ServerBusy
+from service.errors import InvalidInput, LogitsOverflow, PayloadTooLarge, ServerBusy
 from service.settings import Settings
 
 #: Temperatures outside this range overflow or underflow float32 logits (1e-45 made them inf).
@@ -36,6 +36,32 @@ BODY_EXPANSION = 3
 #: ``0.5,`` decodes to ~10x its bytes, ``[0],`` to ~30x (measured +2.05 GB for 63 MiB).
 JSON_NUMBER_BYTES = 40
 JSON_ARRAY_BYTES = 80
+
+
+def refuse_overflow(
+    ceiling: npt.NDArray[np.floating],
+    *floors: npt.NDArray[np.floating],
+    temperature: float = 1.0,
+) -> None:
+    """Raise ``LogitsOverflow`` unless a run's outputs are all finite. Finite hidden states
+    can still make logits past float32's range (1e36 times a unit row of W): Inf logits, then
+    NaN log-probs and KL, sent as JSON null. Each array is (rows, ...); ``ceiling`` bounds
+    every output of its row from above (the log-sum-exp bounds every logit), so its largest
+    value and the others' smallest being finite makes them all finite: a few reductions per
+    answer, not a mask."""
+    spread = float(ceiling.max())
+    for floor in floors:
+        spread -= float(floor.min())  # NaN and Inf carry through
+    if math.isfinite(spread):
+        return
+    finite = np.isfinite(ceiling.reshape(len(ceiling), -1)).all(axis=1)
+    for floor in floors:
+        finite &= np.isfinite(floor.reshape(len(floor), -1)).all(axis=1)
+    at = "" if temperature == 1.0 else f" at temperature {temperature:g}"
+    raise LogitsOverflow(
+        f"hidden_states row {int(np.argmin(finite))} makes logits beyond float32's range "
+        f"(|logit| over 3.4e38{at}); send final, post-norm hidden states"
+    )
 
 
 @dataclass(frozen=True)

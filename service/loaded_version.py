@@ -27,7 +27,7 @@ from service.errors import InvalidInput
 from service.inspect import HeadReport, inspect_head
 from service.labels import LabelTable, TokenStrings
 from service.layout import Placement, open_head
-from service.limits import Limits
+from service.limits import Limits, refuse_overflow
 from service.messages import HeadInfo
 from service.repository import (
     MODEL_FILE,
@@ -205,6 +205,7 @@ class LoadedVersion:
                 for i in range(0, len(rows), step)
             ]
             flat = _concatenate(parts)
+        refuse_overflow(flat.logsumexp, flat.topk_logits, temperature=temperature)
         return Projection(
             flat.topk_logits.reshape(*leading, -1),
             flat.topk_token_ids.reshape(*leading, -1),

@@ -212,9 +212,11 @@ class CompareResult:
 
     ``agreement`` holds rows, k, top1_agreement, topk_overlap, kl_ab and kl_ba; each block
     the head's description plus, with targets, nll and perplexity (and rows_per_s if asked);
-    ``wins`` the share of rows each head scores better (equal within float32 = tie).
+    ``wins`` (in each block), the share of rows where that head gives the target the higher
+    log-prob, and ``ties`` the share of the rest (equal within float32): a share per block, as
+    the two may have one name (two versions of a model, or a model against itself).
     """
 
     agreement: dict[str, Any]
     models: tuple[dict[str, Any], dict[str, Any]]
-    wins: dict[str, float] | None = None
+    ties: float | None = None

@@ -135,7 +135,7 @@ class CompareBody(CompareOptions):
     hidden_states: list[Any]
     """(rows, d_model) floats, run through both heads."""
     target_ids: list[Any] | None = None
-    """Optional real next tokens: adds NLL, perplexity and wins per head."""
+    """Optional real next tokens: adds NLL, perplexity and wins per head, and ties."""
 
 
 class TopKRow(_Document):
@@ -210,7 +210,7 @@ class CompareAnswer(_Document):
     kl_ab: KLSummary
     kl_ba: KLSummary
     models: list[dict[str, Any]]
-    wins: dict[str, float] | None = None
+    ties: float | None = None
 
 
 class ModelDescription(_Document):

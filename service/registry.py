@@ -241,8 +241,12 @@ class Registry:
         for record in self._records.values():
             for version in record.versions.values():
                 await version.close()
-        await asyncio.gather(*self._retiring, return_exceptions=True)
+        await self.retired()
         self._loader.shutdown(wait=False, cancel_futures=True)
+
+    async def retired(self) -> None:
+        """Wait until the versions replaced or unloaded so far have drained and left memory."""
+        await asyncio.gather(*self._retiring, return_exceptions=True)
 
     async def _build_record(
         self, name: str, previous: ModelRecord | None, pin: int | None
@@ -330,8 +334,21 @@ class Registry:
         if not drained:
             logger.warning("%s released with requests still running", version.label)
         self._metrics.unloads.labels(version.name).inc()
-        self._metrics.model_released(version.name, str(version.version), str(version.tied).lower())
+        if not self._serves_like(version):  # else the series is its successor's
+            self._metrics.model_released(
+                version.name, str(version.version), str(version.tied).lower()
+            )
         trim_heap()
+
+    def _serves_like(self, retired: LoadedVersion) -> bool:
+        """Whether another object serves the retired one's model, version and tie (its files
+        changed on disk, and the version was loaded again under its number)."""
+        record = self._records.get(retired.name)
+        return record is not None and any(
+            loaded is not retired
+            and (loaded.version, loaded.tied) == (retired.version, retired.tied)
+            for loaded in record.versions.values()
+        )
 
     def _observer(self, model: LoadedVersion) -> Callable[[BatchStats], None]:
         """Per-batch metrics; the labelled children are looked up once per version."""

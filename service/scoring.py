@@ -12,13 +12,13 @@ scored among the row's candidates, from their rows of W.
 from __future__ import annotations
 
 import asyncio
-import math
 
 import numpy as np
 import numpy.typing as npt
 
+from service.compare import perplexity
 from service.errors import InvalidInput
-from service.limits import LOGIT_BYTES
+from service.limits import LOGIT_BYTES, refuse_overflow
 from service.loaded_version import LoadedVersion
 from service.messages import CandidateScores, HeadInfo, ScoreResult
 from service.runtime import Scored
@@ -45,7 +45,9 @@ async def score_chunks(model: LoadedVersion, rows: Floats, targets: Ids, k: int)
         )
         for i in range(0, len(rows), step)
     ]
-    return Scored(*(np.concatenate(arrays) for arrays in zip(*_fields(parts), strict=True)))
+    scored = Scored(*(np.concatenate(arrays) for arrays in zip(*_fields(parts), strict=True)))
+    refuse_overflow(scored.logsumexp, scored.topk_logits, scored.target_logit)
+    return scored
 
 
 def _fields(parts: list[Scored]) -> list[tuple[npt.NDArray[np.generic], ...]]:
@@ -64,7 +66,8 @@ def score_within(
     logits = candidates.logits
     lse = logsumexp(logits)
     target = logits[np.arange(len(targets)), found.argmax(axis=1)]
-    rank = (logits > target[:, None]).sum(axis=1).astype(np.int64)
+    level = (logits == target[:, None]) & (candidates.ids < targets[:, None])  # ids in order
+    rank = ((logits > target[:, None]) | level).sum(axis=1).astype(np.int64)
     logprob = target - lse
     within = CandidateScores(space.original(candidates.ids), logits, logits - lse[:, None])
     return ScoreResult(
@@ -100,4 +103,4 @@ def score_result(
 def _nll_perplexity(logprob: Floats) -> tuple[float, float]:
     """Mean negative log-likelihood (float64) and its exp (inf past float's range)."""
     nll = float(-logprob.astype(np.float64).mean())
-    return nll, math.exp(nll) if nll < 700 else math.inf
+    return nll, perplexity(nll)

@@ -22,6 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 from service import compare
+from service.limits import refuse_overflow
 from service.loaded_version import LoadedVersion
 from service.metrics import Metrics
 
@@ -103,6 +104,8 @@ class ShadowTraffic:
         outcome = self._metrics.shadow_requests.labels
         try:
             theirs = await self._replay(primary, name, rows, temperature)
+            for logits in (ours, theirs):  # Inf logits would make the KL NaN
+                refuse_overflow(logits, logits)
             loop = asyncio.get_running_loop()
             stats = await loop.run_in_executor(
                 self._statistics, compare.row_agreement, ours, theirs, primary.config.shadow_k

@@ -141,12 +141,17 @@ class Bias:
 
 def logsumexp(logits: Floats) -> Floats:
     """Row-wise log-sum-exp (rows, n) -> (rows,), -inf for a row that is all -inf."""
-    top = logits.max(axis=1, keepdims=True)
+    result: Floats = _logsumexp(logits).astype(np.float32)
+    return result
+
+
+def _logsumexp(terms: npt.NDArray[np.floating]) -> npt.NDArray[np.floating]:
+    """``logsumexp`` in the terms' own precision."""
+    top = terms.max(axis=1, keepdims=True)
     safe = np.where(np.isfinite(top), top, 0.0)
     with np.errstate(divide="ignore"):
-        total = np.log(np.exp(logits - safe).sum(axis=1))
-    result: Floats = (total + safe[:, 0]).astype(np.float32)
-    return result
+        total: npt.NDArray[np.floating] = np.log(np.exp(terms - safe).sum(axis=1)) + safe[:, 0]
+    return total
 
 
 def top_sorted(logits: Floats, ids: Ids, k: int) -> tuple[Floats, Ids]:
@@ -173,15 +178,17 @@ def swap_lse(lse: Floats, raw_b: Floats, bias: Bias) -> tuple[Floats, npt.NDArra
     is computed from logits that may differ from the graph's by ``LOGIT_RTOL`` of the row's
     scale, an error the subtraction from 1 keeps while the true remainder may be far smaller
     (a row whose mass all sat in B, at large logits, measured on CUDA). A row whose bound on
-    the swapped value passes ``LSE_TOLERANCE`` is recomputed from full logits."""
+    the swapped value passes ``LSE_TOLERANCE`` is recomputed from full logits.
+
+    B's biased terms are summed in log space: a bias of +100 at temperature 0.1 is e^1000 of
+    the unbiased mass, past float64 (whose exp ends at e^709)."""
     shifted = raw_b.astype(np.float64) - lse.astype(np.float64)[:, None]
     share = np.exp(shifted).sum(axis=1)
-    outside = 1.0 - share
-    inside = np.exp(shifted + bias.values.astype(np.float64)).sum(axis=1)
-    total = np.maximum(outside, 0.0) + inside
     with np.errstate(divide="ignore", invalid="ignore"):
-        swapped = lse + np.log(total)
-        error = share * LOGIT_RTOL * np.maximum(1.0, np.abs(lse)) / total
+        outside = np.log(np.maximum(1.0 - share, 0.0))
+        total = np.logaddexp(outside, _logsumexp(shifted + bias.values.astype(np.float64)))
+        swapped = lse + total
+        error = share * LOGIT_RTOL * np.maximum(1.0, np.abs(lse)) * np.exp(-total)
     return swapped.astype(np.float32), error < LSE_TOLERANCE
 
 

@@ -252,8 +252,8 @@ def _score_response(result: ScoreResult) -> Response:
 
 def _compare_response(result: CompareResult) -> Response:
     payload: dict[str, Any] = {**result.agreement, "models": list(result.models)}
-    if result.wins is not None:
-        payload["wins"] = result.wins
+    if result.ties is not None:
+        payload["ties"] = result.ties
     return Response(json_bytes(payload), media_type=JSON)
 
 

@@ -34,6 +34,9 @@ def repository(tmp_path_factory: pytest.TempPathFactory, table: npt.NDArray[np.f
     save_head(HeadWeights.from_arrays(table, table.copy()), root / "twin" / "1")
     save_head(HeadWeights.from_arrays(table, perturbed), root / "perturbed" / "1")
     save_head(HeadWeights.from_arrays(table[:, :16]), root / "narrow" / "1")
+    ties = table.copy()
+    ties[11] = ties[7]
+    save_head(HeadWeights.from_arrays(ties), root / "ties" / "1")
     save_head(HeadWeights.from_arrays(table), root / "shadowed" / "1")
     shadow = {"shadow": {"model": "perturbed", "fraction": 1.0}, "shadow_k": 5}
     (root / "shadowed" / "config.json").write_text(json.dumps(shadow))
@@ -133,11 +136,33 @@ def test_compare_against_a_perturbed_head_matches_reference(url: str, repository
     lp_a = log_softmax(a)[np.arange(12), TARGETS]
     lp_b = log_softmax(b)[np.arange(12), TARGETS]
     close = np.isclose(lp_a, lp_b, rtol=1e-5, atol=1e-5)
-    assert answer["wins"]["tied"] == pytest.approx(np.mean((lp_a > lp_b) & ~close))
     blocks = {m["name"]: m for m in answer["models"]}
+    assert blocks["tied"]["wins"] == pytest.approx(np.mean((lp_a > lp_b) & ~close))
+    assert blocks["perturbed"]["wins"] == pytest.approx(np.mean((lp_b > lp_a) & ~close))
+    assert answer["ties"] == pytest.approx(np.mean(close))
     assert blocks["tied"]["nll"] == pytest.approx(-lp_a.mean(), rel=1e-4)
     assert blocks["perturbed"]["parameters"] == 2 * blocks["tied"]["parameters"]
     assert blocks["tied"]["rows_per_s"] > 0
+
+
+def test_a_head_compared_with_itself_ties_every_row(url: str) -> None:
+    body = {"models": ["tied", "tied"], "hidden_states": HIDDEN.tolist()}
+    answer = httpx.post(f"{url}/v1/compare", json={**body, "target_ids": TARGETS.tolist()}).json()
+    assert [m["wins"] for m in answer["models"]] == [0.0, 0.0]
+    assert answer["ties"] == 1.0
+
+
+def test_scores_within_candidates_rank_equal_logits_in_id_order(url: str, repository: Path) -> None:
+    """Tokens 7 and 11 have one row of W: equal logits, ranked by id, as over the vocabulary."""
+    body = {"hidden_states": HIDDEN[:2].tolist(), "target_ids": [11, 7], "candidate_ids": [7, 11]}
+    logits = _logits(repository, "ties", HIDDEN[:2])
+    above = (logits > logits[:, [7]]).sum(axis=1)
+    expected = {"vocabulary": [above[0] + 1, above[1]], "candidates": [1, 0]}
+    for over, ranks in expected.items():
+        answer = httpx.post(
+            f"{url}/v1/models/ties/score", json={**body, "logprobs_over": over}
+        ).json()
+        assert [r["rank"] for r in answer["results"]] == ranks
 
 
 def test_compare_refuses_mismatched_heads(url: str) -> None:

@@ -4,6 +4,7 @@ repository RPCs driving a swap under gRPC load, auth, limits and bad requests.""
 
 from __future__ import annotations
 
+import re
 import shutil
 import signal
 import threading
@@ -32,11 +33,17 @@ TOKEN = "s3cret-admin-token"
 
 
 @pytest.fixture(scope="module")
-def address(repository: Path) -> Iterator[str]:
+def served(repository: Path) -> Iterator[tuple[str, str]]:
+    """The server's HTTP URL and gRPC address."""
     port = free_port()
     settings = {"grpc_port": str(port), "admin_token": TOKEN, "max_body_bytes": str(2**20)}
-    with running_server(repository, **settings):
-        yield f"127.0.0.1:{port}"
+    with running_server(repository, **settings) as url:
+        yield url, f"127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def address(served: tuple[str, str]) -> str:
+    return served[1]
 
 
 @pytest.fixture
@@ -80,6 +87,27 @@ def test_health_and_metadata(client: triton.InferenceServerClient) -> None:
     server = client.get_server_metadata(as_json=True)
     assert server["name"] == "lmhead"
     assert {"binary_tensor_data", "classification", "model_repository"} <= set(server["extensions"])
+
+
+def test_every_rpc_is_counted(served: tuple[str, str], client: Any) -> None:
+    url = served[0]
+
+    def counts() -> dict[str, float]:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+        found = re.findall(
+            r'^lmhead_grpc_requests_total{code="OK",method="(\w+)"} (\S+)$', text, re.M
+        )
+        return {method: float(value) for method, value in found}
+
+    before = counts()
+    for _ in range(2):
+        client.is_server_live()
+        client.is_server_ready()
+        client.get_server_metadata()
+        client.is_model_ready("tied")
+    after = counts()
+    for method in ("ServerLive", "ServerReady", "ServerMetadata", "ModelReady"):
+        assert after[method] - before.get(method, 0.0) == 2, method
 
 
 @pytest.mark.parametrize("model", ["tied", "untied"])

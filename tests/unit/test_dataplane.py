@@ -30,6 +30,7 @@ from service.dataplane import DataPlane
 from service.errors import (
     Forbidden,
     InvalidInput,
+    LogitsOverflow,
     ModelNotFound,
     PayloadTooLarge,
     ServiceError,
@@ -46,6 +47,7 @@ from service.messages import (
     ScoreRequest,
     Target,
     TopKRequest,
+    VocabularyOptions,
 )
 from service.metrics import Metrics
 from service.reference import log_softmax, top_k
@@ -307,6 +309,32 @@ def test_a_version_whose_files_change_is_loaded_again_never_served_stale(
     assert "version 1's files changed on disk: loaded again" in described["notes"]
 
 
+def test_a_version_loaded_again_under_its_number_stays_in_the_loaded_gauge(
+    repository: Path, output_weight: npt.NDArray[np.float32]
+) -> None:
+    """The replaced copy leaves memory after its successor is in: it must not take the
+    successor's ``lmhead_model_loaded`` series (model, version and tie are the same)."""
+
+    async def main() -> list[float]:
+        metrics = Metrics()
+        with ThreadPoolExecutor(1) as executor:
+            registry = Registry(_settings(repository), executor, metrics)
+            await registry.load_all()
+            labels = {"model": "tied", "version": "1", "tied": "true"}
+            staged = save_head(HeadWeights.from_arrays(output_weight), repository / "staged")
+            shutil.copy(staged, repository / "tied" / "1" / "model.onnx")
+            await registry.load("tied")
+            await registry.retired()
+            loaded = _sample(metrics.registry, "lmhead_model_loaded", **labels)
+            await registry.unload("tied")
+            await registry.retired()
+            unloaded = metrics.registry.get_sample_value("lmhead_model_loaded", labels)
+            await registry.close()
+            return [loaded, -1.0 if unloaded is None else unloaded]
+
+    assert asyncio.run(main()) == [1.0, -1.0]  # then gone once unloaded
+
+
 def test_control_api_guards(repository: Path) -> None:
     async def guarded(plane: DataPlane, _: Metrics) -> None:
         plane.authorize("s3cret")
@@ -383,6 +411,78 @@ def test_topk_calls_served_as_one_keep_their_own_answers_errors_and_metrics(
         "PayloadTooLarge",
         "TopKResult",
     ]
+
+
+def _overflowing(table: npt.NDArray[np.float32], sign: float = 1.0) -> npt.NDArray[np.float32]:
+    """Three finite rows; row 1 points along token 0's row of W, so token 0's logit is
+    1.2x float32's largest (sign 1) or its negative (sign -1), and no other logit passes it."""
+    hidden = _hidden(3, seed=11)
+    row = table[0].astype(np.float64)
+    hidden[1] = (sign * 1.2 * float(np.finfo(np.float32).max) * row / (row @ row)).astype(
+        np.float32
+    )
+    return hidden
+
+
+def test_hidden_states_whose_logits_overflow_are_refused_on_every_path(
+    repository: Path, table: npt.NDArray[np.float32]
+) -> None:
+    """Finite rows that make Inf logits get a 422 naming the row, never an answer of NaN or
+    null; in a group of calls, only the call that sent them."""
+    hidden = _overflowing(table)
+    ok = _hidden(2, seed=12)
+    small = _hidden(1, seed=13) * np.float32(1e35)  # finite logits, Inf at temperature 1e-4
+    allowed = VocabularyOptions(allowed_token_ids=np.array([0, 5, 9]))
+
+    async def scenario(plane: DataPlane, _: Metrics) -> list[Any]:
+        calls: list[Callable[[], Awaitable[Any]]] = [
+            lambda: plane.topk(TopKRequest(TIED, hidden, k=3)),
+            lambda: plane.topk(TopKRequest(TIED, hidden, k=3, vocabulary=allowed)),
+            lambda: plane.logits(LogitsRequest(TIED, hidden)),
+            lambda: plane.score(ScoreRequest(TIED, hidden, np.array([1, 2, 3]))),
+            lambda: plane.compare(CompareRequest(("tied", "twin"), hidden)),
+            lambda: plane.topk(TopKRequest(UNTIED, small, temperature=1e-4)),
+        ]
+        refused = await _each_alone(lambda call: call(), calls)
+        grouped = await plane.topk_group(
+            [TopKRequest(TIED, h, k=3) for h in (ok, hidden, ok[::-1])]
+        )
+        return [refused, grouped]
+
+    refused, grouped = _run(_settings(repository), scenario)
+    assert [type(error).__name__ for error in refused] == ["LogitsOverflow"] * 6
+    assert all("row 1 makes logits beyond float32" in error.message for error in refused[:-1])
+    assert "row 0" in refused[-1].message
+    assert "at temperature 0.0001" in refused[-1].message
+    assert isinstance(grouped[1], LogitsOverflow)
+    for result, rows in ((grouped[0], ok), (grouped[2], ok[::-1])):
+        values, ids = top_k(reference_logits(repository / "tied" / "1", rows), 3)
+        np.testing.assert_array_equal(result.token_ids, ids)
+        np.testing.assert_allclose(result.logits, values, rtol=1e-4, atol=1e-4)
+
+
+def test_only_answers_that_would_hold_inf_are_refused(
+    repository: Path, table: npt.NDArray[np.float32]
+) -> None:
+    """Logits past float32 on the negative side only: the top-k (all finite) is answered,
+    the full logits and the score of that token are not."""
+    hidden = _overflowing(table, sign=-1.0)
+
+    async def scenario(plane: DataPlane, _: Metrics) -> list[Any]:
+        return await _each_alone(
+            lambda call: call(),
+            [
+                lambda: plane.topk(TopKRequest(TIED, hidden, k=3, logprobs=True)),
+                lambda: plane.logits(LogitsRequest(TIED, hidden)),
+                lambda: plane.score(ScoreRequest(TIED, hidden, np.array([1, 0, 3]))),
+            ],
+        )
+
+    topk, logits, score = _run(_settings(repository), scenario)
+    assert np.isfinite(topk.logits).all()
+    assert np.isfinite(topk.logprobs).all()
+    assert isinstance(logits, LogitsOverflow)
+    assert isinstance(score, LogitsOverflow)
 
 
 def test_topk_calls_served_as_one_share_a_lookup_or_argument_error(repository: Path) -> None:

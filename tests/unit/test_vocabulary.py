@@ -111,6 +111,18 @@ def test_swap_lse_flags_rows_whose_mass_was_all_in_the_bias() -> None:
     assert not trusted[0]
 
 
+def test_swap_lse_sums_a_large_bias_at_a_low_temperature_in_log_space() -> None:
+    # logit_bias +100 at temperature 0.1: B's term is e^1000 of the rest (past float64's exp)
+    logits = np.random.default_rng(3).standard_normal((2, 50)).astype(np.float32) / 0.1
+    bias = Bias.of({6: 100.0, 20: -100.0}, None)
+    assert bias is not None
+    at = bias.at(0.1)
+    lse, trusted = swap_lse(logsumexp(logits), logits[:, at.ids], at)
+    assert trusted.all()
+    np.testing.assert_allclose(lse, logsumexp(apply_bias(logits, None, at)), rtol=1e-6)
+    assert np.isfinite(lse).all()
+
+
 def _sorted_row(logits: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
     return -np.sort(-logits, axis=1)
 

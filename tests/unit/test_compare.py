@@ -1,0 +1,66 @@
+"""The statistics that compare two heads, on logits small enough to check by hand."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+
+from service.cli.compare import format_comparison
+from service.compare import Scores, perplexity, row_agreement, top_k_sets, wins
+
+
+def test_top_k_sets_take_tied_logits_in_id_order() -> None:
+    logits = np.array([[1.0, 3.0, 3.0, 2.0, 3.0], [0.0, 0.0, 0.0, 0.0, 0.0]], np.float32)
+    assert [np.flatnonzero(row).tolist() for row in top_k_sets(logits, 2)] == [[1, 2], [0, 1]]
+    assert np.flatnonzero(top_k_sets(logits, 4)[0]).tolist() == [1, 2, 3, 4]
+    assert top_k_sets(logits, 5).all()
+
+
+def test_heads_with_the_same_top_k_under_ties_overlap_fully() -> None:
+    # the top-2 of both is {1, 2} (ties to the lower id); argpartition alone picked {1, 4}
+    a = np.tile(np.array([0.0, 2.0, 2.0, 1.0, 2.0, 2.0], np.float32), (4, 1))
+    b = np.tile(np.array([0.0, 3.0, 3.0, 1.0, 0.5, 3.0], np.float32), (4, 1))
+    agree, overlap, _ = row_agreement(a, b, 2)
+    assert agree.all()
+    assert overlap.tolist() == [1.0] * 4
+    _, overlap, _ = row_agreement(a, b, 3)  # {1, 2, 4} and {1, 2, 5}: Jaccard 2/4
+    assert overlap.tolist() == [0.5] * 4
+
+
+def test_wins_are_shares_in_the_heads_order_whatever_their_names() -> None:
+    logit, rank = np.zeros(4, np.float32), np.zeros(4, np.int64)
+    a = Scores(logit, np.array([-1.0, -2.0, -3.0, -4.0], np.float32), rank)
+    b = Scores(logit, np.array([-2.0, -1.0, -3.0, -5.0], np.float32), rank)
+    assert wins(a, b) == (0.5, 0.25, 0.25)
+    assert wins(a, a) == (0.0, 0.0, 1.0)
+
+
+def test_perplexity_past_float64_is_inf_and_the_table_says_so() -> None:
+    assert perplexity(2.0) == math.exp(2.0)
+    assert perplexity(800.0) == math.inf
+    block = {
+        "tied": True,
+        "parameters": 10,
+        "file_bytes": 40,
+        "rows_per_s": 5.0,
+        "nll": 800.0,
+        "perplexity": None,  # as JSON carries Inf
+        "wins": 0.5,
+    }
+    kl = {"mean": 0.0, "p50": 0.0, "p90": 0.0, "max": 0.0}
+    report = {
+        "models": [{"name": "a", **block}, {"name": "a", **block, "wins": 0.25}],
+        "ties": 0.25,
+        "rows": 4,
+        "k": 5,
+        "top1_agreement": 1.0,
+        "topk_overlap": 1.0,
+        "kl_ab": kl,
+        "kl_ba": kl,
+    }
+    table = format_comparison(report)
+    assert re.search(r"^perplexity +inf +inf *$", table, re.MULTILINE)
+    assert re.search(r"^rows won +50.0% +25.0% *$", table, re.MULTILINE)
+    assert re.search(r"^rows tied +25.0%", table, re.MULTILINE)
