@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import MutableSequence
+from collections.abc import Callable, MutableSequence
 from typing import Any
 
 import httptools
@@ -126,6 +126,7 @@ class LimitedHttp(HttpToolsProtocol):
     #: what it reads and queues them all (one client flooding GETs held 129k, +600 MB in 10 s).
     max_pipelined = 32
     shared: SharedConnections | None = None  # the other fronts' connections count too
+    refused: Callable[[str], None] | None = None  # told the code of each refusal (metrics)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -356,6 +357,8 @@ class LimitedHttp(HttpToolsProtocol):
     def _answer(self, status: int, reason: str) -> None:
         """A JSON error of this layer's own, and close."""
         code, phrase = _ERRORS[status]
+        if self.refused is not None:
+            self.refused(code)
         body = orjson.dumps({"error": {"code": code, "message": reason}})
         head = (
             b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"

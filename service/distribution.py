@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import re
 import secrets
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -216,7 +216,7 @@ async def candidate_logits(
     per_row = np.full(len(rows), temperature, np.float32)
     candidates = model.session.candidates
     if candidates is not None:
-        found = await _off_loop(model, candidates, rows, ids, per_row)
+        found = await model.run_alone(len(rows), candidates, rows, ids, per_row)
         refuse_overflow(found, found, temperature=temperature)
         return found
     every = np.broadcast_to(ids, (len(rows), ids.shape[-1])) if ids.ndim == 1 else ids
@@ -352,10 +352,6 @@ def _biased_lse(logits: Floats, bias: Bias | None) -> tuple[Floats, Floats]:
     if bias is not None:
         logits = apply_bias(logits, None, bias)
     return logits, logsumexp(logits)
-
-
-async def _off_loop(model: LoadedVersion, function: Callable[..., Floats], *args: object) -> Floats:
-    return await asyncio.get_running_loop().run_in_executor(model.executor, function, *args)
 
 
 def topk_result(

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from time import perf_counter
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -60,6 +60,9 @@ class LoadOptions:
         return Placement(self.memory_mode, self.intra_op_threads, self.providers, self.tf32)
 
 
+T = TypeVar("T")
+
+
 @dataclass
 class LoadedVersion:
     """One servable version of a model."""
@@ -77,6 +80,7 @@ class LoadedVersion:
     """A trimmed head's original ids (``service.trim``); None: columns are token ids."""
     batcher: Batcher | None = field(default=None, repr=False)
     executor: Executor | None = field(default=None, repr=False)
+    on_run: Callable[[BatchStats], None] | None = field(default=None, repr=False)
     _inflight: int = field(default=0, repr=False)
     _idle: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
@@ -165,6 +169,7 @@ class LoadedVersion:
         caps = (limits.max_batch_rows, self.config.max_batch_rows or rows_per_run, rows_per_run)
         limits = BatchLimits(limits.merge, min(caps), limits.max_wait_s, limits.max_queue_rows)
         self.executor = executor
+        self.on_run = on_batch
         self.batcher = Batcher(
             self._run, executor, limits, label=self.label, on_batch=on_batch, on_reject=on_reject
         )
@@ -228,8 +233,27 @@ class LoadedVersion:
 
     async def embed(self, ids: npt.NDArray[np.int64]) -> npt.NDArray[np.float32]:
         """Rows of the input embedding (the Gather side), in the inference executor."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, self.session.embed, ids)
+        return await self.run_alone(ids.size, self.session.embed, ids)
+
+    async def run_alone(self, rows: int, function: Callable[..., T], *args: Any) -> T:
+        """A run outside the batcher (scoring, embedding rows, candidates' rows of W) in the
+        inference executor, in the run metrics as a batch of one request."""
+
+        def timed() -> tuple[T, float]:
+            started = perf_counter()
+            try:
+                return function(*args), perf_counter() - started
+            except Exception:
+                self._observe(BatchStats(rows, 1, [], perf_counter() - started, failed=True))
+                raise
+
+        result, seconds = await asyncio.get_running_loop().run_in_executor(self.executor, timed)
+        self._observe(BatchStats(rows, 1, [], seconds, failed=False))
+        return result
+
+    def _observe(self, stats: BatchStats) -> None:
+        if self.on_run is not None:
+            self.on_run(stats)
 
     async def rows_per_second(self, hidden: npt.NDArray[np.float32], rows: int, runs: int) -> float:
         """Rows/s of the bare session on a fixed batch tiled from ``hidden`` (no batcher)."""

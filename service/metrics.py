@@ -12,6 +12,8 @@ batch and model metrics and every front's HTTP and gRPC metrics. Per-process col
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -38,7 +40,8 @@ class Metrics:
         self.requests = Counter(
             "lmhead_requests",
             "Data-plane calls (any front end) by model, version, verb and outcome "
-            "(ok or the error code); model is empty when the name is unknown.",
+            "(ok or the error code); model is empty when the name is unknown, version when "
+            "the lookup failed.",
             ["model", "version", "verb", "outcome"],
             registry=self.registry,
         )
@@ -53,6 +56,14 @@ class Metrics:
             "lmhead_http_requests",
             "HTTP requests by route template and status code.",
             ["endpoint", "status"],
+            registry=self.registry,
+        )
+        self.http_refused = Counter(
+            "lmhead_http_refused",
+            "Requests (or new connections) the HTTP layer answered itself and closed before "
+            "the app saw them, by error code: slow or oversized heads, the connection cap, "
+            "unparsable HTTP (not in lmhead_http_requests_total).",
+            ["code"],
             registry=self.registry,
         )
         self.http_duration = Histogram(
@@ -83,14 +94,15 @@ class Metrics:
         )
         self.queue_duration = Histogram(
             "lmhead_queue_duration_seconds",
-            "Time a request waited in its model's batch queue.",
+            "Time a batcher entry (see lmhead_batch_requests) waited in its model's queue.",
             model_version,
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
         self.inference_duration = Histogram(
             "lmhead_inference_duration_seconds",
-            "Time of one onnxruntime run (one batch).",
+            "Time of one onnxruntime run: a batch, or a score, embedding or candidate run "
+            "(those run alone, as a batch of one).",
             model_version,
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
@@ -104,7 +116,8 @@ class Metrics:
         )
         self.batch_requests = Histogram(
             "lmhead_batch_requests",
-            "Requests merged into one onnxruntime run.",
+            "Batcher entries merged into one onnxruntime run: a request, calls a front sent "
+            "together (served as one), or one run's rows of a request larger than a run.",
             model_version,
             buckets=ROW_BUCKETS,
             registry=self.registry,
@@ -120,6 +133,14 @@ class Metrics:
             "Requests refused with 503 because the model's queue was full.",
             model_version,
             registry=self.registry,
+        )
+        self._per_version = (
+            self.queue_duration,
+            self.inference_duration,
+            self.batch_rows,
+            self.batch_requests,
+            self.inference_failures,
+            self.queue_full,
         )
         self.models_loaded = Gauge(
             "lmhead_model_loaded",
@@ -223,13 +244,20 @@ class Metrics:
         children[0].inc()
         children[1].observe(seconds)
 
+    def refused(self, code: str) -> None:
+        """The HTTP layer refused a request or a connection itself (``service.connection``)."""
+        self.http_refused.labels(code).inc()
+
     def model_released(self, model: str, version: str, tied: str) -> None:
-        """A version left memory: its ``lmhead_model_loaded`` series goes (0 in multiprocess
-        mode, whose files keep every series written)."""
+        """A version left memory: its ``lmhead_model_loaded`` series and its run metrics go
+        (in multiprocess mode, whose files keep every series written, the gauge reads 0)."""
         if self.multiprocess:
             self.models_loaded.labels(model, version, tied).set(0)
-        else:
-            self.models_loaded.remove(model, version, tied)
+            return
+        self.models_loaded.remove(model, version, tied)
+        for per_version in self._per_version:  # else each version published stays listed
+            with contextlib.suppress(KeyError):
+                per_version.remove(model, version)
 
     def render(self) -> bytes:
         if not self.multiprocess:

@@ -11,8 +11,6 @@ scored among the row's candidates, from their rows of W.
 
 from __future__ import annotations
 
-import asyncio
-
 import numpy as np
 import numpy.typing as npt
 
@@ -38,10 +36,13 @@ async def score_chunks(model: LoadedVersion, rows: Floats, targets: Ids, k: int)
     runs of ``score_rows``: peak memory is one run's, whatever the prompt's length (and the
     run's logits buffer is the inference thread's, not the request's: ``HeadSession.score``)."""
     step = score_rows(model.vocab_size, model.rows_per_run, model.session.score_copies)
-    loop = asyncio.get_running_loop()
     parts = [
-        await loop.run_in_executor(
-            model.executor, model.session.score, rows[i : i + step], targets[i : i + step], k
+        await model.run_alone(
+            len(rows[i : i + step]),
+            model.session.score,
+            rows[i : i + step],
+            targets[i : i + step],
+            k,
         )
         for i in range(0, len(rows), step)
     ]

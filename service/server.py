@@ -22,6 +22,7 @@ from service.allocator import settle_allocator
 from service.app import create_app
 from service.connection import LimitedHttp, SharedConnections
 from service.listeners import check_free, describe, listening_sockets
+from service.metrics import Metrics
 from service.settings import Settings
 
 logger = logging.getLogger("lmhead")
@@ -37,7 +38,8 @@ def run(settings: Settings) -> None:
     sockets = listening_sockets(settings.host, settings.port)
     if settings.grpc_port is not None:
         check_free(settings.host, settings.grpc_port)
-    config = uvicorn.Config(create_app(settings), **_options(settings))
+    app = create_app(settings)
+    config = uvicorn.Config(app, **_options(settings, app.state.metrics))
     logger.info("lmhead serving on %s", describe(sockets))
     # uvicorn drains on SIGINT/SIGTERM, then raises the signal again with the handler it found:
     # Ctrl-C's KeyboardInterrupt, and SIGTERM's default (death by signal, status -15, where
@@ -59,16 +61,19 @@ def run_on(
     over every front."""
     _raise_descriptor_limit(settings.max_connections + FD_MARGIN)
     settle_allocator()
-    uvicorn.Server(uvicorn.Config(app, **_options(settings, shared))).run(sockets=sockets)
+    options = _options(settings, app.state.metrics, shared)
+    uvicorn.Server(uvicorn.Config(app, **options)).run(sockets=sockets)
 
 
-def _options(settings: Settings, shared: SharedConnections | None = None) -> dict[str, Any]:
+def _options(
+    settings: Settings, metrics: Metrics, shared: SharedConnections | None = None
+) -> dict[str, Any]:
     return {
         "log_level": settings.log_level,
         "access_log": settings.access_log,
         "timeout_graceful_shutdown": 10,
         "timeout_keep_alive": settings.keep_alive_s,  # a float: 0.5 s must not become 0
-        "http": limited_protocol(settings, shared),
+        "http": limited_protocol(settings, shared, metrics),
         # No WebSocket routes: an upgraded connection would escape the limits above.
         "ws": "none",
         # X-Forwarded-* would only rewrite the client address that access logs show; the
@@ -78,9 +83,10 @@ def _options(settings: Settings, shared: SharedConnections | None = None) -> dic
 
 
 def limited_protocol(
-    settings: Settings, shared: SharedConnections | None = None
+    settings: Settings, shared: SharedConnections | None = None, metrics: Metrics | None = None
 ) -> type[HttpToolsProtocol]:
-    """``LimitedHttp`` with this service's limits (uvicorn builds one per connection)."""
+    """``LimitedHttp`` with this service's limits (uvicorn builds one per connection), its
+    refusals counted in ``metrics``."""
     return type(
         "LMHeadHttp",
         (LimitedHttp,),
@@ -90,6 +96,7 @@ def limited_protocol(
             "body_timeout_s": settings.body_timeout_s,
             "max_connections": settings.max_connections,
             "shared": shared,
+            "refused": None if metrics is None else metrics.refused,
         },
     )
 

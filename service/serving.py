@@ -30,14 +30,17 @@ class Serving:
         #: Calls this context serves together (``DataPlane.topk_group``); each is recorded.
         self.calls = calls
         self._heads: list[LoadedVersion] = []
+        self._missing: Target | None = None  # the target whose lookup failed
         self._started = perf_counter()
 
     def __enter__(self) -> list[LoadedVersion]:
         try:
             for target in self._targets:
+                self._missing = target
                 head = self._registry.get(target.model, target.version)
                 head.acquire()
                 self._heads.append(head)
+            self._missing = None
         except BaseException as error:
             self.__exit__(type(error), error, None)
             raise
@@ -45,15 +48,17 @@ class Serving:
 
     def record(self, outcome: str, calls: int = 1) -> None:
         """Record ``calls`` calls now, with this outcome (``__exit__`` records ``calls``; a
-        call of a group that failed its own checks is recorded alone, and not counted there)."""
-        first = self._heads[0] if self._heads else None
+        call of a group that failed its own checks is recorded alone, and not counted there).
+        A failed lookup is recorded under the model it named, if the repository has it (no
+        version: the one asked may not exist), else under "" (names are the client's)."""
+        model = version = ""
+        if self._missing is not None:
+            if self._registry.knows(self._missing.model):
+                model = self._missing.model
+        elif self._heads:
+            model, version = self._heads[0].name, str(self._heads[0].version)
         self._metrics.observe_call(
-            first.name if first else "",
-            str(first.version) if first else "",
-            self._verb,
-            outcome,
-            perf_counter() - self._started,
-            calls,
+            model, version, self._verb, outcome, perf_counter() - self._started, calls
         )
 
     def __exit__(

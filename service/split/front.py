@@ -57,6 +57,9 @@ RECONNECT_S = (0.02, 1.0)  # first and longest pause between attempts
 CONNECT_S = 5.0
 NOT_CONNECTED = "the engine process is not connected (starting or restarting); retry shortly"
 
+#: A readiness check waits this long for the engine, then says not ready (a probe's own
+#: timeout may be shorter: it then fails the same way, only without the reason).
+ENGINE_SILENT_S = 2.0
 FREE_AFTER_S = 0.01  # released blocks ride on the next call, or go alone after this
 
 _answers: ContextVar[list[tuple[EngineLink, int]] | None] = ContextVar(
@@ -235,7 +238,15 @@ class RemotePlane:
         check_token(None if token is None else token.get_secret_value(), presented)
 
     async def check_ready(self) -> None:
-        await self._call("check_ready")
+        """Ready only if the engine says so within ``ENGINE_SILENT_S``: a frozen engine (a
+        stopped process, a stuck event loop) is alive to the supervisor, not ready."""
+        try:
+            await asyncio.wait_for(self._call("check_ready"), ENGINE_SILENT_S)
+        except TimeoutError:
+            raise ModelNotReady(
+                f"the engine process has not answered in {ENGINE_SILENT_S:g} s",
+                headers={"Retry-After": "1"},
+            ) from None
 
     async def models(self) -> list[dict[str, Any]]:
         result: list[dict[str, Any]] = await self._call("models")

@@ -196,10 +196,20 @@ def _exchange_head(url: str, raw: bytes, timeout: float = 10.0) -> tuple[bytes, 
 
 
 def test_oversized_headers_are_431_and_the_connection_closed(url: str) -> None:
+    def refused() -> float:
+        text = httpx.get(f"{url}/metrics").text
+        found = re.search(
+            r'^lmhead_http_refused_total{code="headers_too_large"} (\S+)$', text, re.M
+        )
+        return float(found.group(1)) if found else 0.0
+
+    before = refused()
     raw = b"GET /health/live HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 8000 + b"\r\n\r\n"
-    status, body, closed = _exchange(url, raw)
-    assert (status, closed) == (431, True)
-    assert json.loads(body)["error"]["code"] == "headers_too_large"
+    for _ in range(2):
+        status, body, closed = _exchange(url, raw)
+        assert (status, closed) == (431, True)
+        assert json.loads(body)["error"]["code"] == "headers_too_large"
+    assert refused() - before == 2  # counted: the app never saw them
 
 
 def test_a_head_or_body_that_never_completes_is_408(url: str) -> None:

@@ -472,6 +472,18 @@ def test_a_killed_engine_fails_readiness_then_comes_back(
             np.testing.assert_array_equal(client.topk("head", HIDDEN, k=3).token_ids, expected[1])
 
 
+def test_a_frozen_engine_fails_readiness_in_bounded_time(two: str) -> None:
+    engine = tree(two).engine
+    engine.suspend()  # alive to the supervisor, answering nothing
+    try:
+        answer = httpx.get(f"{two}/health/ready", timeout=30)
+        assert answer.status_code == 503
+        assert "engine process has not answered" in answer.json()["error"]["message"]
+    finally:
+        engine.resume()
+    poll(lambda: _ready(two), "ready again")
+
+
 def test_a_restarted_engine_serves_what_the_control_api_left(tmp_path: Path) -> None:
     """Loads, pins and unloads made through the control API outlive the engine: the one
     started after it serves the pinned tied version 1 (not the untied 2 on disk), keeps the

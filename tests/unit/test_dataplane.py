@@ -281,6 +281,12 @@ def test_lookup_errors_and_version_pinning(repository: Path, output_weight: Any)
         assert _sample(registry, "lmhead_requests_total", **labels) == 1
         unknown = {"verb": "topk", "version": "", "model": "", "outcome": "model_not_found"}
         assert _sample(registry, "lmhead_requests_total", **unknown) == 1
+        missing = {"verb": "topk", "version": "", "model": "tied", "outcome": "version_not_found"}
+        assert _sample(registry, "lmhead_requests_total", **missing) == 1
+        with pytest.raises(ModelNotFound):  # the second model is the one missing
+            await plane.compare(CompareRequest(("tied", "nope"), _hidden(1)))
+        compared = {"verb": "compare", "version": "", "model": "", "outcome": "model_not_found"}
+        assert _sample(registry, "lmhead_requests_total", **compared) == 1
         return versions
 
     assert _run(_settings(repository), scenario) == [2, 1, 2]
@@ -326,13 +332,46 @@ def test_a_version_loaded_again_under_its_number_stays_in_the_loaded_gauge(
             await registry.load("tied")
             await registry.retired()
             loaded = _sample(metrics.registry, "lmhead_model_loaded", **labels)
+            runs = {"model": "tied", "version": "1"}
+            counted = metrics.registry.get_sample_value("lmhead_batch_rows_count", runs)
             await registry.unload("tied")
             await registry.retired()
             unloaded = metrics.registry.get_sample_value("lmhead_model_loaded", labels)
+            left = metrics.registry.get_sample_value("lmhead_batch_rows_count", runs)
             await registry.close()
-            return [loaded, -1.0 if unloaded is None else unloaded]
+            return [loaded, counted is not None, unloaded is None, left is None]
 
-    assert asyncio.run(main()) == [1.0, -1.0]  # then gone once unloaded
+    # then gone once unloaded, its run metrics too (else each version published stays listed)
+    assert asyncio.run(main()) == [1.0, True, True, True]
+
+
+def test_runs_outside_the_batcher_are_in_the_run_metrics(repository: Path) -> None:
+    """Score, embed and candidate runs skip the batcher; each is one run of one request."""
+    hidden = _hidden(3, seed=21)
+    allowed = VocabularyOptions(allowed_token_ids=np.array([1, 2]))
+
+    async def scenario(plane: DataPlane, metrics: Metrics) -> list[float]:
+        labels = {"model": "untied", "version": "1"}
+
+        def count(name: str) -> float:
+            return _sample(metrics.registry, name, **labels)
+
+        counts = []
+        for call in (
+            lambda: plane.score(ScoreRequest(UNTIED, hidden, np.array([1, 2, 3]))),
+            lambda: plane.embed(EmbedRequest(UNTIED, np.array([[4, 5]]))),
+            lambda: plane.topk(TopKRequest(UNTIED, hidden, k=2, vocabulary=allowed)),
+        ):
+            before = count("lmhead_inference_duration_seconds_count")
+            rows = count("lmhead_batch_rows_sum")
+            await call()
+            counts += [
+                count("lmhead_inference_duration_seconds_count") - before,
+                count("lmhead_batch_rows_sum") - rows,
+            ]
+        return counts
+
+    assert _run(_settings(repository), scenario) == [1, 3, 1, 2, 1, 3]
 
 
 def test_control_api_guards(repository: Path) -> None:
