@@ -80,7 +80,7 @@ async def _start(settings: Settings, registry: Registry) -> None:
         await registry.load_all()
     except Exception as error:  # readiness must say why, not "still loading" forever
         logger.exception("start-up failed")
-        registry.fail_startup(f"{type(error).__name__}: {error}")
+        registry.fail_startup(error)
 
 
 async def _follow(loading: asyncio.Task[None], poller: RepositoryPoller) -> None:

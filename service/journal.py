@@ -17,13 +17,26 @@ import asyncio
 import json
 import logging
 import os
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 logger = logging.getLogger("lmhead")
 UNLOADED: Literal["unloaded"] = "unloaded"
-#: Per model: loaded with this pinned version (None: the latest), or unloaded.
-Wanted = int | None | Literal["unloaded"]
+
+
+@dataclass(frozen=True)
+class Served:
+    """A model as an engine left it: its pinned version (None: the policy's choice) and the
+    versions it served, which a new engine falls back to when the policy's choice fails
+    (a version broken on disk while the one before it served on)."""
+
+    pin: int | None = None
+    versions: tuple[int, ...] = ()
+
+
+#: Per model: loaded (``Served``), or unloaded by a control call.
+Wanted = Served | Literal["unloaded"]
 
 
 class ControlJournal:
@@ -34,18 +47,23 @@ class ControlJournal:
         self._wanted: dict[str, Wanted] = _read(path) if path is not None else {}
         self._saving = asyncio.Lock()
 
-    async def loaded(self, name: str, pin: int | None) -> None:
-        self._wanted[name] = pin
+    async def loaded(self, name: str, pin: int | None, versions: tuple[int, ...] = ()) -> None:
+        self._wanted[name] = Served(pin, versions)
         await self._save()
 
     async def unloaded(self, name: str) -> None:
         self._wanted[name] = UNLOADED
         await self._save()
 
-    def plan(self, at_start: list[str]) -> tuple[dict[str, int | None], list[str]]:
-        """Start-up's models as the operator left them: those to load (with their pins),
-        and those to keep unloaded."""
-        load: dict[str, int | None] = dict.fromkeys(at_start)
+    async def forget(self, name: str) -> None:
+        """The model left the repository: a new engine treats it as the disk says."""
+        if self._wanted.pop(name, None) is not None:
+            await self._save()
+
+    def plan(self, at_start: list[str]) -> tuple[dict[str, Served], list[str]]:
+        """Start-up's models as the operator left them: those to load (with their pins and
+        served versions), and those to keep unloaded."""
+        load: dict[str, Served] = dict.fromkeys(at_start, Served())
         unloaded = []
         for name, wanted in self._wanted.items():
             if wanted == UNLOADED:
@@ -59,7 +77,12 @@ class ControlJournal:
         if self._path is None:
             return
         async with self._saving:  # the text is taken inside: the last write holds the last call
-            text = json.dumps(self._wanted)
+            text = json.dumps(
+                {
+                    name: wanted if wanted == UNLOADED else asdict(wanted)
+                    for name, wanted in self._wanted.items()
+                }
+            )
             try:
                 await asyncio.to_thread(_write_whole, self._path, text)
             except OSError as error:  # the call itself succeeded; only a restart would miss it
@@ -78,10 +101,22 @@ def _read(path: Path) -> dict[str, Wanted]:
     if not isinstance(found, dict):
         return {}
     return {
-        name: wanted
-        for name, wanted in found.items()
-        if wanted is None or wanted == UNLOADED or type(wanted) is int
+        name: parsed for name, wanted in found.items() if (parsed := _wanted(wanted)) is not None
     }
+
+
+def _wanted(entry: Any) -> Wanted | None:
+    """One well-formed entry, or None."""
+    if entry == UNLOADED:
+        return UNLOADED
+    if not isinstance(entry, dict):
+        return None
+    pin, versions = entry.get("pin"), entry.get("versions", [])
+    if not (pin is None or type(pin) is int) or not isinstance(versions, list):
+        return None
+    if not all(type(version) is int for version in versions):
+        return None
+    return Served(pin, tuple(versions))
 
 
 def _write_whole(path: Path, text: str) -> None:

@@ -1,12 +1,12 @@
 """Poll mode: follow the repository on disk, loading new versions and unloading removed models.
 
-When is a version complete? Its files' names, sizes and mtimes must be unchanged across two
-consecutive scans before it is considered, so a copy in progress (which keeps changing them)
-is never loaded. A copy that stalls for longer than a scan interval could still be seen as
-stable: such a load fails, the serving version stays, and the version is retried as soon as
-its files change again. For an instant, exact hand-over, copy into a hidden directory
-(``models/NAME/.incoming``) and rename it to its version number: directories whose names are
-not numbers are ignored.
+When is a version complete? Its files' stat signatures (``repository.signature``) must be
+unchanged across two consecutive scans before it is considered, so a copy in progress (which
+keeps changing them) is never loaded. A copy that stalls for longer than a scan interval
+could still be seen as stable: such a load fails, the serving version stays, and the version
+is retried as soon as its files change again. For an instant, exact hand-over, copy into a
+hidden directory (``models/NAME/.incoming``) and rename it to its version number:
+directories whose names are not numbers are ignored.
 """
 
 from __future__ import annotations
@@ -20,9 +20,11 @@ from service.registry import Registry
 from service.repository import (
     CONFIG_FILE,
     Signature,
+    cannot_read,
+    file_signature,
     model_names,
     signature,
-    version_dirs,
+    version_entries,
 )
 
 logger = logging.getLogger("lmhead")
@@ -30,16 +32,24 @@ ModelSignature = tuple[tuple[int, Signature], ...]
 
 
 def model_signature(repository: Path, name: str) -> ModelSignature:
-    """Signatures of the model's config and of each version directory with a model file."""
+    """Signatures of the model's config and of each version directory with a model file;
+    what cannot be read is part of it by its reason, so a fix (a chmod) is a change."""
     directory = repository / name
     entries: list[tuple[int, Signature]] = []
-    config = directory / CONFIG_FILE
-    if config.is_file():
-        stat = config.stat()
-        entries.append((-1, ((CONFIG_FILE, stat.st_size, stat.st_mtime_ns),)))
-    for number, entry in version_dirs(directory).items():
-        entries.append((number, signature(entry)))
-    return tuple(entries)
+    try:
+        config = directory / CONFIG_FILE
+        if config.is_file():
+            entries.append((-1, file_signature(config)))
+        versions, refused = version_entries(directory, repository.resolve())
+    except OSError as error:
+        return ((-2, (("unreadable", cannot_read(error)),)),)
+    for number, entry in versions.items():
+        try:
+            entries.append((number, signature(entry)))
+        except OSError as error:
+            entries.append((number, (("unreadable", cannot_read(error)),)))
+    entries += [(number, (("refused", reason),)) for number, reason in refused.items()]
+    return tuple(sorted(entries))
 
 
 class RepositoryPoller:
@@ -81,21 +91,28 @@ class RepositoryPoller:
         if not await asyncio.to_thread(self._repository.is_dir):  # moved or re-linked: wait
             logger.warning("poll: the repository %s is not a directory now", self._repository)
             return  # taking its absence as every model removed would unload them all
-        names = await asyncio.to_thread(model_names, self._repository, self._only)
+        on_disk = await asyncio.to_thread(model_names, self._repository, self._only)
+        names = on_disk
         if self._lazy:  # models load when asked: follow only those held, not the unloaded
-            names = [name for name in names if self._registry.holds(name)]
+            names = [name for name in on_disk if self._registry.holds(name)]
         for name in names:
-            current = await asyncio.to_thread(model_signature, self._repository, name)
-            stable = self._seen.get(name) == current
-            self._seen[name] = current
-            if stable and current != self._applied.get(name):
-                self._applied[name] = current
-                record = await self._registry.load(name)
-                logger.info("poll: loaded %s -> %s %s", name, record.state, record.notes)
+            try:  # one model's trouble must not stop the others being followed
+                await self._follow(name)
+            except Exception:
+                logger.exception("poll: following %s failed", name)
         for name in set(self._applied) - set(names):
             del self._applied[name]
             self._seen.pop(name, None)
-            if self._registry.knows(name):
-                await self._registry.unload(name)
+            if name not in on_disk and self._registry.holds(name):  # not merely unheld
+                await self._registry.unload(name, removed=True)
                 logger.info("poll: unloaded %s (removed from the repository)", name)
         self._metrics.repository_scans.inc()
+
+    async def _follow(self, name: str) -> None:
+        current = await asyncio.to_thread(model_signature, self._repository, name)
+        stable = self._seen.get(name) == current
+        self._seen[name] = current
+        if stable and current != self._applied.get(name):
+            self._applied[name] = current
+            record = await self._registry.reload(name)  # pins and unloads by call stand
+            logger.info("poll: loaded %s -> %s %s", name, record.state, record.notes)

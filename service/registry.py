@@ -14,33 +14,31 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
-from concurrent.futures import Executor, ThreadPoolExecutor
-from dataclasses import replace
+from concurrent.futures import Executor
 from typing import Any
 
 from service.allocator import trim_heap
-from service.batch import BatchStats
-from service.batching import BatchLimits
 from service.errors import InvalidModelName, ModelNotFound, ModelNotReady, VersionNotFound
-from service.journal import ControlJournal
-from service.limits import Limits
-from service.loaded_version import LoadedVersion, LoadOptions, VersionLoadError, load_version
+from service.journal import ControlJournal, Served
+from service.loaded_version import LoadedVersion
+from service.loading import RecordBuilder
 from service.metrics import Metrics
 from service.records import ModelRecord, ModelState
 from service.repository import (
-    ModelSource,
     RepositoryError,
     is_valid_name,
+    maybe_dir,
     model_names,
-    read_source,
+    sweep_stale_copies,
     version_entries,
 )
-from service.runtime import select_providers
 from service.settings import Settings
 
 logger = logging.getLogger("lmhead")
-MAX_REASON_CHARS = 500
+#: Why a model is UNAVAILABLE: a control call unloaded it (it stays so until a load), or
+#: its directory left the repository (the poller; loaded again should it come back).
+UNLOADED_BY_CALL = "unloaded"
+REMOVED = "removed from the repository"
 
 
 class Registry:
@@ -55,34 +53,17 @@ class Registry:
     ) -> None:
         self._settings = settings
         self.journal = journal or ControlJournal()
-        self._executor = executor
         self._metrics = metrics
-        self._loader = ThreadPoolExecutor(1, thread_name_prefix="lmhead-load")
         self._records: dict[str, ModelRecord] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._retiring: set[asyncio.Task[None]] = set()
-        self._options = LoadOptions(
-            settings.memory_mode,
-            settings.intra_op_threads,
-            settings.default_k,
-            Limits.from_settings(settings),
-            settings.repository,
-            select_providers(settings.provider),
-            settings.scratch_dir,
-            settings.cuda_tf32,
-        )
-        self._limits = BatchLimits(
-            merge=settings.batching,
-            max_batch_rows=settings.max_batch_rows,
-            max_wait_s=settings.max_wait_ms / 1000,
-            max_queue_rows=settings.max_queue_rows,
-        )
+        self._builder = RecordBuilder(settings, executor, metrics)
         self.ready = False
         self.startup_error: str | None = None
 
-    def fail_startup(self, reason: str) -> None:
+    def fail_startup(self, error: Exception) -> None:
         """Start-up could not finish: readiness reports this instead of "still loading"."""
-        self.startup_error = reason[:MAX_REASON_CHARS]
+        self.startup_error = self._builder.reason(error)
 
     def records(self) -> list[ModelRecord]:
         return [self._records[name] for name in sorted(self._records)]
@@ -101,6 +82,9 @@ class Registry:
                 f"the repository {str(repository)[:200]!r} is not a directory "
                 "(LMHEAD_REPOSITORY or --repository)"
             )
+        removed = await asyncio.to_thread(sweep_stale_copies, self._settings.scratch_dir)
+        if removed:
+            logger.warning("removed %d version copies left by stopped processes", len(removed))
         names = model_names(repository, self._settings.model_name)
         only = self._settings.model_name
         if only is not None and not names:
@@ -113,42 +97,63 @@ class Registry:
         on_disk = set(names)  # a model gone since the last engine is no more, as for a new one
         for name in unloaded:  # an engine before this one had it unloaded
             if name in on_disk:
-                self._records[name] = ModelRecord(name, ModelState.UNAVAILABLE, "unloaded")
-        for name, pin in wanted.items():
+                self._records[name] = ModelRecord(name, ModelState.UNAVAILABLE, UNLOADED_BY_CALL)
+        for name, served in wanted.items():
             if name not in on_disk:
                 continue
             try:
-                await self._load_as_left(name, pin)
+                await self._load_as_left(name, served)
             except Exception as error:  # one bad model must not keep the service unready
                 logger.exception("loading %s failed", name)
-                self._records[name] = ModelRecord(name, ModelState.FAILED, self._reason(error))
+                self._records[name] = ModelRecord(
+                    name, ModelState.FAILED, self._builder.reason(error)
+                )
         self.ready = True
         states = {record.name: record.state.value for record in self.records()}
         if not states:
             logger.warning("the repository %s has no models: nothing is served", repository)
         logger.info("lmhead ready: %s", states or "no models")
 
-    async def _load_as_left(self, name: str, pin: int | None) -> None:
-        """Load as the engine before this one served it; its pinned version may be gone."""
+    async def _load_as_left(self, name: str, served: Served) -> None:
+        """Load as the engine before this one served it: its pinned version may be gone, and
+        what it served falls back if the policy's choice fails now (as it did then)."""
         try:
-            await self.load(name, pin)
+            await self.load(name, served.pin, fallback=served.versions)
         except VersionNotFound as error:
-            if pin is None:
+            if served.pin is None:
                 raise
             logger.warning("%s: not pinned again (%s); serving as the repository says", name, error)
-            await self.load(name)
+            await self.load(name, fallback=served.versions)
 
-    async def load(self, name: str, pin: int | None = None) -> ModelRecord:
+    async def reload(self, name: str) -> ModelRecord:
+        """Load again as it serves now (the poller: files changed): its pin stands while its
+        version is on disk; a model the control API unloaded stays unloaded."""
+        record = self._records.get(name)
+        if record is not None and record.reason == UNLOADED_BY_CALL:
+            return record
+        pin = None if record is None else record.pinned
+        try:
+            return await self.load(name, pin)
+        except VersionNotFound:
+            if pin is None:
+                raise
+            logger.warning("%s: pinned version %d left the repository: unpinned", name, pin)
+            return await self.load(name)
+
+    async def load(
+        self, name: str, pin: int | None = None, fallback: tuple[int, ...] = ()
+    ) -> ModelRecord:
         """(Re)load ``name`` from disk and publish the result in one step.
 
         Versions whose files are unchanged stay as they are; new or changed ones are loaded
-        and warmed first. If nothing new could be loaded, the serving versions stay.
+        and warmed first. If nothing new could be loaded, the serving versions stay (with
+        nothing serving, the ``fallback`` versions: what an engine before this one served).
         """
         _check_name(name)
         only = self._settings.model_name
         if only is not None and name != only:
             raise ModelNotFound(f"this server serves only {only!r} (LMHEAD_MODEL_NAME)")
-        if name not in self._records and not (self._settings.repository / name).is_dir():
+        if name not in self._records and not maybe_dir(self._settings.repository / name):
             raise ModelNotFound(f"no model directory {name!r} in the repository")
         if pin is not None:
             root = self._settings.repository
@@ -162,11 +167,17 @@ class Registry:
             previous = self._records.get(name)
             if previous is None:
                 self._records[name] = ModelRecord(name, ModelState.LOADING)
-            record = await self._build_record(name, previous, pin)
+            try:
+                record = await self._builder.build(name, previous, pin, fallback)
+            except Exception as error:  # a bug: reported as a failed load, never LOADING for good
+                logger.exception("loading %s failed", name)
+                record = self._builder.failed(name, previous, self._builder.reason(error), {})
             self._records[name] = record
             # What serves now, whoever asked (operator, poller, start-up); what was asked if
             # nothing does, so that an engine started again tries it again.
-            await self.journal.loaded(name, record.pinned if record.versions else pin)
+            await self.journal.loaded(
+                name, record.pinned if record.versions else pin, tuple(sorted(record.versions))
+            )
             self._metrics.swap_duration.labels(name).observe(time.monotonic() - started)
             kept = {id(version) for version in record.versions.values()}
             for version in previous.versions.values() if previous else ():
@@ -174,8 +185,10 @@ class Registry:
                     self._retire_later(version)
             return record
 
-    async def unload(self, name: str) -> ModelRecord:
-        """Stop serving ``name``; returns once its versions are drained and released."""
+    async def unload(self, name: str, removed: bool = False) -> ModelRecord:
+        """Stop serving ``name``; returns once its versions are drained and released.
+        ``removed``: its directory left the repository (the poller), so it is not an unload
+        that a poll or a new engine must respect should the directory come back."""
         _check_name(name)
         if name not in self._records:  # before a lock is made for it: names are the client's
             raise ModelNotFound(f"model {name!r} is not loaded")
@@ -183,9 +196,10 @@ class Registry:
             previous = self._records.get(name)
             if previous is None:
                 raise ModelNotFound(f"model {name!r} is not loaded")
-            record = ModelRecord(name, ModelState.UNAVAILABLE, "unloaded")
+            reason = REMOVED if removed else UNLOADED_BY_CALL
+            record = ModelRecord(name, ModelState.UNAVAILABLE, reason)
             self._records[name] = record
-            await self.journal.unloaded(name)
+            await (self.journal.forget(name) if removed else self.journal.unloaded(name))
             await asyncio.gather(*(self._retire(v) for v in previous.versions.values()))
             return record
 
@@ -242,87 +256,11 @@ class Registry:
             for version in record.versions.values():
                 await version.close()
         await self.retired()
-        self._loader.shutdown(wait=False, cancel_futures=True)
+        self._builder.close()
 
     async def retired(self) -> None:
         """Wait until the versions replaced or unloaded so far have drained and left memory."""
         await asyncio.gather(*self._retiring, return_exceptions=True)
-
-    async def _build_record(
-        self, name: str, previous: ModelRecord | None, pin: int | None
-    ) -> ModelRecord:
-        loop = asyncio.get_running_loop()
-        try:
-            source = await loop.run_in_executor(
-                self._loader, read_source, self._settings.repository, name
-            )
-            selected = source.selected(pin)
-        except RepositoryError as error:
-            return self._failed(name, previous, str(error), {})
-        lost = sorted(set(previous.versions if previous else ()) & set(source.refused))
-        if lost:  # an operator's slip beside a served version: it keeps serving, no roll-back
-            reason = "; ".join(f"version {v}: {source.refused[v]}" for v in lost)
-            return self._failed(name, previous, reason, dict(source.refused))
-        loaded: dict[int, LoadedVersion] = {}
-        failed: dict[int, str] = dict(source.refused)
-        changed: list[str] = []
-        for version in selected:
-            reused = previous.versions.get(version) if previous else None
-            if reused is not None and reused.signature == source.signature(version):
-                loaded[version] = reused
-                continue
-            if reused is not None:  # same number, other files: a new load, never a mix
-                changed.append(f"version {version}'s files changed on disk: loaded again")
-                self._metrics.loads.labels(name, "changed_in_place").inc()
-            try:
-                loaded[version] = await self._load_version(source, version)
-            except Exception as error:  # any load failure is reported, never fatal
-                failed[version] = self._reason(error)
-                self._metrics.load_failures.labels(name).inc()
-                logger.warning("failed to load %s/%d: %s", name, version, failed[version])
-        if not loaded:
-            reason = "; ".join(f"version {v}: {r}" for v, r in failed.items()) or (
-                "no version directory with a model.onnx"
-            )
-            return self._failed(name, previous, reason, failed)
-        self._metrics.loads.labels(name, "published").inc()
-        notes = (
-            *changed,
-            *_changes(previous, loaded[pin] if pin in loaded else loaded[max(loaded)]),
-        )
-        for note in notes:
-            logger.info("%s: %s", name, note)
-        return ModelRecord(name, ModelState.READY, "", loaded, failed, pin, notes)
-
-    async def _load_version(self, source: ModelSource, version: int) -> LoadedVersion:
-        loop = asyncio.get_running_loop()
-        model = await loop.run_in_executor(
-            self._loader, load_version, source, version, self._options
-        )
-        rejected = self._metrics.queue_full.labels(source.name, str(version))
-        rows_per_run = self._options.limits.rows_per_run(model.vocab_size)
-        model.start(self._executor, self._limits, rows_per_run, self._observer(model), rejected.inc)
-        tied = str(model.tied).lower()
-        self._metrics.models_loaded.labels(source.name, str(version), tied).set(1)
-        return model
-
-    def _reason(self, error: Exception) -> str:
-        """A load failure for operators and clients: no absolute paths of this machine."""
-        text = _reason(error)
-        repository = self._settings.repository
-        for prefix in {str(repository.resolve()), str(repository.absolute()), str(repository)}:
-            text = text.replace(prefix + "/", "").replace(prefix, "<repository>")
-        return text
-
-    def _failed(
-        self, name: str, previous: ModelRecord | None, reason: str, failed: dict[int, str]
-    ) -> ModelRecord:
-        """A load that published nothing: keep what was serving, and say why."""
-        if previous is not None and previous.versions:
-            self._metrics.loads.labels(name, "kept_previous").inc()
-            return replace(previous, reason=reason, failed={**previous.failed, **failed})
-        self._metrics.loads.labels(name, "failed").inc()
-        return ModelRecord(name, ModelState.FAILED, reason, {}, failed)
 
     def _retire_later(self, version: LoadedVersion) -> None:
         task = asyncio.get_running_loop().create_task(self._retire(version))
@@ -350,27 +288,6 @@ class Registry:
             for loaded in record.versions.values()
         )
 
-    def _observer(self, model: LoadedVersion) -> Callable[[BatchStats], None]:
-        """Per-batch metrics; the labelled children are looked up once per version."""
-        labels = (model.name, str(model.version))
-        metrics = self._metrics
-        rows = metrics.batch_rows.labels(*labels)
-        requests = metrics.batch_requests.labels(*labels)
-        run = metrics.inference_duration.labels(*labels)
-        queue = metrics.queue_duration.labels(*labels)
-        failures = metrics.inference_failures.labels(*labels)
-
-        def observe(stats: BatchStats) -> None:
-            rows.observe(stats.rows)
-            requests.observe(stats.requests)
-            run.observe(stats.run_seconds)
-            for seconds in stats.queue_seconds:
-                queue.observe(seconds)
-            if stats.failed:
-                failures.inc()
-
-        return observe
-
 
 def _check_name(name: str) -> None:
     if not is_valid_name(name):
@@ -378,24 +295,3 @@ def _check_name(name: str) -> None:
             f"invalid model name {name[:64]!r}: letters, digits, '.', '_', '-', "
             "starting with a letter or digit"
         )
-
-
-def _changes(previous: ModelRecord | None, new: LoadedVersion) -> tuple[str, ...]:
-    """What a swap changed that a client may care about (tie, d_model, vocab)."""
-    old = previous.latest if previous else None
-    if old is None or old is new:
-        return ()
-    notes = [f"serving version {new.version} (was {old.version})"]
-    if old.tied != new.tied:
-        notes.append(f"head is now {'tied' if new.tied else 'untied'}")
-    if old.d_model != new.d_model:
-        notes.append(f"d_model changed from {old.d_model} to {new.d_model}")
-    if old.vocab_size != new.vocab_size:
-        notes.append(f"vocab_size changed from {old.vocab_size} to {new.vocab_size}")
-    return tuple(notes)
-
-
-def _reason(error: Exception) -> str:
-    plain = isinstance(error, RepositoryError | VersionLoadError)  # their messages say it all
-    text = (str(error) if plain else f"{type(error).__name__}: {error}").replace("\n", " ")
-    return text if len(text) <= MAX_REASON_CHARS else text[: MAX_REASON_CHARS - 3] + "..."

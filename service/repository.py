@@ -25,6 +25,7 @@ served version changes nothing it answers, and a change is seen as a change (a n
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import stat
@@ -50,7 +51,9 @@ CONFIG_FILE = "config.json"
 LABELS_FILE = "vocab.txt"
 #: A trimmed head's original ids (``service.trim``).
 VOCAB_MAP_FILE = "vocab_map.json"
-Signature = tuple[tuple[str, int, int], ...]
+Signature = tuple[tuple[str | int, ...], ...]
+#: A version's private copy: ``lmhead-version-<pid>-<random>`` (the pid: whose it is).
+COPY_PREFIX = "lmhead-version-"
 MAX_CONFIG_BYTES = 1 << 20
 
 
@@ -147,8 +150,23 @@ def model_names(repository: Path, only: str | None = None) -> list[str]:
     return sorted(
         entry.name
         for entry in repository.iterdir()
-        if entry.is_dir() and is_valid_name(entry.name) and only in (None, entry.name)
+        if is_valid_name(entry.name) and only in (None, entry.name) and maybe_dir(entry)
     )
+
+
+def maybe_dir(entry: Path) -> bool:
+    """A directory, or an entry that cannot be looked at (a link into a directory this user
+    may not search, a target name too long): listed, it fails alone with its reason, where
+    raising here stopped start-up and every scan."""
+    try:
+        return entry.is_dir()
+    except OSError:
+        return True
+
+
+def cannot_read(error: OSError) -> str:
+    """Why a file could not be read, without its path (reasons reach clients)."""
+    return error.strerror or type(error).__name__
 
 
 def read_source(repository: Path, name: str) -> ModelSource:
@@ -160,14 +178,24 @@ def read_source(repository: Path, name: str) -> ModelSource:
         )
     root = repository.resolve()
     directory = repository / name
-    if not directory.is_dir():
-        raise RepositoryError(f"no model directory {name!r} in the repository")
-    _check_inside(directory, root)
-    ordered, refused = version_entries(directory, root)
-    config_path = directory / CONFIG_FILE
-    config_signature = _file_signature(config_path) if config_path.exists() else ()
-    config = read_config(directory, root)
-    files = {version: signature(path) for version, path in ordered.items()}
+    try:
+        if not directory.is_dir():
+            raise RepositoryError(f"no model directory {name!r} in the repository")
+        _check_inside(directory, root)
+        ordered, refused = version_entries(directory, root)
+        config_path = directory / CONFIG_FILE
+        config_signature = file_signature(config_path) if config_path.exists() else ()
+        config = read_config(directory, root)
+    except OSError as error:
+        why = cannot_read(error)
+        raise RepositoryError(f"model directory {name!r} cannot be read ({why})") from None
+    files = {}
+    for version, path in list(ordered.items()):  # an unreadable version fails alone
+        try:
+            files[version] = signature(path)
+        except OSError as error:
+            refused[version] = f"version {version} cannot be read ({cannot_read(error)})"
+            del ordered[version]
     return ModelSource(name, config, ordered, files, config_signature, refused)
 
 
@@ -196,10 +224,18 @@ def _versions(directory: Path) -> tuple[dict[int, Path], dict[int, str]]:
     if not directory.is_dir():
         return {}, {}
     claims: dict[int, list[Path]] = {}
+    unreadable: dict[int, str] = {}
     for entry in directory.iterdir():
         number = decimal(entry.name)  # "²" or 40 digits: not a version
-        if number is not None and entry.is_dir() and (entry / MODEL_FILE).is_file():
-            claims.setdefault(number, []).append(entry)
+        if number is None:
+            continue
+        try:
+            if entry.is_dir() and (entry / MODEL_FILE).is_file():
+                claims.setdefault(number, []).append(entry)
+        except OSError as error:  # fails alone; the model's other versions still serve
+            unreadable[number] = (
+                f"version {entry.name[:32]!r} cannot be read ({cannot_read(error)})"
+            )
     versions = {number: entries[0] for number, entries in claims.items() if len(entries) == 1}
     refused = {
         number: f"directories {sorted(e.name[:32] for e in entries)} are all version "
@@ -207,22 +243,40 @@ def _versions(directory: Path) -> tuple[dict[int, Path], dict[int, str]]:
         for number, entries in claims.items()
         if len(entries) > 1
     }
+    for number, reason in unreadable.items():
+        versions.pop(number, None)
+        refused[number] = reason
     return dict(sorted(versions.items())), refused
 
 
 def signature(version_dir: Path) -> Signature:
-    """Name, size and mtime of each file in a version directory (cheap: stat only)."""
-    return tuple(
-        entry
-        for path in sorted(version_dir.iterdir())
-        if path.is_file()
-        for entry in _file_signature(path)
-    )
+    """Each entry of a version directory (cheap: stat only): a file as ``file_signature``
+    has it, anything else by name and kind, so removing a FIFO or a dangling link that failed
+    a load is a change too, and the load is tried again."""
+    entries: list[tuple[str | int, ...]] = []
+    for path in sorted(version_dir.iterdir()):
+        if path.is_file():
+            entries += file_signature(path)
+        else:
+            entries.append((path.name, stat.S_IFMT(path.lstat().st_mode)))
+    return tuple(entries)
 
 
-def _file_signature(path: Path) -> Signature:
+def file_signature(path: Path) -> Signature:
+    """Name, size, mtime, ctime, inode and mode: a rewrite in place that keeps size and mtime
+    (``cp -p``, ``rsync -a``, ``tar x`` of files built with a fixed time) still changes the
+    ctime or the inode, and a ``chmod`` that makes a file readable changes the mode."""
     status = path.stat()
-    return ((path.name, status.st_size, status.st_mtime_ns),)
+    return (
+        (
+            path.name,
+            status.st_size,
+            status.st_mtime_ns,
+            status.st_ctime_ns,
+            status.st_ino,
+            status.st_mode,
+        ),
+    )
 
 
 @contextmanager
@@ -237,7 +291,7 @@ def private_copy(
     of the repository would serve files nobody put there); files that differ from ``expected``
     (``ModelSource.files`` as scanned) after the copy fail the load: never a mix of two versions.
     """
-    target = Path(tempfile.mkdtemp(prefix="lmhead-version-", dir=into))
+    target = Path(tempfile.mkdtemp(prefix=f"{COPY_PREFIX}{os.getpid()}-", dir=into))
     try:
         for path in sorted(version_dir.iterdir()):
             if path.is_dir():
@@ -252,6 +306,28 @@ def private_copy(
         yield target
     finally:
         shutil.rmtree(target, ignore_errors=True)
+
+
+def sweep_stale_copies(into: Path | None) -> list[str]:
+    """Remove the version copies of processes that are gone (killed mid-load: no ``finally``
+    ran), each a whole head; a live process's copies, another server's too, stay."""
+    removed = []
+    for entry in (into or Path(tempfile.gettempdir())).glob(f"{COPY_PREFIX}*-*"):
+        pid = decimal(entry.name.removeprefix(COPY_PREFIX).split("-", 1)[0])
+        if pid is not None and not _alive(pid) and entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry.name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _check_regular(path: Path, root: Path) -> None:
@@ -280,6 +356,8 @@ def read_config(directory: Path, root: Path) -> ModelConfig:
         return ModelConfig.model_validate_json(path.read_bytes())
     except ValidationError as error:
         raise RepositoryError(f"{where}: {describe_validation_errors(error.errors())}") from None
+    except OSError as error:
+        raise RepositoryError(f"{where} cannot be read ({cannot_read(error)})") from None
 
 
 def read_labels(version_dir: Path, filename: str, vocab_size: int) -> list[str] | None:

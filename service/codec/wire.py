@@ -83,9 +83,10 @@ def target(request: Request) -> Target:
     return Target(params["name"], version)
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refused with 413 as soon as it is known to exceed ``limit`` bytes, and with
-    415 when compressed (it would be read as garbage, and misdiagnosed)."""
+async def read_body(request: Request, limit: int, setting: str = "LMHEAD_MAX_BODY_BYTES") -> bytes:
+    """The body, refused with 413 as soon as it is known to exceed ``limit`` bytes (named by
+    ``setting``), and with 415 when compressed (it would be read as garbage, and
+    misdiagnosed)."""
     encoding = header(request, b"content-encoding")
     if encoding is not None and encoding.strip().lower() not in ("", "identity"):
         raise UnsupportedMediaType(
@@ -99,7 +100,7 @@ async def read_body(request: Request, limit: int) -> bytes:
         # this answer (closing while it still sends would reset the connection instead).
         expecting = (header(request, b"expect") or "").strip().lower() == "100-continue"
         raise PayloadTooLarge(
-            f"request body is {size} bytes; the limit is {limit} (LMHEAD_MAX_BODY_BYTES)",
+            f"request body is {size} bytes; the limit is {limit} ({setting})",
             headers={"Connection": "close"} if expecting else None,
         )
     chunks, size = [], 0
@@ -110,9 +111,7 @@ async def read_body(request: Request, limit: int) -> bytes:
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
-            raise PayloadTooLarge(
-                f"request body exceeds the limit of {limit} bytes (LMHEAD_MAX_BODY_BYTES)"
-            )
+            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes ({setting})")
         charge(len(chunk) * BODY_EXPANSION)  # 503 when the requests in flight hold too much
         chunks.append(chunk)
         if not message.get("more_body", False):

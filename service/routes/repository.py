@@ -8,13 +8,13 @@ one drains in the background); ``unload`` once the versions are drained and rele
 from __future__ import annotations
 
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from service.codec.wire import header, options, parse_json_object, read_body
-from service.errors import Forbidden
+from service.errors import Forbidden, InvalidInput, few
 from service.protocol import ModelDescription, RepositoryIndexRow
 from service.routes.deps import PlaneDep, plane_of
 from service.routes.openapi import errors, operation
@@ -97,6 +97,17 @@ async def load(request: Request, plane: PlaneDep) -> dict[str, Any]:
     return await plane.load(request.path_params["name"], pin.version)
 
 
+def _no_query(request: Request) -> None:
+    """Control calls take their options in the body: a query (``?version=1``, as inference
+    routes take it) would be ignored, and the call do what was not asked."""
+    if request.url.query:
+        names = few([name for name, _ in parse_qsl(request.url.query, keep_blank_values=True)])
+        raise InvalidInput(
+            f"control calls take no query parameters (got {names}); send options as a JSON "
+            'body, e.g. {"version": 1}'
+        )
+
+
 @router.post(**_control("unload", v2=True))
 @router.post(**_control("unload", v2=False))
 async def unload(request: Request, plane: PlaneDep) -> dict[str, Any]:
@@ -107,5 +118,6 @@ async def unload(request: Request, plane: PlaneDep) -> dict[str, Any]:
 
 async def _body(request: Request, schema: type[BaseModel]) -> Any:
     """The optional JSON body of a control call, checked (an empty body: the defaults)."""
-    body = await read_body(request, LOAD_BODY_LIMIT)
+    _no_query(request)
+    body = await read_body(request, LOAD_BODY_LIMIT, "the control API's own limit")
     return options(schema, parse_json_object(body) if body.strip() else {})

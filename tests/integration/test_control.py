@@ -132,6 +132,18 @@ def test_a_version_can_be_pinned(
         assert admin.post("/v2/repository/models/head/load").json()["served_version"] == 1
 
 
+def test_control_options_in_the_query_are_refused_not_ignored(admin: httpx.Client) -> None:
+    """``?version=1`` (as inference routes take it) would load the latest and drop a pin."""
+    for prefix in ("/v1", "/v2"):
+        refused = admin.post(f"{prefix}/repository/models/head/load?version=1")
+        assert refused.status_code in (400, 422), refused.text
+        assert "take no query parameters (got 'version')" in refused.text
+    big = admin.post("/v1/repository/models/head/load", content=b" " * 70_000)
+    assert big.status_code == 413
+    assert "the control API's own limit" in big.json()["error"]["message"]
+    assert admin.get("/v1/models/head").json()["state"] == "READY"
+
+
 def test_unload_with_a_body_it_does_not_understand_unloads_nothing(admin: httpx.Client) -> None:
     body = {"hidden_states": [[0.5] * D_MODEL]}
     for content in (b"xx", b'{"zzz": 1}', b"[1]"):

@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import os
 import shutil
+import subprocess
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +33,7 @@ from service.errors import (
     Forbidden,
     InvalidInput,
     LogitsOverflow,
+    ModelLoadFailed,
     ModelNotFound,
     PayloadTooLarge,
     ServiceError,
@@ -372,6 +375,74 @@ def test_runs_outside_the_batcher_are_in_the_run_metrics(repository: Path) -> No
         return counts
 
     assert _run(_settings(repository), scenario) == [1, 3, 1, 2, 1, 3]
+
+
+def test_loads_meeting_an_unreadable_entry_fail_with_its_reason(repository: Path) -> None:
+    """A link whose target cannot be looked at (ENAMETOOLONG here; EACCES for a user who may
+    not search its directory): the load fails with a reason, never a 500 or LOADING for good."""
+    (repository / "fresh").mkdir()
+    (repository / "fresh" / "1").symlink_to("x" * 300)
+    (repository / "tied" / "2").symlink_to("x" * 300)
+
+    async def scenario(plane: DataPlane, _: Metrics) -> list[Any]:
+        with pytest.raises(ModelLoadFailed, match="version '1' cannot be read") as failed:
+            await plane.load("fresh")
+        served = await plane.load("tied")
+        return [failed.value, (await plane.model("fresh"))["state"], served]
+
+    failed, state, served = _run(_settings(repository), scenario)
+    assert "File name too long" in failed.message
+    assert state == "FAILED"
+    assert served["served_version"] == 1
+    assert "cannot be read" in served["failed_versions"]["2"]
+
+
+def test_a_served_version_broken_in_place_serves_on_under_every_policy(
+    repository: Path, output_weight: npt.NDArray[np.float32]
+) -> None:
+    """``versions: all``: version 2 overwritten with garbage; its loaded copy serves on (no
+    roll-back to 1 for unversioned calls) and the load says it failed."""
+    save_head(HeadWeights.from_arrays(output_weight), repository / "untied" / "2")
+    (repository / "untied" / "config.json").write_text(json.dumps({"versions": "all"}))
+
+    async def scenario(plane: DataPlane, _: Metrics) -> list[Any]:
+        before = await plane.topk(TopKRequest(UNTIED, _hidden(1)))
+        (repository / "untied" / "2" / "model.onnx").write_bytes(b"not onnx")
+        with pytest.raises(ModelLoadFailed, match="version 2: .*not a readable ONNX model"):
+            await plane.load("untied")
+        after = await plane.topk(TopKRequest(UNTIED, _hidden(1)))
+        pinned = await plane.topk(TopKRequest(Target("untied", 2), _hidden(1)))
+        return [before.head.version, after.head.version, pinned.head.version]
+
+    assert _run(_settings(repository), scenario) == [2, 2, 2]
+
+
+def test_start_up_removes_the_version_copies_of_processes_gone(
+    repository: Path, tmp_path: Path
+) -> None:
+    """A process killed mid-load leaves its private copy (a whole head); the next start
+    removes it, and leaves those of processes still running (another server's)."""
+    scratch = tmp_path / "scratch"
+    gone = _finished_pid()
+    left = scratch / f"lmhead-version-{gone}-abc"
+    live = scratch / f"lmhead-version-{os.getpid()}-def"
+    for copy in (left, live):
+        copy.mkdir(parents=True)
+        (copy / "model.onnx").write_bytes(b"x" * 1000)
+
+    async def scenario(plane: DataPlane, _: Metrics) -> None:
+        assert (await plane.model("tied"))["state"] == "READY"
+
+    _run(_settings(repository, scratch_dir=scratch), scenario)
+    assert not left.exists()
+    assert live.exists()
+    assert list(scratch.iterdir()) == [live]  # the loads' own copies are gone too
+
+
+def _finished_pid() -> int:
+    process = subprocess.Popen(["true"])
+    process.wait()
+    return process.pid
 
 
 def test_control_api_guards(repository: Path) -> None:

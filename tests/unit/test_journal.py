@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -11,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from service.heads import HeadWeights, save_head
-from service.journal import ControlJournal
+from service.journal import ControlJournal, Served
 from service.metrics import Metrics
 from service.registry import Registry
 from service.settings import Settings
@@ -31,19 +32,32 @@ def test_a_new_journal_plans_start_up_as_the_last_calls_left_it(tmp_path: Path) 
 
     asyncio.run(calls())
     load, unloaded = ControlJournal(path).plan(["pinned", "dropped", "untouched"])
-    assert load == {"pinned": 1, "untouched": None, "by-hand": None, "back": None}
+    assert load == {
+        "pinned": Served(1),
+        "untouched": Served(),
+        "by-hand": Served(),
+        "back": Served(),
+    }
     assert unloaded == ["dropped"]
     assert not list(tmp_path.glob("*.partial"))  # written whole, then renamed
 
 
 def test_without_a_file_or_with_a_broken_one_start_up_is_as_settings_say(tmp_path: Path) -> None:
     broken = tmp_path / "control.json"
-    broken.write_text('{"head": 1, "bad": "x", "worse": 1.5', encoding="utf-8")
-    assert ControlJournal(broken).plan(["head"]) == ({"head": None}, [])
-    broken.write_text('{"head": 2, "bad": "x", "worse": 1.5, "flag": true}', encoding="utf-8")
-    assert ControlJournal(broken).plan([]) == ({"head": 2}, [])  # only well-formed entries
-    assert ControlJournal(tmp_path / "absent.json").plan(["a"]) == ({"a": None}, [])
-    assert ControlJournal().plan(["a"]) == ({"a": None}, [])  # one process: memory only
+    broken.write_text('{"head": {"pin": 1}, "bad": "x"', encoding="utf-8")
+    assert ControlJournal(broken).plan(["head"]) == ({"head": Served()}, [])
+    entries = {
+        "head": {"pin": 2, "versions": [1, 2]},
+        "bad": "x",
+        "worse": {"pin": 1.5},
+        "flag": True,
+        "odd": {"versions": ["1"]},
+    }
+    broken.write_text(json.dumps(entries), encoding="utf-8")
+    expected = {"head": Served(2, (1, 2))}  # only well-formed entries
+    assert ControlJournal(broken).plan([]) == (expected, [])
+    assert ControlJournal(tmp_path / "absent.json").plan(["a"]) == ({"a": Served()}, [])
+    assert ControlJournal().plan(["a"]) == ({"a": Served()}, [])  # one process: memory only
 
 
 def _engines(
@@ -81,7 +95,7 @@ def test_engines_started_again_follow_what_served_and_what_is_left_on_disk(
         await registry.load("pinned", 1)
         await registry.load("polled", 1)
         _head(repository, "polled", 2)
-        await registry.load("polled")  # as the poller does: unpinned, whoever pinned before
+        await registry.load("polled")  # a load without a version: unpinned, whoever pinned
         await registry.unload("gone")
 
     async def second(registry: Registry) -> None:
@@ -96,3 +110,29 @@ def test_engines_started_again_follow_what_served_and_what_is_left_on_disk(
         assert not registry.knows("gone")  # absent, as for a new engine
 
     _engines(repository, journal, first, second, third)
+
+
+def test_an_engine_started_again_serves_what_served_past_a_broken_version(
+    tmp_path: Path,
+) -> None:
+    """Version 2 broke and version 1 served on; the next engine serves 1 too, not nothing."""
+    repository, journal = tmp_path / "models", tmp_path / "control.json"
+    _head(repository, "head", 1)
+
+    async def first(registry: Registry) -> None:
+        (repository / "head" / "2").mkdir()
+        (repository / "head" / "2" / "model.onnx").write_bytes(b"not onnx")
+        record = await registry.load("head")
+        assert registry.get("head").version == 1
+        assert "version 2" in record.reason
+
+    async def second(registry: Registry) -> None:
+        assert registry.get("head").version == 1
+        record = registry.record("head")
+        assert record.pinned is None  # not pinned: a fixed version 2 is taken when loaded
+        assert "serve on, as before the engine restarted" in record.reason
+        _head(repository, "head", 2)
+        await registry.load("head")
+        assert registry.get("head").version == 2
+
+    _engines(repository, journal, first, second)

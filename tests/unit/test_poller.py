@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -193,3 +194,137 @@ def test_version_directories_named_in_other_digits_are_ignored(
         assert registry.get("head").version == 2
 
     _run(repository, scenario)
+
+
+async def _settle(poller: RepositoryPoller) -> None:
+    """Two scans: a change is taken once it has stayed the same for one."""
+    for _ in range(2):
+        await poller.scan()
+
+
+def _unreadable(path: Path) -> None:
+    """An entry whose stat fails (ENAMETOOLONG), as a link into a directory the service may
+    not search fails with EACCES for a user other than root."""
+    path.symlink_to("x" * 300)
+
+
+def test_an_unreadable_entry_fails_its_model_alone_and_the_others_are_followed(
+    tmp_path: Path, table: npt.NDArray[np.float32], output_weight: npt.NDArray[np.float32]
+) -> None:
+    repository = tmp_path / "models"
+    for name in ("a", "b", "c"):
+        save_head(HeadWeights.from_arrays(table), repository / name / "1")
+    _unreadable(repository / "stray")  # in the root: listed, fails alone
+
+    async def scenario(registry: Registry, poller: RepositoryPoller) -> None:
+        assert "cannot be read (File name too long)" in registry.record("stray").reason
+        _unreadable(repository / "a" / "9")
+        save_head(HeadWeights.from_arrays(table, output_weight), repository / "b" / "2")
+        shutil.rmtree(repository / "c")
+        await _settle(poller)
+        assert registry.get("a").version == 1  # serving on; its unreadable version refused
+        assert "version '9' cannot be read" in registry.record("a").failed[9]
+        assert (registry.get("b").version, registry.get("b").tied) == (2, False)
+        assert registry.record("c").state == "UNAVAILABLE"
+
+    _run(repository, scenario)
+
+
+def test_a_version_rewritten_with_its_size_and_mtime_is_a_change(
+    tmp_path: Path, table: npt.NDArray[np.float32], output_weight: npt.NDArray[np.float32]
+) -> None:
+    """``cp -p`` of a file built with a fixed time: same size, same mtime, new bytes."""
+    repository = tmp_path / "models"
+    model = save_head(HeadWeights.from_arrays(table), repository / "head" / "1")
+    other = save_head(HeadWeights.from_arrays(output_weight), tmp_path / "other" / "1")
+    assert other.stat().st_size == model.stat().st_size
+
+    async def scenario(registry: Registry, poller: RepositoryPoller) -> None:
+        before = registry.get("head")
+        shutil.copy2(other, model)  # bytes and mtime of the other file
+        times = model.stat()
+        os.utime(model, ns=(times.st_atime_ns, before.signature[0][2]))  # type: ignore[arg-type]
+        await _settle(poller)
+        after = registry.get("head")
+        assert after is not before
+        assert "files changed on disk" in " ".join(registry.record("head").notes)
+
+    _run(repository, scenario)
+
+
+def test_removing_what_failed_a_load_tries_it_again(
+    tmp_path: Path, table: npt.NDArray[np.float32]
+) -> None:
+    """A FIFO in a version failed its load; removing it changes no regular file."""
+    repository = tmp_path / "models"
+    save_head(HeadWeights.from_arrays(table), repository / "head" / "1")
+    fifo = repository / "head" / "1" / "stray"
+    os.mkfifo(fifo)
+
+    async def scenario(registry: Registry, poller: RepositoryPoller) -> None:
+        assert "not a regular file" in registry.record("head").reason
+        fifo.unlink()
+        await _settle(poller)
+        assert registry.get("head").version == 1
+
+    _run(repository, scenario)
+
+
+def test_pins_and_unloads_by_call_stand_while_the_poller_follows_the_disk(
+    tmp_path: Path, table: npt.NDArray[np.float32], output_weight: npt.NDArray[np.float32]
+) -> None:
+    repository = tmp_path / "models"
+    save_head(HeadWeights.from_arrays(table), repository / "head" / "1")
+    save_head(HeadWeights.from_arrays(table, output_weight), repository / "head" / "2")
+    save_head(HeadWeights.from_arrays(table), repository / "other" / "1")
+
+    async def scenario(registry: Registry, poller: RepositoryPoller) -> None:
+        await registry.load("head", 1)
+        await registry.unload("other")
+        (repository / "head" / "config.json").write_text('{"default_k": 3}')
+        (repository / "other" / "1" / "notes.txt").write_text("changed")
+        await _settle(poller)
+        assert registry.get("head").version == 1  # still pinned, config taken
+        assert registry.get("head").default_k == 3
+        assert registry.record("other").reason == "unloaded"  # until a load by call
+        shutil.rmtree(repository / "head" / "1")  # the pinned version goes: unpinned
+        await _settle(poller)
+        assert registry.get("head").version == 2
+
+    _run(repository, scenario)
+
+
+def test_a_model_removed_and_put_back_is_loaded_again(
+    tmp_path: Path, table: npt.NDArray[np.float32]
+) -> None:
+    repository = tmp_path / "models"
+    save_head(HeadWeights.from_arrays(table), repository / "head" / "1")
+
+    async def scenario(registry: Registry, poller: RepositoryPoller) -> None:
+        shutil.move(repository / "head", tmp_path / "away")
+        await poller.scan()
+        assert registry.record("head").reason == "removed from the repository"
+        shutil.move(tmp_path / "away", repository / "head")
+        await _settle(poller)
+        assert registry.get("head").version == 1
+
+    _run(repository, scenario)
+
+
+def test_a_lazy_poller_leaves_a_pinned_load_pinned(
+    tmp_path: Path, table: npt.NDArray[np.float32], output_weight: npt.NDArray[np.float32]
+) -> None:
+    """Started with nothing loaded: a model loaded by call is followed from then on, with
+    its pin (two scans later it was loaded again unpinned, with no change on disk)."""
+    repository = tmp_path / "models"
+    save_head(HeadWeights.from_arrays(table), repository / "head" / "1")
+    save_head(HeadWeights.from_arrays(table, output_weight), repository / "head" / "2")
+
+    async def scenario(registry: Registry, poller: RepositoryPoller) -> None:
+        await poller.scan()  # unheld: not followed
+        await registry.load("head", 1)
+        for _ in range(3):
+            await poller.scan()
+        assert (registry.get("head").version, registry.record("head").pinned) == (1, 1)
+
+    _run(repository, scenario, lazy=True)
