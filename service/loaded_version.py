@@ -380,10 +380,15 @@ class VersionLoadError(ValueError):
 def _warm(session: HeadSession) -> None:
     """One real run of each side; a head that cannot answer is not published."""
     k = min(5, session.vocab_size)
-    result = session.project(np.zeros((1, session.d_model), np.float32), k)
+    result = session.project(np.zeros((1, session.d_model), np.float32), k, full_logits=True)
     if result.topk_token_ids.shape != (1, k) or result.logsumexp.shape != (1,):
         raise ValueError(f"warm-up returned shapes {result.topk_token_ids.shape}")
-    if not np.isfinite(result.logsumexp).all():  # 0 x NaN (or Inf) is NaN: any such weight
-        raise ValueError("the head answers NaN to a zero hidden state: its weights hold NaN/Inf")
+    assert result.logits is not None
+    if not np.isfinite(result.logits).all():  # 0 x NaN (or Inf) is NaN: any such weight
+        raise ValueError(
+            "the head's logits for a zero hidden state are not all finite: its weights hold "
+            "NaN/Inf, or its output bias masks tokens with -inf (lmhead takes finite biases, "
+            "as its import does; drop padded rows with lmhead trim)"
+        )
     if session.embed(np.zeros(1, np.int64)).shape != (1, session.d_model):
         raise ValueError("warm-up embedding has the wrong shape")

@@ -61,26 +61,28 @@ class RecordBuilder:
     ) -> ModelRecord:
         """``name``'s next record; ``previous`` serves on where nothing new loads."""
         loop = asyncio.get_running_loop()
+        # Served versions refused now (an operator's slip beside them) count as there: the
+        # policy picks as before (no roll-back) and they serve on from their loaded copies.
+        served = frozenset(previous.versions if previous else ())
         try:
             source = await loop.run_in_executor(
                 self._loader, read_source, self._settings.repository, name
             )
-            selected = source.selected(pin)
+            selected = source.selected(pin, present=served)
+            wanted = source.selected(pin, present=frozenset(source.refused))
         except RepositoryError as error:
-            return self.failed(name, previous, str(error), {})
-        lost = sorted(set(previous.versions if previous else ()) & set(source.refused))
-        if lost:  # an operator's slip beside a served version: it keeps serving, no roll-back
-            reason = "; ".join(f"version {v}: {source.refused[v]}" for v in lost)
-            return self.failed(name, previous, reason, dict(source.refused))
+            return self.failed(name, previous, str(error), {}, pin)
         failed: dict[int, str] = dict(source.refused)
         loaded, changed, kept = await self._load_selected(source, previous, selected, failed)
+        # A version the policy wanted but refused (unreadable, held twice) is a failed load.
+        kept += [f"version {v}: {failed[v]}" for v in wanted if v in failed and v not in served]
         if not loaded and previous is None and fallback:
             loaded, kept = await self._fall_back(source, fallback, failed)
         if not loaded:
             reason = "; ".join(f"version {v}: {r}" for v, r in failed.items()) or (
                 "no version directory with a model.onnx"
             )
-            return self.failed(name, previous, reason, failed)
+            return self.failed(name, previous, reason, failed, pin)
         self._metrics.loads.labels(name, "published").inc()
         notes = (
             *changed,
@@ -104,6 +106,10 @@ class RecordBuilder:
         kept: list[str] = []  # served versions whose new files failed: they serve on
         for version in selected:
             reused = previous.versions.get(version) if previous else None
+            if reused is not None and version in source.refused:  # a slip beside it
+                loaded[version] = reused
+                kept.append(f"version {version}: {source.refused[version]}")
+                continue
             if reused is not None and reused.signature == source.signature(version):
                 loaded[version] = reused
                 continue
@@ -172,14 +178,20 @@ class RecordBuilder:
         return text
 
     def failed(
-        self, name: str, previous: ModelRecord | None, reason: str, failed: dict[int, str]
+        self,
+        name: str,
+        previous: ModelRecord | None,
+        reason: str,
+        failed: dict[int, str],
+        pin: int | None = None,
     ) -> ModelRecord:
-        """A load that published nothing: keep what was serving, and say why."""
+        """A load that published nothing: keep what was serving, and say why (a pin that
+        could not be served stays asked for, so the next load tries it again)."""
         if previous is not None and previous.versions:
             self._metrics.loads.labels(name, "kept_previous").inc()
             return replace(previous, reason=reason, failed={**previous.failed, **failed})
         self._metrics.loads.labels(name, "failed").inc()
-        return ModelRecord(name, ModelState.FAILED, reason, {}, failed)
+        return ModelRecord(name, ModelState.FAILED, reason, {}, failed, pinned=pin)
 
     def _observer(self, model: LoadedVersion) -> Callable[[BatchStats], None]:
         """Per-batch metrics; the labelled children are looked up once per version."""

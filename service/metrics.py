@@ -248,14 +248,15 @@ class Metrics:
         """The HTTP layer refused a request or a connection itself (``service.connection``)."""
         self.http_refused.labels(code).inc()
 
-    def model_released(self, model: str, version: str, tied: str) -> None:
-        """A version left memory: its ``lmhead_model_loaded`` series and its run metrics go
-        (in multiprocess mode, whose files keep every series written, the gauge reads 0)."""
+    def model_released(self, model: str, version: str, tied: str, runs: bool = True) -> None:
+        """A version left memory: its ``lmhead_model_loaded`` series and (``runs``: unless
+        the same number serves on, loaded again) its run metrics go; in multiprocess mode,
+        whose files keep every series written, the gauge reads 0."""
         if self.multiprocess:
             self.models_loaded.labels(model, version, tied).set(0)
             return
         self.models_loaded.remove(model, version, tied)
-        for per_version in self._per_version:  # else each version published stays listed
+        for per_version in self._per_version if runs else ():  # else each version stays listed
             with contextlib.suppress(KeyError):
                 per_version.remove(model, version)
 

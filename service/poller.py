@@ -103,8 +103,8 @@ class RepositoryPoller:
         for name in set(self._applied) - set(names):
             del self._applied[name]
             self._seen.pop(name, None)
-            if name not in on_disk and self._registry.holds(name):  # not merely unheld
-                await self._registry.unload(name, removed=True)
+            if name not in on_disk and self._registry.knows(name):  # not merely unheld
+                await self._registry.unload(name, removed=True)  # an unload by call too
                 logger.info("poll: unloaded %s (removed from the repository)", name)
         self._metrics.repository_scans.inc()
 

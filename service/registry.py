@@ -117,37 +117,34 @@ class Registry:
     async def _load_as_left(self, name: str, served: Served) -> None:
         """Load as the engine before this one served it: its pinned version may be gone, and
         what it served falls back if the policy's choice fails now (as it did then)."""
-        try:
-            await self.load(name, served.pin, fallback=served.versions)
-        except VersionNotFound as error:
-            if served.pin is None:
-                raise
-            logger.warning("%s: not pinned again (%s); serving as the repository says", name, error)
-            await self.load(name, fallback=served.versions)
+        await self._load(name, self._unless_gone(name, served.pin), served.versions)
 
     async def reload(self, name: str) -> ModelRecord:
         """Load again as it serves now (the poller: files changed): its pin stands while its
         version is on disk; a model the control API unloaded stays unloaded."""
-        record = self._records.get(name)
-        if record is not None and record.reason == UNLOADED_BY_CALL:
-            return record
-        pin = None if record is None else record.pinned
-        try:
-            return await self.load(name, pin)
-        except VersionNotFound:
-            if pin is None:
-                raise
-            logger.warning("%s: pinned version %d left the repository: unpinned", name, pin)
-            return await self.load(name)
+        return await self._load(name, None, following=True)
 
-    async def load(
-        self, name: str, pin: int | None = None, fallback: tuple[int, ...] = ()
-    ) -> ModelRecord:
-        """(Re)load ``name`` from disk and publish the result in one step.
+    def _unless_gone(self, name: str, pin: int | None) -> int | None:
+        """The pin, unless its version left the repository (then None, and the log says
+        so). One still there but refused for now (unreadable, held twice) stays pinned: its
+        loads fail with the reason until it is fixed, never serve another version."""
+        if pin is None:
+            return None
+        root = self._settings.repository
+        try:
+            found, refused = version_entries(root / name, root.resolve())
+        except OSError:
+            return pin
+        if pin in found or pin in refused:
+            return pin
+        logger.warning("%s: pinned version %d left the repository: unpinned", name, pin)
+        return None
+
+    async def load(self, name: str, pin: int | None = None) -> ModelRecord:
+        """(Re)load ``name`` from disk and publish the result in one step (a control call).
 
         Versions whose files are unchanged stay as they are; new or changed ones are loaded
-        and warmed first. If nothing new could be loaded, the serving versions stay (with
-        nothing serving, the ``fallback`` versions: what an engine before this one served).
+        and warmed first. If nothing new could be loaded, the serving versions stay.
         """
         _check_name(name)
         only = self._settings.model_name
@@ -156,15 +153,39 @@ class Registry:
         if name not in self._records and not maybe_dir(self._settings.repository / name):
             raise ModelNotFound(f"no model directory {name!r} in the repository")
         if pin is not None:
-            root = self._settings.repository
+            self._check_pin(name, pin)
+        return await self._load(name, pin)
+
+    def _check_pin(self, name: str, pin: int) -> None:
+        """404 for a version the call cannot pin: absent, or refused (and why)."""
+        root = self._settings.repository
+        try:
             found, refused = version_entries(root / name, root.resolve())
-            if pin in refused:
-                raise VersionNotFound(f"model {name!r} version {pin}: {refused[pin]}")
-            if pin not in found:
-                raise VersionNotFound(f"model {name!r} has no complete version {pin} on disk")
+        except OSError:  # the directory cannot be read: the load fails, with that reason
+            return
+        if pin in refused:
+            raise VersionNotFound(f"model {name!r} version {pin}: {refused[pin]}")
+        if pin not in found:
+            raise VersionNotFound(f"model {name!r} has no complete version {pin} on disk")
+
+    async def _load(
+        self,
+        name: str,
+        pin: int | None,
+        fallback: tuple[int, ...] = (),
+        following: bool = False,
+    ) -> ModelRecord:
+        """``load`` without its checks; with nothing serving, the ``fallback`` versions
+        (what an engine before this one served) serve if the policy's choice fails.
+        ``following``: ``reload``'s pin and unload by call, read once the lock is held (a
+        control call just before it decides them)."""
         async with self._locks.setdefault(name, asyncio.Lock()):
             started = time.monotonic()
             previous = self._records.get(name)
+            if following:
+                if previous is not None and previous.reason == UNLOADED_BY_CALL:
+                    return previous
+                pin = self._unless_gone(name, None if previous is None else previous.pinned)
             if previous is None:
                 self._records[name] = ModelRecord(name, ModelState.LOADING)
             try:
@@ -272,21 +293,22 @@ class Registry:
         if not drained:
             logger.warning("%s released with requests still running", version.label)
         self._metrics.unloads.labels(version.name).inc()
-        if not self._serves_like(version):  # else the series is its successor's
+        successor = self._successor(version)  # its series are the successor's, where shared
+        if successor is None or successor.tied != version.tied:
             self._metrics.model_released(
-                version.name, str(version.version), str(version.tied).lower()
+                version.name,
+                str(version.version),
+                str(version.tied).lower(),
+                runs=successor is None,
             )
         trim_heap()
 
-    def _serves_like(self, retired: LoadedVersion) -> bool:
-        """Whether another object serves the retired one's model, version and tie (its files
-        changed on disk, and the version was loaded again under its number)."""
+    def _successor(self, retired: LoadedVersion) -> LoadedVersion | None:
+        """Another object serving the retired one's model and version (its files changed on
+        disk, and the version was loaded again under its number), if any."""
         record = self._records.get(retired.name)
-        return record is not None and any(
-            loaded is not retired
-            and (loaded.version, loaded.tied) == (retired.version, retired.tied)
-            for loaded in record.versions.values()
-        )
+        served = None if record is None else record.versions.get(retired.version)
+        return None if served is retired else served
 
 
 def _check_name(name: str) -> None:

@@ -24,6 +24,7 @@ served version changes nothing it answers, and a change is seen as a change (a n
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -52,8 +53,9 @@ LABELS_FILE = "vocab.txt"
 #: A trimmed head's original ids (``service.trim``).
 VOCAB_MAP_FILE = "vocab_map.json"
 Signature = tuple[tuple[str | int, ...], ...]
-#: A version's private copy: ``lmhead-version-<pid>-<random>`` (the pid: whose it is).
+#: A version's private copy, and the file its loader holds locked while it loads from it.
 COPY_PREFIX = "lmhead-version-"
+LOCK_FILE = ".lmhead-lock"
 MAX_CONFIG_BYTES = 1 << 20
 
 
@@ -116,25 +118,28 @@ class ModelSource:
         """The version's files with the model's config.json: an edit of either is a change."""
         return self.files[version] + self.config_file
 
-    def selected(self, pin: int | None = None) -> list[int]:
-        """The versions to serve: the pinned one, or those the config's policy names."""
+    def selected(self, pin: int | None = None, present: frozenset[int] = frozenset()) -> list[int]:
+        """The versions to serve: the pinned one, or those the config's policy names.
+        ``present``: refused versions to count as there (served ones: a slip beside them
+        must not make the policy pick an older version)."""
+        versions = set(self.versions) | (present & set(self.refused))
         if pin is not None:
-            if pin in self.refused:
+            if pin in self.refused and pin not in versions:
                 raise RepositoryError(f"model {self.name!r} version {pin}: {self.refused[pin]}")
-            if pin not in self.versions:
+            if pin not in versions:
                 raise RepositoryError(
                     f"model {self.name!r} has no complete version {pin} on disk; "
                     f"versions: {sorted(self.versions) or 'none'}"
                 )
             return [pin]
         policy = self.config.versions
-        if not self.versions:
+        if not versions:
             return []
         if policy == "latest":
-            return [max(self.versions)]
+            return [max(versions)]
         if policy == "all":
-            return sorted(self.versions)
-        return sorted(set(policy) & set(self.versions))
+            return sorted(versions)
+        return sorted(set(policy) & versions)
 
 
 def is_valid_name(name: str) -> bool:
@@ -263,20 +268,12 @@ def signature(version_dir: Path) -> Signature:
 
 
 def file_signature(path: Path) -> Signature:
-    """Name, size, mtime, ctime, inode and mode: a rewrite in place that keeps size and mtime
-    (``cp -p``, ``rsync -a``, ``tar x`` of files built with a fixed time) still changes the
-    ctime or the inode, and a ``chmod`` that makes a file readable changes the mode."""
+    """Name, size, mtime, inode and mode: a file replaced with one of the same size and mtime
+    (``rsync -a``, ``tar x`` of files built at a fixed time) has another inode, and a
+    ``chmod`` that makes it readable changes the mode. Not the ctime: a hard link or a
+    ``chown`` changes it, and would load an unchanged version again."""
     status = path.stat()
-    return (
-        (
-            path.name,
-            status.st_size,
-            status.st_mtime_ns,
-            status.st_ctime_ns,
-            status.st_ino,
-            status.st_mode,
-        ),
-    )
+    return ((path.name, status.st_size, status.st_mtime_ns, status.st_ino, status.st_mode),)
 
 
 @contextmanager
@@ -291,8 +288,11 @@ def private_copy(
     of the repository would serve files nobody put there); files that differ from ``expected``
     (``ModelSource.files`` as scanned) after the copy fail the load: never a mix of two versions.
     """
-    target = Path(tempfile.mkdtemp(prefix=f"{COPY_PREFIX}{os.getpid()}-", dir=into))
+    target = Path(tempfile.mkdtemp(prefix=COPY_PREFIX, dir=into))
+    lock = (target / f"{LOCK_FILE}.new").open("wb")
     try:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # in use: ``sweep_stale_copies`` leaves it; named
+        os.rename(target / f"{LOCK_FILE}.new", target / LOCK_FILE)  # once held, never before
         for path in sorted(version_dir.iterdir()):
             if path.is_dir():
                 continue
@@ -306,28 +306,25 @@ def private_copy(
         yield target
     finally:
         shutil.rmtree(target, ignore_errors=True)
+        lock.close()
 
 
 def sweep_stale_copies(into: Path | None) -> list[str]:
-    """Remove the version copies of processes that are gone (killed mid-load: no ``finally``
-    ran), each a whole head; a live process's copies, another server's too, stay."""
+    """Remove the version copies left by processes killed mid-load (no ``finally`` ran; each
+    holds a whole head). A copy in use is locked (``LOCK_FILE``, held while it loads): a
+    lock that can be taken means nobody loads from it, whatever its process or container."""
     removed = []
-    for entry in (into or Path(tempfile.gettempdir())).glob(f"{COPY_PREFIX}*-*"):
-        pid = decimal(entry.name.removeprefix(COPY_PREFIX).split("-", 1)[0])
-        if pid is not None and not _alive(pid) and entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry, ignore_errors=True)
-            removed.append(entry.name)
+    for entry in (into or Path(tempfile.gettempdir())).glob(f"{COPY_PREFIX}*"):
+        if entry.is_symlink() or not entry.is_dir():
+            continue
+        try:
+            with (entry / LOCK_FILE).open("rb") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when closed
+                shutil.rmtree(entry, ignore_errors=True)
+                removed.append(entry.name)
+        except OSError:  # held (BlockingIOError), not ours to open, or no lock yet: in use
+            continue
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def _check_regular(path: Path, root: Path) -> None:

@@ -49,6 +49,14 @@ class LoadRequest(BaseModel):
     version: int | None = Field(default=None, ge=0)
 
 
+class IndexRequest(BaseModel):
+    """Optional body of ``index``: ``{"ready": true}`` lists only versions ready to serve."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    ready: bool = False
+
+
 class UnloadRequest(BaseModel):
     """Optional body of ``unload``: Triton's client sends ``{"parameters":
     {"unload_dependents": ...}}`` (a head has no dependents); anything else is refused."""
@@ -70,9 +78,12 @@ LOAD_BODY = {
     "/v2/repository/index", response_model=list[RepositoryIndexRow], responses=errors(401, v2=True)
 )
 @router.post("/v1/repository/index", response_model=list[RepositoryIndexRow], responses=errors(401))
-async def index(plane: PlaneDep) -> list[dict[str, Any]]:
-    """Every model in memory or on disk: ``[{name, version, state, reason}]``."""
-    return await plane.index()
+async def index(request: Request, plane: PlaneDep) -> list[dict[str, Any]]:
+    """Every model in memory or on disk: ``[{name, version, state, reason}]``; with the body
+    ``{"ready": true}`` (Triton's), only the versions ready to serve."""
+    asked: IndexRequest = await _body(request, IndexRequest)
+    rows = await plane.index()
+    return [row for row in rows if row["state"] == "READY"] if asked.ready else rows
 
 
 def _control(action: str, v2: bool) -> dict[str, Any]:

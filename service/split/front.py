@@ -58,8 +58,11 @@ CONNECT_S = 5.0
 NOT_CONNECTED = "the engine process is not connected (starting or restarting); retry shortly"
 
 #: A readiness check waits this long for the engine, then says not ready (a probe's own
-#: timeout may be shorter: it then fails the same way, only without the reason).
-ENGINE_SILENT_S = 2.0
+#: timeout may be shorter: it then fails the same way, only without the reason). Loading a
+#: head stored inside its .onnx file holds the engine's interpreter for seconds (measured
+#: 5-6 s for 512 MiB: protobuf parsing keeps the GIL), so a shorter wait would fail
+#: readiness on every such swap.
+ENGINE_SILENT_S = 10.0
 FREE_AFTER_S = 0.01  # released blocks ride on the next call, or go alone after this
 
 _answers: ContextVar[list[tuple[EngineLink, int]] | None] = ContextVar(

@@ -162,6 +162,8 @@ def test_unload_then_load_again(admin: httpx.Client) -> None:
     gone = admin.post("/v1/models/head/topk", json=body)
     assert gone.status_code == 503
     assert admin.post("/v2/repository/index").json()[0]["state"] == "UNAVAILABLE"
+    assert admin.post("/v2/repository/index", json={"ready": True}).json() == []
+    assert admin.post("/v2/repository/index?ready=true").status_code == 400  # not ignored
     assert admin.post("/v2/repository/models/head/load").status_code == 200
     assert admin.post("/v1/models/head/topk", json=body).status_code == 200
 

@@ -192,7 +192,8 @@ def test_a_bad_version_directory_fails_that_version_only(
     tmp_path: Path, table: npt.NDArray[np.float32]
 ) -> None:
     """A version directory linked out of the repository, or two directories that are one
-    version ("3" and "0003"), fail those versions; version 1 serves, at start-up and after."""
+    version ("3" and "0003"), fail those versions; version 1 serves, at start-up and after,
+    and a load says that the version its policy picked failed."""
     root = tmp_path / "models"
     save_head(HeadWeights.from_arrays(table), root / "m" / "1")
     save_head(HeadWeights.from_arrays(table * 2), tmp_path / "outside" / "2")
@@ -209,7 +210,10 @@ def test_a_bad_version_directory_fails_that_version_only(
     failed = model["failed_versions"]
     assert "resolves outside the repository" in failed["2"]
     assert "are all version 3" in failed["3"]
-    assert (reload.status_code, served.status_code, served.json()["version"]) == (200, 200, 1)
+    # a reload the policy's choice (3) failed, as a broken model file would: 400, 1 serves on
+    assert reload.status_code == 400
+    assert "are all version 3" in reload.json()["error"]
+    assert (served.status_code, served.json()["version"]) == (200, 1)
     assert pinned.status_code == 404  # no such version, and why
     assert "resolves outside the repository" in pinned.json()["error"]  # V2: a string
     assert asked.status_code == 503

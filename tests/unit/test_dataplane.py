@@ -8,11 +8,10 @@ request's temperature, call metrics, and the control API's guards.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import gc
 import json
-import os
 import shutil
-import subprocess
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +21,9 @@ from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
+import onnx
 import pytest
+from onnx import numpy_helper
 from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 
@@ -40,6 +41,7 @@ from service.errors import (
     Unauthorized,
     VersionNotFound,
 )
+from service.graph import OUTPUT_BIAS
 from service.heads import HeadWeights, save_head
 from service.labels import TokenStrings
 from service.messages import (
@@ -55,7 +57,7 @@ from service.messages import (
 from service.metrics import Metrics
 from service.reference import log_softmax, top_k
 from service.registry import Registry
-from service.repository import LABELS_FILE
+from service.repository import LABELS_FILE, LOCK_FILE
 from service.settings import Settings
 from tests.conftest import D_MODEL, VOCAB, reference_logits
 
@@ -319,7 +321,7 @@ def test_a_version_whose_files_change_is_loaded_again_never_served_stale(
 
 
 def test_a_version_loaded_again_under_its_number_stays_in_the_loaded_gauge(
-    repository: Path, output_weight: npt.NDArray[np.float32]
+    repository: Path, table: npt.NDArray[np.float32], output_weight: npt.NDArray[np.float32]
 ) -> None:
     """The replaced copy leaves memory after its successor is in: it must not take the
     successor's ``lmhead_model_loaded`` series (model, version and tie are the same)."""
@@ -335,6 +337,12 @@ def test_a_version_loaded_again_under_its_number_stays_in_the_loaded_gauge(
             await registry.load("tied")
             await registry.retired()
             loaded = _sample(metrics.registry, "lmhead_model_loaded", **labels)
+            untied = save_head(HeadWeights.from_arrays(table, output_weight), repository / "u")
+            shutil.copy(untied, repository / "tied" / "1" / "model.onnx")  # now untied
+            await registry.load("tied")
+            await registry.retired()
+            retied = metrics.registry.get_sample_value("lmhead_model_loaded", labels)
+            loaded += _sample(metrics.registry, "lmhead_model_loaded", **labels | {"tied": "false"})
             runs = {"model": "tied", "version": "1"}
             counted = metrics.registry.get_sample_value("lmhead_batch_rows_count", runs)
             await registry.unload("tied")
@@ -342,10 +350,11 @@ def test_a_version_loaded_again_under_its_number_stays_in_the_loaded_gauge(
             unloaded = metrics.registry.get_sample_value("lmhead_model_loaded", labels)
             left = metrics.registry.get_sample_value("lmhead_batch_rows_count", runs)
             await registry.close()
-            return [loaded, counted is not None, unloaded is None, left is None]
+            return [loaded, retied is None, counted is not None, unloaded is None, left is None]
 
-    # then gone once unloaded, its run metrics too (else each version published stays listed)
-    assert asyncio.run(main()) == [1.0, True, True, True]
+    # loaded again untied: the tied series goes, the run metrics (by version) stay; then all
+    # go once unloaded (else each version published stays listed)
+    assert asyncio.run(main()) == [2.0, True, True, True, True]
 
 
 def test_runs_outside_the_batcher_are_in_the_run_metrics(repository: Path) -> None:
@@ -387,14 +396,18 @@ def test_loads_meeting_an_unreadable_entry_fail_with_its_reason(repository: Path
     async def scenario(plane: DataPlane, _: Metrics) -> list[Any]:
         with pytest.raises(ModelLoadFailed, match="version '1' cannot be read") as failed:
             await plane.load("fresh")
-        served = await plane.load("tied")
-        return [failed.value, (await plane.model("fresh"))["state"], served]
+        (repository / "stray").symlink_to("x" * 300)  # the model directory itself
+        for pin in (None, 1):
+            with pytest.raises(ModelLoadFailed, match="'stray' cannot be read"):
+                await plane.load("stray", pin)
+        with pytest.raises(ModelLoadFailed, match="version '2' cannot be read") as kept:
+            await plane.load("tied")  # the policy's choice (2) failed: 1 serves on
+        return [failed.value, (await plane.model("fresh"))["state"], kept.value]
 
-    failed, state, served = _run(_settings(repository), scenario)
+    failed, state, kept = _run(_settings(repository), scenario)
     assert "File name too long" in failed.message
     assert state == "FAILED"
-    assert served["served_version"] == 1
-    assert "cannot be read" in served["failed_versions"]["2"]
+    assert "the previous version keeps serving" in kept.message
 
 
 def test_a_served_version_broken_in_place_serves_on_under_every_policy(
@@ -417,32 +430,48 @@ def test_a_served_version_broken_in_place_serves_on_under_every_policy(
     assert _run(_settings(repository), scenario) == [2, 2, 2]
 
 
-def test_start_up_removes_the_version_copies_of_processes_gone(
+def test_start_up_removes_the_version_copies_nobody_loads_from(
     repository: Path, tmp_path: Path
 ) -> None:
-    """A process killed mid-load leaves its private copy (a whole head); the next start
-    removes it, and leaves those of processes still running (another server's)."""
+    """A process killed mid-load leaves its private copy (a whole head): the next start
+    removes it. A copy whose lock is held is loading (another server's, or another
+    container's): it stays, as does one not locked yet."""
     scratch = tmp_path / "scratch"
-    gone = _finished_pid()
-    left = scratch / f"lmhead-version-{gone}-abc"
-    live = scratch / f"lmhead-version-{os.getpid()}-def"
-    for copy in (left, live):
+    left, live, fresh = (scratch / f"lmhead-version-{tag}" for tag in ("left", "live", "fresh"))
+    for copy in (left, live, fresh):
         copy.mkdir(parents=True)
         (copy / "model.onnx").write_bytes(b"x" * 1000)
+    for copy in (left, live):
+        (copy / LOCK_FILE).touch()
 
     async def scenario(plane: DataPlane, _: Metrics) -> None:
         assert (await plane.model("tied"))["state"] == "READY"
 
-    _run(_settings(repository, scratch_dir=scratch), scenario)
-    assert not left.exists()
-    assert live.exists()
-    assert list(scratch.iterdir()) == [live]  # the loads' own copies are gone too
+    with (live / LOCK_FILE).open("rb") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        _run(_settings(repository, scratch_dir=scratch), scenario)
+    assert sorted(path.name for path in scratch.iterdir()) == [fresh.name, live.name]
 
 
-def _finished_pid() -> int:
-    process = subprocess.Popen(["true"])
-    process.wait()
-    return process.pid
+def test_a_head_whose_bias_masks_tokens_with_minus_inf_is_refused_at_load(
+    repository: Path, table: npt.NDArray[np.float32]
+) -> None:
+    """-inf logits would answer as JSON null and read as overflow: refused with the reason
+    at load, as the importer refuses such a bias (a padded vocabulary: ``lmhead trim``)."""
+    bias = np.zeros(VOCAB, np.float32)
+    path = save_head(HeadWeights.from_arrays(table, bias=bias), repository / "masked" / "1")
+    model = onnx.load(str(path))
+    (tensor,) = [t for t in model.graph.initializer if t.name == OUTPUT_BIAS]
+    bias[-3:] = -np.inf
+    tensor.CopyFrom(numpy_helper.from_array(bias, OUTPUT_BIAS))
+    onnx.save(model, str(path))
+
+    async def scenario(plane: DataPlane, _: Metrics) -> dict[str, Any]:
+        return await plane.model("masked")
+
+    described = _run(_settings(repository), scenario)
+    assert described["state"] == "FAILED"
+    assert "output bias masks tokens with -inf" in described["reason"]
 
 
 def test_control_api_guards(repository: Path) -> None:

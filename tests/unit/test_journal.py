@@ -136,3 +136,47 @@ def test_an_engine_started_again_serves_what_served_past_a_broken_version(
         assert registry.get("head").version == 2
 
     _engines(repository, journal, first, second)
+
+
+def test_a_pin_on_a_version_refused_for_now_stays_across_an_engine_restart(
+    tmp_path: Path,
+) -> None:
+    """Pinned to 1; a copy "01" makes version 1 ambiguous. The next engine serves nothing
+    rather than another version, keeps the pin, and serves 1 once the slip is gone."""
+    repository, journal = tmp_path / "models", tmp_path / "control.json"
+    _head(repository, "k", 1)
+    _head(repository, "k", 2)
+
+    async def first(registry: Registry) -> None:
+        await registry.load("k", 1)
+        shutil.copytree(repository / "k" / "1", repository / "k" / "01")
+
+    async def second(registry: Registry) -> None:
+        record = registry.record("k")
+        assert (record.state, record.pinned, record.versions) == ("FAILED", 1, {})
+        assert "are all version 1" in record.reason
+        shutil.rmtree(repository / "k" / "01")
+        await registry.reload("k")  # as the poller does once the directory changed
+        assert (registry.get("k").version, registry.record("k").pinned) == (1, 1)
+
+    _engines(repository, journal, first, second)
+
+
+def test_a_slip_beside_an_old_version_does_not_block_the_next(tmp_path: Path) -> None:
+    """Version 1 serves; "01" (a copy of it) and a good version 2 appear: 2 is taken, by the
+    policy and by a pin (a refused served version blocked every load before)."""
+    repository, journal = tmp_path / "models", tmp_path / "control.json"
+    for name in ("m", "k"):
+        _head(repository, name, 1)
+
+    async def first(registry: Registry) -> None:
+        await registry.load("k", 1)
+        for name in ("m", "k"):
+            shutil.copytree(repository / name / "1", repository / name / "01")
+            _head(repository, name, 2)
+        assert (await registry.load("m")).reason == ""
+        assert registry.get("m").version == 2
+        await registry.load("k", 2)
+        assert (registry.get("k").version, registry.record("k").pinned) == (2, 2)
+
+    _engines(repository, journal, first)

@@ -230,10 +230,11 @@ def test_an_unreadable_entry_fails_its_model_alone_and_the_others_are_followed(
     _run(repository, scenario)
 
 
-def test_a_version_rewritten_with_its_size_and_mtime_is_a_change(
+def test_a_file_replaced_with_its_size_and_mtime_is_a_change(
     tmp_path: Path, table: npt.NDArray[np.float32], output_weight: npt.NDArray[np.float32]
 ) -> None:
-    """``cp -p`` of a file built with a fixed time: same size, same mtime, new bytes."""
+    """``rsync -a`` or ``tar x`` of a file built at a fixed time: same size, same mtime, new
+    bytes in a new file renamed over the old one (another inode)."""
     repository = tmp_path / "models"
     model = save_head(HeadWeights.from_arrays(table), repository / "head" / "1")
     other = save_head(HeadWeights.from_arrays(output_weight), tmp_path / "other" / "1")
@@ -241,13 +242,31 @@ def test_a_version_rewritten_with_its_size_and_mtime_is_a_change(
 
     async def scenario(registry: Registry, poller: RepositoryPoller) -> None:
         before = registry.get("head")
-        shutil.copy2(other, model)  # bytes and mtime of the other file
-        times = model.stat()
-        os.utime(model, ns=(times.st_atime_ns, before.signature[0][2]))  # type: ignore[arg-type]
+        incoming = model.with_name(".model.onnx.tmp")
+        shutil.copy(other, incoming)
+        os.utime(incoming, ns=(model.stat().st_atime_ns, model.stat().st_mtime_ns))
+        os.replace(incoming, model)
         await _settle(poller)
         after = registry.get("head")
         assert after is not before
         assert "files changed on disk" in " ".join(registry.record("head").notes)
+
+    _run(repository, scenario)
+
+
+def test_a_hard_link_to_a_served_file_is_no_change(
+    tmp_path: Path, table: npt.NDArray[np.float32]
+) -> None:
+    """Staging the next version with ``cp -al 1 .incoming`` links the served files: their
+    ctime changes, their contents do not; nothing is loaded again."""
+    repository = tmp_path / "models"
+    model = save_head(HeadWeights.from_arrays(table), repository / "head" / "1")
+
+    async def scenario(registry: Registry, poller: RepositoryPoller) -> None:
+        before = registry.get("head")
+        os.link(model, tmp_path / "linked.onnx")
+        await _settle(poller)
+        assert registry.get("head") is before
 
     _run(repository, scenario)
 
@@ -328,3 +347,23 @@ def test_a_lazy_poller_leaves_a_pinned_load_pinned(
         assert (registry.get("head").version, registry.record("head").pinned) == (1, 1)
 
     _run(repository, scenario, lazy=True)
+
+
+def test_a_reload_queued_behind_a_control_call_follows_what_that_call_left(
+    tmp_path: Path, table: npt.NDArray[np.float32], output_weight: npt.NDArray[np.float32]
+) -> None:
+    """The poller's reload waits for the model's lock; the pin or the unload of the call
+    that held it stands (they were read before waiting, and undone)."""
+    repository = tmp_path / "models"
+    save_head(HeadWeights.from_arrays(table), repository / "head" / "1")
+    save_head(HeadWeights.from_arrays(table, output_weight), repository / "head" / "2")
+
+    async def scenario(registry: Registry, _: RepositoryPoller) -> None:
+        await asyncio.gather(registry.load("head", 1), registry.reload("head"))
+        assert (registry.get("head").version, registry.record("head").pinned) == (1, 1)
+        await asyncio.gather(
+            registry.load("head"), registry.unload("head"), registry.reload("head")
+        )
+        assert registry.record("head").reason == "unloaded"
+
+    _run(repository, scenario)
