@@ -141,19 +141,19 @@ class DataPlane(ControlAPI):
                 serving.calls = len(kept)
                 k = self._limits.k(first.k, model.default_k)
                 temperature = self._limits.temperature(first.temperature)
-                by_itself = alone or (lambda index: self.topk(requests[index]))
                 outcomes: list[Any] = []
-                if len(kept) > 1 and grouping.rows(kept) > model.group_room():
-                    serving.calls = 0  # each call is queued (or refused) and batched alone
-                    outcomes = await grouping.one_by_one([by_itself(i) for i, _ in kept])
-                elif kept:
+                each_alone = len(kept) > 1 and grouping.rows(kept) > model.group_room()
+                if kept and not each_alone:
                     try:
                         outcomes = await self._grouped(model, kept, k, temperature, first)
-                    except LogitsOverflow:
+                    except LogitsOverflow:  # one call's rows: alone, only that call fails
                         if len(kept) == 1:
                             raise
-                        serving.calls = 0  # one call's rows overflow: alone, only it fails
-                        outcomes = await grouping.one_by_one([by_itself(i) for i, _ in kept])
+                        each_alone = True
+                if each_alone:
+                    serving.calls = 0  # each call is queued (or refused) and batched alone
+                    by_itself = alone or (lambda index: self.topk(requests[index]))
+                    outcomes = await grouping.one_by_one([by_itself(i) for i, _ in kept])
                 for (index, _), outcome in zip(kept, outcomes, strict=True):
                     answers[index] = outcome
         except ServiceError as error:
