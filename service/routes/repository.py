@@ -66,18 +66,27 @@ class UnloadRequest(BaseModel):
     parameters: dict[str, Any] | None = None
 
 
-LOAD_BODY = {
-    "requestBody": {
-        "required": False,
-        "content": {"application/json": {"schema": LoadRequest.model_json_schema()}},
-    }
-}
+def _optional_body(schema: type[BaseModel]) -> dict[str, Any]:
+    """OpenAPI for a JSON body the handler reads itself (``_body``)."""
+    content = {"application/json": {"schema": schema.model_json_schema()}}
+    return {"requestBody": {"required": False, "content": content}}
+
+
+LOAD_BODY = _optional_body(LoadRequest)
 
 
 @router.post(
-    "/v2/repository/index", response_model=list[RepositoryIndexRow], responses=errors(401, v2=True)
+    "/v2/repository/index",
+    response_model=list[RepositoryIndexRow],
+    responses=errors(401, v2=True),
+    openapi_extra=_optional_body(IndexRequest),
 )
-@router.post("/v1/repository/index", response_model=list[RepositoryIndexRow], responses=errors(401))
+@router.post(
+    "/v1/repository/index",
+    response_model=list[RepositoryIndexRow],
+    responses=errors(401),
+    openapi_extra=_optional_body(IndexRequest),
+)
 async def index(request: Request, plane: PlaneDep) -> list[dict[str, Any]]:
     """Every model in memory or on disk: ``[{name, version, state, reason}]``; with the body
     ``{"ready": true}`` (Triton's), only the versions ready to serve."""
