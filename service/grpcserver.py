@@ -13,12 +13,15 @@ drain of ``LMHEAD_DRAIN_TIMEOUT_S``.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
@@ -75,6 +78,9 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: 
         started, code = time.perf_counter(), grpc.StatusCode.OK
         try:
             return await call()
+        except asyncio.CancelledError:  # the client cancelled, or its deadline passed
+            code = grpc.StatusCode.CANCELLED
+            raise
         except ServiceError as error:
             code = status_of(error)
             await context.abort(code, error.message)  # raises: the RPC ends here
@@ -176,7 +182,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: 
                     f"repository on disk), got {unknown}"
                 )
             version = given.get("version")
-            if version is not None and (not isinstance(version, int) or version < 0):
+            if version is not None and (type(version) is not int or version < 0):  # not bool
                 raise InvalidInput("parameter version must be a non-negative int64_param")
             await self._plane.load(request.model_name, version)
             return pb.RepositoryModelLoadResponse()
@@ -220,6 +226,64 @@ for _method in pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods_by
         setattr(InferenceService, _method, _unimplemented(_method))
 
 
+@dataclass(frozen=True)
+class Undecodable:
+    """A request whose bytes are no message of its type (garbage, a non-UTF-8 string): the
+    RPC answers INVALID_ARGUMENT (grpcio answered UNKNOWN with the parser's class name, and
+    logged a traceback per call)."""
+
+    message: str
+
+
+def _handlers(servicer: InferenceService) -> grpc.GenericRpcHandler:
+    """The service's RPCs as the generated stub registers them, but each unary request is
+    parsed by ``_parse``, so an undecodable one reaches the servicer as ``Undecodable``."""
+    service = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    handlers = {}
+    for method in service.methods:
+        request, response = (
+            getattr(pb, method.input_type.name),
+            getattr(pb, method.output_type.name),
+        )
+        if method.client_streaming or method.server_streaming:  # not served: UNIMPLEMENTED
+            handlers[method.name] = grpc.stream_stream_rpc_method_handler(
+                getattr(servicer, method.name), request.FromString, response.SerializeToString
+            )
+            continue
+        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+            _decoded(servicer, method.name), _parse(request), response.SerializeToString
+        )
+    return grpc.method_handlers_generic_handler(service.full_name, handlers)
+
+
+def _parse(message: Any) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return message.FromString(data)
+        except DecodeError:
+            return Undecodable(message.DESCRIPTOR.name)
+
+    return parse
+
+
+def _decoded(servicer: InferenceService, method: str) -> Callable[..., Awaitable[Any]]:
+    serve = getattr(servicer, method)
+
+    async def handle(request: Any, context: Any) -> Any:
+        if isinstance(request, Undecodable):
+
+            async def refuse() -> Any:
+                raise InvalidInput(
+                    f"the request is not a valid {request.message} (a protobuf message whose "
+                    "strings are UTF-8)"
+                )
+
+            return await servicer._answer(method, context, refuse)
+        return await serve(request, context)
+
+    return handle
+
+
 async def start(plane: Plane, settings: Settings, metrics: Metrics) -> grpc.aio.Server:
     """Serve gRPC on ``LMHEAD_HOST:LMHEAD_GRPC_PORT`` (messages up to the body limit)."""
     assert settings.grpc_port is not None
@@ -232,9 +296,7 @@ async def start(plane: Plane, settings: Settings, metrics: Metrics) -> grpc.aio.
             ("grpc.so_reuseport", int(settings.workers > 1)),
         ]
     )
-    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
-        InferenceService(plane, metrics), server
-    )
+    server.add_generic_rpc_handlers((_handlers(InferenceService(plane, metrics)),))
     address = f"{settings.host}:{settings.grpc_port}"
     port = server.add_insecure_port(address)
     if port == 0:

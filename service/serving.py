@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from time import perf_counter
 
 from service.errors import ServiceError
@@ -69,4 +70,6 @@ class Serving:
         outcome = "ok" if error is None else "internal_error"
         if isinstance(error, ServiceError):
             outcome = error.code
+        elif isinstance(error, asyncio.CancelledError):  # the client went away first
+            outcome = "cancelled"
         self.record(outcome, self.calls)

@@ -32,6 +32,9 @@ CONTENTS = {
     "INT64": "int64_contents",
     "INT32": "int_contents",
 }
+#: Typed values go to and from numpy this many at a time: a Python list of them costs ~8x
+#: their bytes (a 49 MB answer peaked at +517 MB through ``tolist``).
+CONTENTS_CHUNK = 1 << 16
 
 
 def target(name: str, version: str) -> Target:
@@ -95,8 +98,15 @@ def _input(tensor: Any, raw: bytes | None) -> dict[str, Any]:
             "(the protocol has no typed FP16 contents); or send FP32 contents"
         )
     field = CONTENTS.get(tensor.datatype)
+    sent = [found.name for found, _ in tensor.contents.ListFields()]
+    if any(name != field for name in sent):
+        raise InvalidInput(
+            f"input {tensor.name[:64]!r} is {tensor.datatype[:16]}: its values go in "
+            f"{field or 'raw_input_contents'}, got {', '.join(sent)}"
+        )
     if field is not None:
-        entry["data"] = list(getattr(tensor.contents, field))
+        values = getattr(tensor.contents, field)
+        entry["data"] = np.fromiter(values, v2.DTYPES[tensor.datatype], count=len(values))
     return entry
 
 
@@ -117,7 +127,9 @@ def encode(result: InferResult, plan: OutputPlan) -> Any:
         elif datatype == "BYTES":
             tensor.contents.bytes_contents.extend(str(s).encode() for s in array.reshape(-1))
         else:
-            getattr(tensor.contents, CONTENTS[datatype]).extend(array.reshape(-1).tolist())
+            values, flat = getattr(tensor.contents, CONTENTS[datatype]), array.reshape(-1)
+            for start in range(0, flat.size, CONTENTS_CHUNK):
+                values.extend(flat[start : start + CONTENTS_CHUNK].tolist())
     return response
 
 

@@ -254,8 +254,8 @@ def _binary_tensor(
         )
     if size != expected:
         raise InvalidInput(
-            f"input {name}: binary_data_size is {size} but shape {shape} of {dtype} "
-            f"needs {expected} bytes"
+            f"input {name} has {size} bytes of binary data (binary_data_size, or its "
+            f"raw_input_contents entry over gRPC) but shape {shape} of {dtype} needs {expected}"
         )
     if offset + size > len(binary):
         raise MalformedBody(
@@ -268,11 +268,16 @@ def _binary_tensor(
 def _json_tensor(
     name: str, shape: list[int], dtype: np.dtype[Any], data: Any, booleans: bool
 ) -> npt.NDArray[Any]:
-    if not isinstance(data, list):
-        raise InvalidInput(f"input {name} needs data (a flat or nested list) or binary_data_size")
     field = f"input {name}"
-    if dtype.kind == "f":
-        array: npt.NDArray[Any] = float_array(data, field, booleans)
+    if isinstance(data, np.ndarray):  # gRPC's typed contents, already numbers of its type
+        array: npt.NDArray[Any] = data
+    elif not isinstance(data, list):
+        raise InvalidInput(
+            f"input {name} has no values: send them as data (a flat or nested list) or "
+            "binary_data_size (over gRPC: contents or raw_input_contents)"
+        )
+    elif dtype.kind == "f":
+        array = float_array(data, field, booleans)
     else:
         array = int_array(data, field, booleans)
         limits = np.iinfo(dtype)
@@ -280,7 +285,7 @@ def _json_tensor(
             raise InvalidInput(f"{field}: values beyond the {dtype.name} range")
     if array.size != math.prod(shape):
         raise InvalidInput(
-            f"{field}: shape {shape} needs {math.prod(shape)} values, data has {array.size}"
+            f"{field}: shape {shape} needs {math.prod(shape)} values, got {array.size}"
         )
     return array.astype(dtype, copy=False).reshape(shape)
 

@@ -82,7 +82,8 @@ def select(output: OutputRequest, result: InferResult) -> npt.NDArray[Any]:
     array = arrays[output.name]
     if array is None:
         raise InvalidInput(f"output {output.name} needs the parameter sample")
-    return array[..., : output.k] if output.k is not None and output.name != "logsumexp" else array
+    per_position = output.name == "logsumexp" or output.name in SAMPLED_OUTPUTS  # no k axis
+    return array if output.k is None or per_position else array[..., : output.k]
 
 
 def _classification(
@@ -120,11 +121,13 @@ def _outputs(entries: Any, default_binary: bool) -> list[OutputRequest]:
         return []
     if not isinstance(entries, list):
         raise InvalidInput("outputs must be a list of {name, parameters}")
-    requests = []
+    requests: list[OutputRequest] = []
     for entry in entries:
         name = entry.get("name") if isinstance(entry, dict) else None
         if name not in OUTPUTS:
             raise InvalidInput(f"unknown output {str(name)[:64]!r}; outputs: {', '.join(OUTPUTS)}")
+        if any(request.name == name for request in requests):  # as Triton: each answer once
+            raise InvalidInput(f"output {name!r} is requested twice; name each output once")
         parameters = mapping(entry.get("parameters"), f"output {name} parameters")
         classification = _count(parameters, "classification", name)
         if classification is not None and name != "logits":

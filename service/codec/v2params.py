@@ -54,8 +54,11 @@ def _structured(parameters: dict[str, Any], name: str, kind: type) -> Any:
     if isinstance(value, str):
         try:
             value = orjson.loads(value)
-        except orjson.JSONDecodeError:
-            raise InvalidInput(f"parameter {name} is a string but not JSON") from None
+        except orjson.JSONDecodeError as error:  # not JSON, nested too deep, or 1e400
+            why = str(error).split(":", 1)[0][:80]
+            raise InvalidInput(
+                f"parameter {name} is a string that orjson cannot read as JSON ({why})"
+            ) from None
     if value is not None and not isinstance(value, kind):
         shape = "a list (or its JSON text)" if kind is list else "an object (or its JSON text)"
         raise InvalidInput(f"parameter {name} must be {shape}")

@@ -253,6 +253,16 @@ def test_a_load_with_triton_overrides_is_refused(client: triton.InferenceServerC
     assert client.is_model_ready("tied")
 
 
+def test_a_load_pinning_version_true_is_refused(stub: Any) -> None:
+    """A bool is no version (it pinned "version True", which a new engine then dropped)."""
+    request = pb.RepositoryModelLoadRequest(model_name="tied")
+    request.parameters["version"].bool_param = True
+    with pytest.raises(grpc.RpcError) as raised:
+        stub.RepositoryModelLoad(request, metadata=tuple(ADMIN.items()))
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "non-negative int64_param" in (raised.value.details() or "")
+
+
 def _request(**fields: Any) -> Any:
     """A valid 2-row raw request, with ``fields`` replacing parts of it."""
     hidden = fields.pop("hidden", HIDDEN[:2])
@@ -295,6 +305,12 @@ BAD_REQUESTS = [
     ),
     ("unknown output", _request(outputs=["probs"]), "INVALID_ARGUMENT", "unknown output"),
     (
+        "an output named twice",  # each copy was answered and none charged: past every limit
+        _request(outputs=["logits", "logits"]),
+        "INVALID_ARGUMENT",
+        "requested twice",
+    ),
+    (
         "NaN",
         _request(hidden=np.full((2, D_MODEL), np.nan, np.float32)),
         "INVALID_ARGUMENT",
@@ -313,6 +329,50 @@ BAD_REQUESTS = [
         "",
     ),
 ]
+
+
+def test_sampled_outputs_keep_every_row_whatever_k(stub: Any) -> None:
+    """One draw per row: an output's k cuts top-k columns, never the rows of the draws."""
+    request = _request(hidden=HIDDEN, outputs=["topk_token_ids", "sampled_token_ids"])
+    request.parameters["k"].int64_param = 2
+    request.parameters["sample"].string_param = '{"seed": 3}'
+    answer = stub.ModelInfer(request)
+    shapes = {output.name: list(output.shape) for output in answer.outputs}
+    assert shapes == {"topk_token_ids": [len(HIDDEN), 2], "sampled_token_ids": [len(HIDDEN)]}
+
+
+def test_undecodable_requests_are_invalid_argument_and_counted(
+    served: tuple[str, str], address: str
+) -> None:
+    """Bytes that are no ModelInferRequest (a name that is not UTF-8): grpcio answered
+    UNKNOWN with the parser's class name, logged a traceback, and counted nothing."""
+    url = served[0]
+    pattern = r'^lmhead_grpc_requests_total{code="INVALID_ARGUMENT",method="ModelInfer"} (\S+)$'
+
+    def counted() -> float:
+        found = re.search(pattern, httpx.get(f"{url}/metrics", timeout=10).text, re.M)
+        return float(found.group(1)) if found else 0.0
+
+    before = counted()
+    with grpc.insecure_channel(address) as channel:
+        infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+        for garbage in (b"\x0a\x02\xff\xfe", b"\xff" * 40):
+            with pytest.raises(grpc.RpcError) as raised:
+                infer(garbage)
+            assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "not a valid ModelInferRequest" in (raised.value.details() or "")
+    assert counted() - before == 2
+
+
+def test_typed_values_in_another_field_than_their_datatype_say_so(stub: Any) -> None:
+    tensor = pb.ModelInferRequest.InferInputTensor(
+        name="hidden_states", datatype="FP32", shape=list(HIDDEN.shape)
+    )
+    tensor.contents.fp64_contents.extend(HIDDEN.reshape(-1).tolist())
+    with pytest.raises(grpc.RpcError) as raised:
+        stub.ModelInfer(pb.ModelInferRequest(model_name="tied", inputs=[tensor]))
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "go in fp32_contents, got fp64_contents" in (raised.value.details() or "")
 
 
 @pytest.mark.parametrize(

@@ -474,6 +474,25 @@ def test_a_head_whose_bias_masks_tokens_with_minus_inf_is_refused_at_load(
     assert "output bias masks tokens with -inf" in described["reason"]
 
 
+def test_a_call_its_client_cancelled_is_recorded_as_cancelled(repository: Path) -> None:
+    """A client gone (a gRPC deadline, a cancel): not an internal error of the service."""
+
+    async def scenario(plane: DataPlane, metrics: Metrics) -> float:
+        call = asyncio.get_running_loop().create_task(plane.topk(TopKRequest(TIED, _hidden(2))))
+        await asyncio.sleep(0)  # one turn: the call is in, waiting for its run
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        labels = {"model": "tied", "version": "1", "verb": "topk"}
+        assert (
+            _sample(metrics.registry, "lmhead_requests_total", outcome="internal_error", **labels)
+            == 0
+        )
+        return _sample(metrics.registry, "lmhead_requests_total", outcome="cancelled", **labels)
+
+    assert _run(_settings(repository), scenario) == 1
+
+
 def test_control_api_guards(repository: Path) -> None:
     async def guarded(plane: DataPlane, _: Metrics) -> None:
         plane.authorize("s3cret")
