@@ -53,6 +53,8 @@ DTYPES: dict[str, np.dtype[Any]] = {
 }
 INPUT_TYPES = {"hidden_states": ("FP32", "FP16"), "input_ids": ("INT64", "INT32")}
 MAX_RANK = 4
+#: A request id is echoed in the answer as sent (cut short, it matched no request).
+MAX_ID_CHARS = 256
 
 
 async def decode_http(request: Request, body_limit: int) -> tuple[InferRequest, OutputPlan]:
@@ -123,7 +125,9 @@ def decode_header(
     request_id = header.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise InvalidInput(f"id must be a string, got a JSON {type(request_id).__name__}")
-    return request, OutputPlan(None if request_id is None else request_id[:256], outputs)
+    if request_id is not None and len(request_id) > MAX_ID_CHARS:  # echoed whole, or refused
+        raise InvalidInput(f"id has {len(request_id)} characters; at most {MAX_ID_CHARS}")
+    return request, OutputPlan(request_id, outputs)
 
 
 def encode(result: InferResult, plan: OutputPlan) -> tuple[bytes, dict[str, str]]:

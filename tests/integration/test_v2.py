@@ -369,6 +369,13 @@ ERROR_CASES: list[tuple[str, str, bytes, dict[str, str], int]] = [
         400,
     ),
     (
+        "an id too long to echo whole",  # it came back cut to 256 characters
+        "/v2/models/tied/infer",
+        json.dumps({"inputs": [_hidden_input(1, data=[0.5] * D_MODEL)], "id": "r" * 300}).encode(),
+        {},
+        400,
+    ),
+    (
         "k as a boolean",
         "/v2/models/tied/infer",
         json.dumps(
