@@ -256,9 +256,16 @@ class Metrics:
             self.models_loaded.labels(model, version, tied).set(0)
             return
         self.models_loaded.remove(model, version, tied)
-        for per_version in self._per_version if runs else ():  # else each version stays listed
+        if not runs:
+            return
+        for per_version in self._per_version:  # else each version published stays listed
             with contextlib.suppress(KeyError):
                 per_version.remove(model, version)
+        by_labels = getattr(self.requests, "remove_by_labels", None)  # prometheus-client 0.22+
+        if by_labels is not None:  # its calls, one series per verb and outcome
+            by_labels({"model": model, "version": version})
+            for key in [key for key in self._calls if key[:2] == (model, version)]:
+                del self._calls[key]  # else a version loaded again counts into them, unseen
 
     def render(self) -> bytes:
         if not self.multiprocess:

@@ -493,6 +493,24 @@ def test_a_call_its_client_cancelled_is_recorded_as_cancelled(repository: Path) 
     assert _run(_settings(repository), scenario) == 1
 
 
+def test_a_released_versions_call_counts_go_and_come_back_with_it(repository: Path) -> None:
+    """Each version published added series to lmhead_requests_total for good; a version
+    loaded again counts into new, visible ones."""
+
+    async def scenario(plane: DataPlane, metrics: Metrics) -> list[float | None]:
+        labels = {"model": "untied", "version": "1", "verb": "topk", "outcome": "ok"}
+        seen = []
+        for _ in range(2):
+            await plane.topk(TopKRequest(UNTIED, _hidden(1)))
+            seen.append(metrics.registry.get_sample_value("lmhead_requests_total", labels))
+            await plane.unload("untied")  # returns once released
+            seen.append(metrics.registry.get_sample_value("lmhead_requests_total", labels))
+            await plane.load("untied")
+        return seen
+
+    assert _run(_settings(repository), scenario) == [1.0, None, 1.0, None]
+
+
 def test_control_api_guards(repository: Path) -> None:
     async def guarded(plane: DataPlane, _: Metrics) -> None:
         plane.authorize("s3cret")
