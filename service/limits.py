@@ -59,8 +59,9 @@ def refuse_overflow(
         finite &= np.isfinite(floor.reshape(len(floor), -1)).all(axis=1)
     at = "" if temperature == 1.0 else f" at temperature {temperature:g}"
     raise LogitsOverflow(
-        f"hidden_states row {int(np.argmin(finite))} makes logits beyond float32's range "
-        f"(|logit| over 3.4e38{at}); send final, post-norm hidden states"
+        f"hidden_states row {int(np.argmin(finite))} makes logits overflow{at} (|logit| past "
+        "float32's 3.4e38, or float16's 65504 for a half-precision head on a GPU); send final, "
+        "post-norm hidden states"
     )
 
 
