@@ -53,9 +53,11 @@ class ModelRecord:
         }
 
     def index_rows(self) -> list[dict[str, Any]]:
-        """Triton's repository index: one row per version (or one for the model)."""
+        """Triton's repository index: one row per version (or one for the model). A served
+        version's row carries the model's reason, if its last load failed (a roll-out that
+        did not happen shows in the index, not only in the model's description)."""
         rows = [
-            {"name": self.name, "version": str(v), "state": "READY", "reason": ""}
+            {"name": self.name, "version": str(v), "state": "READY", "reason": self.reason}
             for v in sorted(self.versions)
         ]
         rows += [

@@ -98,6 +98,7 @@ def test_a_failed_load_keeps_the_old_version_serving(
         assert reason in v2.json()["error"]
         rows = {row["version"]: row for row in admin.post("/v2/repository/index").json()}
         assert rows["1"]["state"] == "READY"
+        assert reason in rows["1"]["reason"]  # serving, and why the new version is not
         assert rows["2"]["state"] == "FAILED"
         assert reason in rows["2"]["reason"]
         answer = admin.post(
