@@ -15,6 +15,7 @@ import asyncio
 import logging
 import time
 from concurrent.futures import Executor
+from pathlib import Path
 from typing import Any
 
 from service.allocator import trim_heap
@@ -128,17 +129,20 @@ class Registry:
         """The pin, unless its version left the repository (then None, and the log says
         so). One still there but refused for now (unreadable, held twice) stays pinned: its
         loads fail with the reason until it is fixed, never serve another version."""
-        if pin is None:
-            return None
-        root = self._settings.repository
-        try:
-            found, refused = version_entries(root / name, root.resolve())
-        except OSError:
-            return pin
-        if pin in found or pin in refused:
+        on_disk = None if pin is None else self._on_disk(name)
+        if pin is None or on_disk is None or pin in on_disk[0] or pin in on_disk[1]:
             return pin
         logger.warning("%s: pinned version %d left the repository: unpinned", name, pin)
         return None
+
+    def _on_disk(self, name: str) -> tuple[dict[int, Path], dict[int, str]] | None:
+        """The model's complete and refused versions on disk; None when its directory
+        cannot be read (a load then fails with that reason)."""
+        root = self._settings.repository
+        try:
+            return version_entries(root / name, root.resolve())
+        except OSError:
+            return None
 
     async def load(self, name: str, pin: int | None = None) -> ModelRecord:
         """(Re)load ``name`` from disk and publish the result in one step (a control call).
@@ -158,11 +162,10 @@ class Registry:
 
     def _check_pin(self, name: str, pin: int) -> None:
         """404 for a version the call cannot pin: absent, or refused (and why)."""
-        root = self._settings.repository
-        try:
-            found, refused = version_entries(root / name, root.resolve())
-        except OSError:  # the directory cannot be read: the load fails, with that reason
+        on_disk = self._on_disk(name)
+        if on_disk is None:
             return
+        found, refused = on_disk
         if pin in refused:
             raise VersionNotFound(f"model {name!r} version {pin}: {refused[pin]}")
         if pin not in found:

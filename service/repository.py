@@ -174,6 +174,10 @@ def cannot_read(error: OSError) -> str:
     return error.strerror or type(error).__name__
 
 
+def _unreadable_version(entry: Path, error: OSError) -> str:
+    return f"version {entry.name[:32]!r} cannot be read ({cannot_read(error)})"
+
+
 def read_source(repository: Path, name: str) -> ModelSource:
     """Read one model directory; raise RepositoryError when it is missing or unusable."""
     if not is_valid_name(name):
@@ -199,7 +203,7 @@ def read_source(repository: Path, name: str) -> ModelSource:
         try:
             files[version] = signature(path)
         except OSError as error:
-            refused[version] = f"version {version} cannot be read ({cannot_read(error)})"
+            refused[version] = _unreadable_version(path, error)
             del ordered[version]
     return ModelSource(name, config, ordered, files, config_signature, refused)
 
@@ -238,9 +242,7 @@ def _versions(directory: Path) -> tuple[dict[int, Path], dict[int, str]]:
             if entry.is_dir() and (entry / MODEL_FILE).is_file():
                 claims.setdefault(number, []).append(entry)
         except OSError as error:  # fails alone; the model's other versions still serve
-            unreadable[number] = (
-                f"version {entry.name[:32]!r} cannot be read ({cannot_read(error)})"
-            )
+            unreadable[number] = _unreadable_version(entry, error)
     versions = {number: entries[0] for number, entries in claims.items() if len(entries) == 1}
     refused = {
         number: f"directories {sorted(e.name[:32] for e in entries)} are all version "
