@@ -261,11 +261,9 @@ class Metrics:
         for per_version in self._per_version:  # else each version published stays listed
             with contextlib.suppress(KeyError):
                 per_version.remove(model, version)
-        by_labels = getattr(self.requests, "remove_by_labels", None)  # prometheus-client 0.22+
-        if by_labels is not None:  # its calls, one series per verb and outcome
-            by_labels({"model": model, "version": version})
-            for key in [key for key in self._calls if key[:2] == (model, version)]:
-                del self._calls[key]  # else a version loaded again counts into them, unseen
+        for key in [key for key in self._calls if key[:2] == (model, version)]:
+            self.requests.remove(*key)  # its calls, one series per verb and outcome (the
+            del self._calls[key]  # cache holds every one; kept, a reload counted unseen)
 
     def render(self) -> bytes:
         if not self.multiprocess:
