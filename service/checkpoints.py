@@ -46,6 +46,7 @@ T5_FAMILY = frozenset({"t5", "mt5", "umt5", "longt5", "switch_transformers"})
 FLOAT_DTYPES = ("F32", "F16", "BF16")
 CHUNKS = 32
 BIAS_TENSOR = "lm_head.bias"
+SCALE_RANGE = (1e-6, 1e6)
 
 
 class CheckpointError(ValueError):
@@ -135,17 +136,20 @@ class Checkpoint:
         """Head transforms the config asks for (soft-cap, logit scale, T5's rescale). ``tied``:
         the head is the embedding (T5 rescales only then: a differing ``lm_head`` imported
         untied is served as an untied T5's, h @ lm_head.T)."""
-        softcap = _number(self.config, "final_logit_softcapping")
+        softcap = _scale(self.config, "final_logit_softcapping")
+        logit_scale = _scale(self.config, "logit_scale")
+        model_type = self.config.get("model_type")
         t5_tied = (
             tied
-            and self.config.get("model_type") in T5_FAMILY
+            and isinstance(model_type, str)
+            and model_type in T5_FAMILY
             and _flag(self.config, "tie_word_embeddings", True)
         )
         try:
             return HeadTransforms(
                 input_scale=d_model**-0.5 if t5_tied else 1.0,
-                logit_scale=_number(self.config, "logit_scale") or 1.0,
-                softcap=softcap or None,
+                logit_scale=1.0 if logit_scale is None else logit_scale,
+                softcap=softcap,
             )
         except ValueError as error:  # beyond float32, as the graph stores them
             raise CheckpointError(f"config.json: {error}") from None
@@ -172,16 +176,26 @@ class Checkpoint:
             raise CheckpointError(f"no .safetensors files in {self.directory}")
         found: dict[str, Path] = {}
         for path in files:
+            if not path.is_file():  # a FIFO would block the import for good
+                raise CheckpointError(f"{path.name} is not a regular file")
             try:
                 with safe_open(path, framework="numpy") as handle:
-                    found.update(dict.fromkeys(handle.keys(), path))
+                    names = handle.keys()
             except Exception as error:  # safetensors raises its own SafetensorError
                 raise _unreadable(path, error) from None
+            for name in names:  # two files, one tensor: which is the model's is anyone's guess
+                if name in found:
+                    raise CheckpointError(
+                        f"tensor {name} is in both {found[name].name} and {path.name}; "
+                        "keep one (or add a model.safetensors.index.json)"
+                    )
+                found[name] = path
         return found
 
 
-def tokenizer_tokens(directory: Path, vocab_size: int) -> list[str] | None:
-    """Token strings by id from ``tokenizer.json`` or ``vocab.json``; None when neither."""
+def tokenizer_tokens(directory: Path, vocab_size: int, notes: list[str]) -> list[str] | None:
+    """Token strings by id from ``tokenizer.json`` or ``vocab.json``; None when neither (or
+    when it holds no vocabulary). ``notes`` is told what did not fit the head's rows."""
     vocab: list[tuple[str, Any]] | None = None
     tokenizer = directory / "tokenizer.json"
     source = tokenizer if tokenizer.is_file() else directory / "vocab.json"
@@ -190,16 +204,36 @@ def tokenizer_tokens(directory: Path, vocab_size: int) -> list[str] | None:
     elif (directory / "vocab.json").is_file():
         vocab = list(_json_file(directory / "vocab.json").items())
     if vocab is None:
+        if tokenizer.is_file():
+            notes.append(f"{tokenizer.name} has no model.vocab: no token strings")
         return None
     labels = [""] * vocab_size
+    outside = 0
     for token, index in vocab:  # by id: a later pair (an added token) wins its id
         if type(index) is not int:
             raise CheckpointError(
                 f"{source}: token {token[:32]!r} has id {str(index)[:32]!r}, not an integer"
             )
         if 0 <= index < vocab_size:
-            labels[index] = token.replace("\n", "\\n").replace("\r", "\\r")  # one line each
+            labels[index] = _one_line(token)
+        else:
+            outside += 1
+    _label_notes(source.name, vocab_size, outside, labels.count(""), notes)
     return labels
+
+
+def _one_line(token: str) -> str:
+    """A label as vocab.txt holds it: one line, UTF-8 (a lone surrogate, which JSON allows
+    and UTF-8 does not, shows as its escape)."""
+    line = token.replace("\n", "\\n").replace("\r", "\\r")
+    return line.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _label_notes(source: str, vocab_size: int, outside: int, empty: int, notes: list[str]) -> None:
+    if outside:
+        notes.append(f"{source}: {outside} token ids outside the head's {vocab_size} rows: dropped")
+    if empty:  # padded vocabularies (Pythia's, Qwen's) have rows no token uses
+        notes.append(f"{source}: {empty} of {vocab_size} rows have no token string")
 
 
 def _tokenizer_vocab(tokenizer: Path) -> list[tuple[str, Any]] | None:
@@ -237,8 +271,8 @@ def _json_file(path: Path) -> dict[str, Any]:
     """A checkpoint's JSON file as an object, or a ``CheckpointError`` naming the file."""
     try:
         found = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise CheckpointError(f"{path} is not valid JSON ({error})") from None
+    except (ValueError, RecursionError) as error:  # not UTF-8, not JSON, too deep, 5000 digits
+        raise CheckpointError(f"{path} is not valid JSON ({str(error)[:200]})") from None
     if not isinstance(found, dict):
         raise CheckpointError(f"{path} must hold a JSON object, got a {type(found).__name__}")
     return found
@@ -249,7 +283,7 @@ def _first(candidates: tuple[str, ...], present: dict[str, Path]) -> str | None:
 
 
 def _listing(names: list[str]) -> str:
-    shown = ", ".join(names[:40])
+    shown = ", ".join(names[:40]) or "no tensors"
     return shown + (f", ... ({len(names)} in all)" if len(names) > 40 else "")
 
 
@@ -258,7 +292,8 @@ def _opened(path: Path, name: str) -> Iterator[Any]:
     """``safe_open`` of the file holding tensor ``name``; the file's own faults name it (a
     shard's error named neither the shard nor the index). Reading it is ``_rows``'s."""
     if not path.is_file():
-        raise CheckpointError(f"tensor {name} is in {path.name}, which is missing")
+        state = "is not a regular file" if path.exists() else "is missing"
+        raise CheckpointError(f"tensor {name} is in {path.name}, which {state}")
     try:
         handle = safe_open(path, framework="numpy")
         names = handle.keys()  # type: ignore[no-untyped-call]
@@ -291,6 +326,20 @@ def _flag(config: dict[str, Any], key: str, default: bool) -> bool:
     value = config.get(key, default)
     if not isinstance(value, bool):
         raise CheckpointError(f"config.json: {key} must be true or false, got {value!r:.40}")
+    return value
+
+
+def _scale(config: dict[str, Any], key: str) -> float | None:
+    """A head scale from the config (None when absent): real heads use ones far inside
+    ``SCALE_RANGE``; outside it every logit vanishes or overflows float32 (0 is no "off"
+    switch either: transformers multiplies by it, or divides by it)."""
+    value = _number(config, key)
+    low, high = SCALE_RANGE
+    if value is not None and not low <= value <= high:
+        raise CheckpointError(
+            f"config.json: {key} must be a scale in [{low:g}, {high:g}] (Cohere's logit_scale "
+            f"is 0.0625, Gemma-2's soft-cap 30), got {value!r:.40}"
+        )
     return value
 
 

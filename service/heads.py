@@ -20,6 +20,7 @@ import numpy.typing as npt
 import onnx
 from onnx import TensorProto, numpy_helper
 
+from service.external import stored_array
 from service.graph import (
     EMBEDDING_WEIGHT,
     OUTPUT_BIAS,
@@ -47,6 +48,7 @@ NUMPY_DTYPES: dict[str, np.dtype[Any]] = {
 #: Rows converted at a time when widening to float32, so no full float32 copy is held.
 WIDEN_ROWS = 4096
 FINITE_CHECK_ROWS = 4096  # rows checked for NaN/Inf at a time
+TRANSFORM_SCALES = ("input_scale", "logit_scale", "softcap")
 
 
 @dataclass(frozen=True)
@@ -95,7 +97,7 @@ class HeadWeights:
 
     @property
     def dtype(self) -> str:
-        return next(name for name, dtype in NUMPY_DTYPES.items() if dtype == self.embedding.dtype)
+        return dtype_name(self.embedding.dtype)
 
     @property
     def nbytes(self) -> int:
@@ -137,6 +139,14 @@ class HeadWeights:
         return named + ([(OUTPUT_WEIGHT, self.output)] if self.output is not None else [])
 
 
+def dtype_name(dtype: np.dtype[Any]) -> str:
+    """The name of a stored matrix dtype (a ``ValueError`` for any other: int32, float64)."""
+    for name, known in NUMPY_DTYPES.items():
+        if known == dtype:
+            return name
+    raise ValueError(f"weights are {dtype}, expected one of {', '.join(NUMPY_DTYPES)}")
+
+
 def _as_weight(array: npt.ArrayLike, name: str, dtype: np.dtype[Any]) -> npt.NDArray[Any]:
     matrix = np.asarray(array)
     if matrix.ndim != 2 or matrix.size == 0:
@@ -151,6 +161,11 @@ def _as_weight(array: npt.ArrayLike, name: str, dtype: np.dtype[Any]) -> npt.NDA
         finite = np.isfinite(converted[start : start + FINITE_CHECK_ROWS])
         if not finite.all():
             row = start + int(np.argwhere(~finite)[0][0])
+            if np.isfinite(matrix[row]).all():  # finite until converted: past the dtype's range
+                raise ValueError(
+                    f"{name} row {row} holds values past {np.dtype(dtype).name}'s range: store "
+                    "it as float32 or bfloat16"
+                )
             raise ValueError(
                 f"{name} holds NaN or Inf (as {np.dtype(dtype).name}) in row {row}: a head of "
                 "it would answer NaN"
@@ -221,9 +236,12 @@ def save_head(
 
 def read_head(path: str | Path, root: Path | None = None) -> HeadWeights:
     """A head lmhead wrote, as ``HeadWeights`` (external data memory-mapped, not read, and
-    from inside ``root`` only, when given)."""
+    from inside ``root`` only, when given). Anything else is a ``ValueError`` that says why."""
     path = Path(path)
-    model = onnx.load(str(path), load_external_data=False)
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as error:  # onnx raises DecodeError or OSError subclasses
+        raise ValueError(f"{path} is not a readable ONNX model: {error}") from None
     tensors = {tensor.name: tensor for tensor in model.graph.initializer}
     props = {prop.key: prop.value for prop in model.metadata_props}
     if QUANTIZATION in props:
@@ -237,61 +255,26 @@ def read_head(path: str | Path, root: Path | None = None) -> HeadWeights:
             f"{path.parent.name}/{path.name} has no {EMBEDDING_WEIGHT!r} initializer (it holds "
             f"{found[:200]}): lmhead reads back the heads it wrote; import the checkpoint"
         )
-    transforms = json.loads(props.get("lmhead.transforms", "{}"))
     bias = tensors.get(OUTPUT_BIAS)
     return HeadWeights(
         stored_array(tensors[EMBEDDING_WEIGHT], path.parent, root),
         stored_array(tensors[OUTPUT_WEIGHT], path.parent, root)
         if OUTPUT_WEIGHT in tensors
         else None,
-        None if bias is None else numpy_helper.to_array(bias).astype(np.float32),
-        HeadTransforms(
-            transforms.get("input_scale", 1.0),
-            transforms.get("logit_scale", 1.0),
-            transforms.get("softcap"),
-        ),
+        None if bias is None else stored_array(bias, path.parent, root).astype(np.float32),
+        _stored_transforms(props.get("lmhead.transforms", "{}")),
         props.get(UNTIED_ON_PURPOSE) == "true",
     )
 
 
-def stored_array(tensor: TensorProto, base_dir: Path, root: Path | None = None) -> npt.NDArray[Any]:
-    """A tensor's values; external data is memory-mapped rather than read, and only from a
-    file named beside the model (``check_location``) that is a regular file, itself or
-    behind a link that stays inside ``root`` when given (the repository: a link out of it
-    would make a served head of any file on the machine)."""
-    if tensor.data_location != TensorProto.EXTERNAL:
-        return numpy_helper.to_array(tensor)
-    info = {entry.key: entry.value for entry in tensor.external_data}
-    check_location(tensor)
-    data = base_dir / info["location"]
-    outside = root is not None and not data.resolve().is_relative_to(root.resolve())
-    if outside or not data.is_file():
-        raise ValueError(
-            f"external data of {tensor.name[:64]!r}: {info['location'][:128]!r} is not a "
-            "regular file" + (" inside the repository" if root is not None else "")
-        )
-    dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
-    return np.memmap(
-        data,
-        dtype=dtype,
-        mode="r",
-        offset=int(info.get("offset", 0)),
-        shape=tuple(int(dim) for dim in tensor.dims),
-    )
-
-
-def check_location(tensor: TensorProto) -> None:
-    """External data must be a file in the model's own directory: a plain file name, no
-    ``..``, no absolute path, no subdirectory (whatever the onnxruntime version accepts), so
-    that no head can be made of, or hand out, bytes from elsewhere on the machine."""
-    for entry in tensor.external_data:
-        if entry.key == "location" and (
-            entry.value != Path(entry.value).name or entry.value in ("", ".", "..")
-        ):
-            raise ValueError(
-                f"external data of {tensor.name[:64]!r} must be a file beside the model, "
-                f"got {entry.value[:128]!r}"
-            )
+def _stored_transforms(text: str) -> HeadTransforms:
+    """The ``lmhead.transforms`` metadata as ``HeadTransforms`` (a ``ValueError`` if mangled)."""
+    try:
+        found = json.loads(text)
+        scales = {key: float(found[key]) for key in TRANSFORM_SCALES if key in found}
+        return HeadTransforms(**scales)
+    except (ValueError, TypeError, AttributeError) as error:
+        raise ValueError(f"metadata lmhead.transforms is not valid ({error})") from None
 
 
 def _tensor(name: str, array: npt.NDArray[Any]) -> TensorProto:

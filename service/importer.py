@@ -15,16 +15,21 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from service import staging
 from service.checkpoints import Checkpoint, CheckpointError, tokenizer_tokens
 from service.digits import decimal
-from service.heads import HeadWeights, read_head, save_head
+from service.heads import HeadWeights, dtype_name, read_head, save_head
 from service.quantize import QuantSpec
-from service.repository import LABELS_FILE, MODEL_FILE
+from service.repository import LABELS_FILE, MODEL_FILE, VOCAB_MAP_FILE, read_labels, read_space
 
 #: Above this the weights go to model.onnx.data: written straight from the numpy buffers (no
 #: protobuf copy, so the import peak stays near the checkpoint tensor plus its float32 copy)
 #: and memory-mapped by onnxruntime when served.
 EXTERNAL_DATA_ABOVE_BYTES = 256 * 2**20
+#: Versions are at most 18 digits (``service.digits``).
+MAX_VERSION = 10**18 - 1
+#: A new version's directory while it is written (hidden from the service and the poller).
+STAGING_PREFIX = ".writing-"
 
 
 @dataclass(frozen=True)
@@ -67,8 +72,13 @@ def import_checkpoint(
         untie=options.untie,
     )
     table = checkpoint.tensor(plan.embedding, Progress(f"[1/3] reading {plan.embedding}"))
+    if table.ndim != 2 or not table.size:
+        raise CheckpointError(
+            f"embedding {plan.embedding} has shape {table.shape}; a head needs a non-empty "
+            "(vocab_size, d_model) matrix (--embedding-tensor names another)"
+        )
     notes = list(plan.notes)
-    notes += _config_notes(checkpoint)
+    notes += _config_notes(checkpoint, len(table))
     weights, tied_in_source = _weights(checkpoint, plan.head, table, options, notes)
     transforms = checkpoint.transforms(table.shape[1], tied=tied_in_source)
     bias = checkpoint.bias()
@@ -84,7 +94,7 @@ def import_checkpoint(
         shown = transforms.describe() | ({"bias": True} if bias is not None else {})
         if shown:  # a half-precision head alone has none to tell
             notes.append(f"head transforms in the graph: {shown}")
-    labels = tokenizer_tokens(checkpoint.directory, table.shape[0])  # may fail: before writing
+    labels = tokenizer_tokens(checkpoint.directory, table.shape[0], notes)  # fails before writing
     external = options.external_data
     stored = weights.stored_nbytes(options.quantization, options.quantize_table)
     if external is None:
@@ -157,9 +167,12 @@ def _arrays(
         raise CheckpointError(str(error)) from None
 
 
-def _config_notes(checkpoint: Checkpoint) -> list[str]:
+def _config_notes(checkpoint: Checkpoint, rows: int) -> list[str]:
     if (checkpoint.directory / "config.json").is_file():
-        return []
+        said = checkpoint.config.get("vocab_size")
+        if said is None or said == rows:
+            return []
+        return [f"config.json says vocab_size {str(said)[:40]}; the embedding has {rows} rows"]
     return [
         "WARNING no config.json: tying from the tensors alone, and no head transforms "
         "(a Gemma-2 soft-cap, Cohere logit_scale or T5's tied rescale would be missing)"
@@ -181,6 +194,11 @@ def _tie_warning(table: npt.NDArray[np.float32], head: npt.NDArray[np.float32]) 
 def _version_dir(model_dir: Path, version: int | None, flag: str) -> Path:
     existing = [n for p in model_dir.glob("*") if (n := decimal(p.name)) is not None]
     number = version if version is not None else max(existing, default=0) + 1
+    if number > MAX_VERSION:  # a longer name is no version to the service: never seen
+        raise CheckpointError(
+            f"version {number} of {model_dir} is past the largest one served ({MAX_VERSION}); "
+            f"choose a smaller {flag}"
+        )
     directory = model_dir / str(number)
     if directory.exists() or number in existing:  # "0003" is version 3 too
         raise CheckpointError(
@@ -198,10 +216,12 @@ def quantize_version(
     quantize_table: bool = False,
 ) -> Path:
     """Write a block-quantized copy of ``name``'s version (the newest by default) as a new
-    version, labels included; it appears complete (renamed into place) or not at all."""
+    version, its labels and token map (a trimmed head's original ids) included; it appears
+    complete (renamed into place) or not at all."""
     model_dir = Path(repository) / name
     source = source_version(model_dir, version)
     weights = read_float_head(source)
+    copy_companions = companions(source, len(weights.embedding))
 
     def write(staging: Path) -> None:
         stored = weights.stored_nbytes(spec, quantize_table)
@@ -213,8 +233,7 @@ def quantize_version(
             quantization=spec,
             quantize_table=quantize_table,
         )
-        if (source / LABELS_FILE).is_file():
-            shutil.copyfile(source / LABELS_FILE, staging / LABELS_FILE)
+        copy_companions(staging)
 
     return write_version(model_dir, to_version, write, flag="--to-version")
 
@@ -232,10 +251,37 @@ def source_version(model_dir: Path, version: int | None) -> Path:
 
 
 def read_float_head(source: Path) -> HeadWeights:
+    """A float head of the repository, checked as an import checks a checkpoint (finite
+    float32, float16 or bfloat16 weights), so that what is made of it loads."""
     try:
-        return read_head(source / MODEL_FILE, root=source.parent.parent)
-    except ValueError as error:  # already quantized
+        read = read_head(source / MODEL_FILE, root=source.parent.parent)
+        return HeadWeights.from_arrays(
+            read.embedding,
+            read.output,
+            bias=read.bias,
+            transforms=read.transforms,
+            twin=read.twin,
+            dtype=dtype_name(read.embedding.dtype),
+        )
+    except ValueError as error:  # already quantized, or not a head the service would load
         raise CheckpointError(f"{error} (--version picks another)") from None
+
+
+def companions(source: Path, vocab_size: int) -> Callable[[Path], None]:
+    """What copies a version's labels and token map into a new version of the same rows,
+    once checked as the service reads them (now: never after the work is done)."""
+    try:
+        read_labels(source, LABELS_FILE, vocab_size)
+        read_space(source, vocab_size)
+    except (ValueError, OSError) as error:  # UnicodeDecodeError is a ValueError
+        raise CheckpointError(f"{source}: {error}") from None
+
+    def copy(staging: Path) -> None:
+        for name in (LABELS_FILE, VOCAB_MAP_FILE):
+            if (source / name).is_file():
+                shutil.copyfile(source / name, staging / name)
+
+    return copy
 
 
 def write_version(
@@ -246,15 +292,46 @@ def write_version(
 ) -> Path:
     """``write`` fills a staging directory beside the versions, renamed into place when done:
     the new version appears complete or not at all (the poller never sees half of it).
-    ``flag``: the option that chose ``to_version``, named when that version exists."""
+    ``flag``: the option that chose ``to_version``, named when that version exists.
+
+    The staging directory is locked while written (``service.staging``): those of a killed
+    command are swept by the next one. A model directory made here and left empty by a
+    failure goes too (the service would list it as a failed model)."""
+    if model_dir.exists() and not model_dir.is_dir():
+        raise CheckpointError(f"{model_dir} is a file, not a model directory")
+    made = not model_dir.exists()
     model_dir.mkdir(parents=True, exist_ok=True)
-    target = _version_dir(model_dir, to_version, flag)
-    with tempfile.TemporaryDirectory(prefix=".writing-", dir=model_dir) as staging:
-        write(Path(staging))
-        os.chmod(staging, 0o755)  # mkdtemp made it private
-        os.rename(staging, target)
-        Path(staging).mkdir()  # for the context manager to remove
-    return target
+    try:
+        staging.sweep(model_dir, STAGING_PREFIX)
+        target = _version_dir(model_dir, to_version, flag)
+        with tempfile.TemporaryDirectory(prefix=STAGING_PREFIX, dir=model_dir) as scratch:
+            written = Path(scratch)
+            lock = staging.hold(written)
+            try:
+                write(written)
+                os.chmod(written, 0o755)  # mkdtemp made it private
+                staging.release(written, lock)
+                _publish(written, target, flag)
+            finally:
+                lock.close()
+            written.mkdir()  # for the context manager to remove
+        return target
+    except BaseException:
+        if made and not any(model_dir.iterdir()):
+            model_dir.rmdir()
+        raise
+
+
+def _publish(written: Path, target: Path, flag: str) -> None:
+    try:
+        os.rename(written, target)
+    except OSError as error:  # another command published this version meanwhile
+        if target.exists():
+            raise CheckpointError(
+                f"version {target.name} of {target.parent} was written meanwhile; choose "
+                f"another {flag}"
+            ) from None
+        raise error
 
 
 class Progress:

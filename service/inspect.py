@@ -22,8 +22,8 @@ import numpy as np
 import onnx
 
 from service.digits import decimal
+from service.external import check_location, external_source, stored_array
 from service.graph import HIDDEN_STATES, UNTIED_ON_PURPOSE, HeadTransforms
-from service.heads import check_location, stored_array
 from service.repository import MODEL_FILE
 
 PROJECTION_OPS = frozenset({"Gemm", "MatMul", "FusedMatMul"})
@@ -103,7 +103,7 @@ def inspect_head(path: str | Path) -> HeadReport:
     initializers = {tensor.name: tensor for tensor in graph.initializer}
     inputs = {value.name for value in graph.input}
     weights = {name: t for name, t in initializers.items() if t.dims and name not in inputs}
-    _check_external_locations(_all_tensors(graph))
+    _check_external(_all_tensors(graph), model_path.parent)
     producers = {out: node for node in graph.node for out in node.output}
     gather = _find_gather(graph, producers, weights)
     vocab_size, d_model = _table_shape(graph, gather, weights)
@@ -360,10 +360,13 @@ def _all_tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
             yield from attribute.tensors
 
 
-def _check_external_locations(tensors: Iterable[onnx.TensorProto]) -> None:
+def _check_external(tensors: Iterable[onnx.TensorProto], base_dir: Path) -> None:
+    """Every tensor's external data where onnxruntime would look for it, long enough."""
     for tensor in tensors:
         try:
             check_location(tensor)
+            if tensor.data_location == onnx.TensorProto.EXTERNAL:
+                external_source(tensor, base_dir)
         except ValueError as error:
             raise HeadInspectionError(str(error)) from None
 

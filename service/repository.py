@@ -24,9 +24,7 @@ served version changes nothing it answers, and a change is seen as a change (a n
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
 import re
 import shutil
 import stat
@@ -40,6 +38,7 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from service import staging
 from service.digits import decimal
 from service.errors import describe_validation_errors
 from service.vocabulary import TokenSpace
@@ -53,9 +52,8 @@ LABELS_FILE = "vocab.txt"
 #: A trimmed head's original ids (``service.trim``).
 VOCAB_MAP_FILE = "vocab_map.json"
 Signature = tuple[tuple[str | int, ...], ...]
-#: A version's private copy, and the file its loader holds locked while it loads from it.
+#: A version's private copy (locked by its loader while it loads from it: ``service.staging``).
 COPY_PREFIX = "lmhead-version-"
-LOCK_FILE = ".lmhead-lock"
 MAX_CONFIG_BYTES = 1 << 20
 
 
@@ -291,10 +289,8 @@ def private_copy(
     (``ModelSource.files`` as scanned) after the copy fail the load: never a mix of two versions.
     """
     target = Path(tempfile.mkdtemp(prefix=COPY_PREFIX, dir=into))
-    lock = (target / f"{LOCK_FILE}.new").open("wb")
+    lock = staging.hold(target)  # in use: ``sweep_stale_copies`` leaves it
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # in use: ``sweep_stale_copies`` leaves it; named
-        os.rename(target / f"{LOCK_FILE}.new", target / LOCK_FILE)  # once held, never before
         for path in sorted(version_dir.iterdir()):
             if path.is_dir():
                 continue
@@ -313,20 +309,8 @@ def private_copy(
 
 def sweep_stale_copies(into: Path | None) -> list[str]:
     """Remove the version copies left by processes killed mid-load (no ``finally`` ran; each
-    holds a whole head). A copy in use is locked (``LOCK_FILE``, held while it loads): a
-    lock that can be taken means nobody loads from it, whatever its process or container."""
-    removed = []
-    for entry in (into or Path(tempfile.gettempdir())).glob(f"{COPY_PREFIX}*"):
-        if entry.is_symlink() or not entry.is_dir():
-            continue
-        try:
-            with (entry / LOCK_FILE).open("rb") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when closed
-                shutil.rmtree(entry, ignore_errors=True)
-                removed.append(entry.name)
-        except OSError:  # held (BlockingIOError), not ours to open, or no lock yet: in use
-            continue
-    return removed
+    holds a whole head): a copy in use is locked (``service.staging``)."""
+    return staging.sweep(into or Path(tempfile.gettempdir()), COPY_PREFIX)
 
 
 def _check_regular(path: Path, root: Path) -> None:

@@ -16,6 +16,8 @@ The repaired model is checked on random inputs against the original: every outpu
 
 from __future__ import annotations
 
+import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,15 +70,23 @@ def retie(path: str | Path, output: str | Path | None = None) -> RetieResult:
     onnx.checker.check_model(repaired)
     difference = _compare(original, repaired)
     target = Path(output) if output is not None else source
-    target.parent.mkdir(parents=True, exist_ok=True)
     external = report.external_data or repaired.ByteSize() > 2**31 - 2**26
-    onnx.save_model(
-        repaired,
-        str(target),
-        save_as_external_data=external,
-        location=f"{target.name}.data",
-    )
+    _save(repaired, target, external)
     return RetieResult(target, report.duplicate_bytes, difference)
+
+
+def _save(model: onnx.ModelProto, target: Path, external: bool) -> None:
+    """Written beside ``target``, then renamed into place (the data file first): onnx appends
+    external data to a file already there (the old bytes stayed, and the file grew), and a
+    write that fails (no space) must leave the head as it was."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    data_name = f"{target.name}.data"
+    with tempfile.TemporaryDirectory(prefix=".retie-", dir=target.parent) as scratch:
+        written = Path(scratch) / target.name
+        onnx.save_model(model, str(written), save_as_external_data=external, location=data_name)
+        if written.with_name(data_name).exists():
+            os.replace(written.with_name(data_name), target.with_name(data_name))
+        os.replace(written, target)
 
 
 def _say_tied(model: onnx.ModelProto) -> None:

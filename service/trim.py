@@ -21,14 +21,24 @@ import numpy.typing as npt
 
 from service.checkpoints import CheckpointError
 from service.errors import InvalidInput
-from service.heads import HeadWeights, save_head
+from service.heads import HeadWeights, read_head, save_head
 from service.importer import (
     EXTERNAL_DATA_ABOVE_BYTES,
     read_float_head,
     source_version,
     write_version,
 )
-from service.repository import LABELS_FILE, VOCAB_MAP_FILE, read_labels, read_space
+from service.repository import LABELS_FILE, MODEL_FILE, VOCAB_MAP_FILE, read_labels, read_space
+
+
+def id_space_size(source: Path) -> int:
+    """The ids a version answers in: its rows, or a trimmed head's original vocabulary (read
+    without touching the weights' bytes)."""
+    try:
+        rows = len(read_head(source / MODEL_FILE).embedding)
+        return read_space(source, rows).size
+    except ValueError as error:
+        raise CheckpointError(f"{error} (--version picks another)") from None
 
 
 def trim_version(
@@ -43,7 +53,11 @@ def trim_version(
     ids; repeats and order do not matter) as a version of ``new_name``."""
     source = source_version(Path(repository) / name, version)
     weights = read_float_head(source)
-    space = read_space(source, len(weights.embedding))
+    try:
+        space = read_space(source, len(weights.embedding))
+        labels = read_labels(source, LABELS_FILE, len(weights.embedding))
+    except (ValueError, OSError) as error:  # UnicodeDecodeError is a ValueError
+        raise CheckpointError(f"{source}: {error}") from None
     kept = np.unique(np.asarray(keep).reshape(-1))
     if kept.dtype.kind not in "iu" or not len(kept):
         raise CheckpointError("--keep must name at least one integer token id")
@@ -60,7 +74,6 @@ def trim_version(
         weights.transforms,
         weights.twin,
     )
-    labels = read_labels(source, LABELS_FILE, len(weights.embedding))
 
     def write(staging: Path) -> None:
         save_head(trimmed, staging, external_data=trimmed.nbytes > EXTERNAL_DATA_ABOVE_BYTES)

@@ -17,7 +17,14 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from service import __version__
-from service.cli.errors import CommandError, model_name, non_negative, positive, repository_path
+from service.cli.errors import (
+    CommandError,
+    UsageError,
+    model_name,
+    non_negative,
+    positive,
+    repository_path,
+)
 from service.demo import DemoSpec
 from service.errors import describe_validation_errors
 from service.quantize import DEFAULT_BLOCK_SIZE
@@ -35,27 +42,42 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.print_help()
             return 0
         return int(getattr(import_module("service.cli.commands"), args.handler)(args))
-    except CommandError as error:
-        print(f"lmhead: {error}", file=sys.stderr)
-        return 1
-    except ValidationError as error:
-        print(
-            f"lmhead: invalid settings: {describe_validation_errors(_as_variables(error), '')}",
-            file=sys.stderr,
-        )
-        return 2
     except BrokenPipeError:  # `lmhead ... | head`: the reader left; not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except Exception as error:  # anything else: one line, the traceback only when asked
-        if isinstance(error, _reported()):
-            print(f"lmhead: {error}", file=sys.stderr)
-            return 2
-        if os.environ.get("LMHEAD_DEBUG"):
+    except (Exception, KeyboardInterrupt) as error:  # one line; the traceback only when asked
+        known = _known_failure(error)
+        if known is None and os.environ.get("LMHEAD_DEBUG"):
             raise
-        where = "(LMHEAD_DEBUG=1 shows where)"
-        print(f"lmhead: {type(error).__name__}: {error} {where}", file=sys.stderr)
-        return 1
+        message, status = known or (
+            f"{type(error).__name__}: {error} (LMHEAD_DEBUG=1 shows where)",
+            1,
+        )
+        print(f"lmhead: {message}", file=sys.stderr)
+        return status
+
+
+def _known_failure(error: BaseException) -> tuple[str, int] | None:
+    """The line and exit status of an error whose message is the whole story: 2 for input the
+    command refuses (options, settings, checkpoints, heads), 1 for a failure, 130 for
+    Ctrl-C (nothing half-written is published); None for anything else (a bug)."""
+    if isinstance(error, (UsageError, ValidationError, *_reported())):
+        if isinstance(error, ValidationError):
+            return f"invalid settings: {describe_validation_errors(_as_variables(error), '')}", 2
+        return str(error), 2
+    if isinstance(error, CommandError):
+        return str(error), 1
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupted", 130
+    if isinstance(error, OSError) and error.strerror:  # no space, read-only, permissions
+        return _os_error(error), 1
+    return None
+
+
+def _os_error(error: OSError) -> str:
+    """``No space left on device: /repo/m/.writing-x/model.onnx.data`` (the path is the story)."""
+    paths = [str(name)[:200] for name in (error.filename, error.filename2) if name is not None]
+    return f"{error.strerror}: {' -> '.join(paths)}" if paths else str(error.strerror)
 
 
 def _as_variables(error: ValidationError) -> list[dict[str, object]]:

@@ -11,16 +11,16 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from service.cli.errors import CommandError
+from service.cli.errors import CommandError, UsageError
 from service.demo import TIED_NAME, UNTIED_NAME, DemoSpec, write_demo_models
 from service.digits import decimal
 from service.graph import FORMAT
-from service.importer import ImportOptions, import_checkpoint, quantize_version
+from service.importer import ImportOptions, import_checkpoint, quantize_version, source_version
 from service.inspect import HeadReport, inspect_head
 from service.quantize import QuantSpec
 from service.repository import MODEL_FILE
 from service.retie import retie
-from service.trim import trim_version
+from service.trim import id_space_size, trim_version
 
 
 def demo(args: argparse.Namespace) -> int:
@@ -58,9 +58,9 @@ def serve(args: argparse.Namespace) -> int:
         logging.getLogger("lmhead").warning("%s is no lmhead setting: it is ignored", name[:64])
     if args.ray:
         if settings.grpc_port is not None:  # every replica would bind it; Serve proxies HTTP
-            raise CommandError("gRPC is served by single lmhead processes, not under --ray")
+            raise UsageError("gRPC is served by single lmhead processes, not under --ray")
         if settings.workers > 1:  # each replica is one process; Serve scales by replicas
-            raise CommandError("LMHEAD_WORKERS applies without --ray (use --replicas under Ray)")
+            raise UsageError("LMHEAD_WORKERS applies without --ray (use --replicas under Ray)")
         try:
             from service import rayserve
         except ImportError as error:
@@ -70,7 +70,7 @@ def serve(args: argparse.Namespace) -> int:
         rayserve.run(settings, args.replicas, args.max_models)
         return 0
     if args.replicas is not None or args.max_models:
-        raise CommandError("--replicas and --max-models go with --ray")
+        raise UsageError("--replicas and --max-models go with --ray")
     if settings.workers > 1:
         from service.split.supervisor import supervise
 
@@ -102,12 +102,12 @@ def import_head(args: argparse.Namespace) -> int:
 def _spec(args: argparse.Namespace) -> QuantSpec | None:
     if args.quantize is None:
         if args.block_size is not None or args.quantize_table:
-            raise CommandError("--block-size and --quantize-table need --quantize int8|int4")
+            raise UsageError("--block-size and --quantize-table need --quantize int8|int4")
         return None
     try:
         return QuantSpec.parse(args.quantize, args.block_size)
     except ValueError as error:
-        raise CommandError(str(error)) from None
+        raise UsageError(str(error)) from None
 
 
 def quantize(args: argparse.Namespace) -> int:
@@ -126,8 +126,10 @@ def quantize(args: argparse.Namespace) -> int:
 
 
 def trim(args: argparse.Namespace) -> int:
+    source = source_version(Path(args.repository) / args.model, args.version)
+    keep = _token_ids(args.keep, id_space_size(source))
     written = trim_version(
-        args.repository, args.model, args.version, _token_ids(args.keep), args.name, args.to_version
+        args.repository, args.model, args.version, keep, args.name, args.to_version
     )
     report = inspect_head(written / MODEL_FILE)
     print(
@@ -137,32 +139,29 @@ def trim(args: argparse.Namespace) -> int:
     return 0
 
 
-#: Larger than any vocabulary; keeps a typo'd range from filling memory.
-MAX_TOKEN_ID = 1 << 24
-
-
-def _token_ids(keep: str) -> npt.NDArray[np.int64]:
-    """``--keep``: a .npy of ids, a text file of ids, or ``0-31999,50256`` inline."""
+def _token_ids(keep: str, size: int) -> npt.NDArray[np.int64]:
+    """``--keep``: a .npy of ids, a text file of ids, or ``0-31999,50256`` inline; ranges are
+    checked against the head's ``size`` ids before any is made (a typo must not fill memory)."""
     path = Path(keep)
     if path.suffix == ".npy" and path.is_file():
         ids = np.asarray(np.load(path, allow_pickle=False)).reshape(-1)
         if ids.dtype.kind not in "iu":  # 1.5 would become 1 silently
-            raise CommandError(f"--keep: {keep[:200]} holds {ids.dtype}, not integer token ids")
+            raise UsageError(f"--keep: {keep[:200]} holds {ids.dtype}, not integer token ids")
         return ids.astype(np.int64)
     try:
         text = path.read_text(encoding="utf-8") if path.is_file() else keep
     except UnicodeDecodeError:
-        raise CommandError(f"--keep: {keep[:200]} is no .npy and no text of ids") from None
-    parts: list[npt.NDArray[np.int64]] = []
+        raise UsageError(f"--keep: {keep[:200]} is no .npy and no text of ids") from None
+    kept = np.zeros(size, bool)
     for part in text.replace(",", " ").split():
         low, _, high = part.partition("-")
-        if decimal(low) is None or (high and decimal(high) is None):
-            raise CommandError(f"--keep: {part[:32]!r} is neither an id nor a range like 0-31999")
-        first, last = int(low), int(high or low)
-        if last >= MAX_TOKEN_ID:
-            raise CommandError(f"--keep: {last} is beyond any vocabulary (< {MAX_TOKEN_ID})")
-        parts.append(np.arange(first, last + 1, dtype=np.int64))
-    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        first, last = decimal(low), decimal(high or low)
+        if first is None or last is None or last < first:
+            raise UsageError(f"--keep: {part[:32]!r} is neither an id nor a range like 0-31999")
+        if last >= size:
+            raise UsageError(f"--keep: {last} is past the head's ids, [0, {size})")
+        kept[first : last + 1] = True
+    return np.flatnonzero(kept).astype(np.int64)
 
 
 def compare(args: argparse.Namespace) -> int:
@@ -177,7 +176,7 @@ def compare(args: argparse.Namespace) -> int:
 
 def retie_head(args: argparse.Namespace) -> int:
     if args.output is None and not args.in_place:
-        raise CommandError("say where: -o OUTPUT, or --in-place to rewrite the model itself")
+        raise UsageError("say where: -o OUTPUT, or --in-place to rewrite the model itself")
     result = retie(args.path, args.output)
     print(
         f"wrote {result.output}: tied, {result.bytes_saved:,} bytes saved, outputs unchanged "

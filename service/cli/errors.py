@@ -1,5 +1,6 @@
-"""The one error a command raises on purpose (printed as ``lmhead: message``, exit 1), and
-the argument types that refuse bad values before a command starts (argparse: exit 2)."""
+"""The errors a command raises on purpose (printed as ``lmhead: message``): exit 2 for an
+option the command refuses, as argparse's own refusals, and exit 1 when it could not do its
+job; and the argument types that refuse bad values before a command starts."""
 
 from __future__ import annotations
 
@@ -12,6 +13,10 @@ from service.repository import is_valid_name
 
 class CommandError(Exception):
     """A command could not do its job for a reason the user can act on (no traceback)."""
+
+
+class UsageError(CommandError):
+    """An option's value, or a combination of options, the command refuses (exit 2)."""
 
 
 def positive(text: str) -> int:

@@ -57,8 +57,9 @@ from service.messages import (
 from service.metrics import Metrics
 from service.reference import log_softmax, top_k
 from service.registry import Registry
-from service.repository import LABELS_FILE, LOCK_FILE
+from service.repository import LABELS_FILE
 from service.settings import Settings
+from service.staging import LOCK_FILE
 from tests.conftest import D_MODEL, VOCAB, reference_logits
 
 T = TypeVar("T")
