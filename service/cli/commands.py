@@ -144,7 +144,10 @@ def _token_ids(keep: str, size: int) -> npt.NDArray[np.int64]:
     checked against the head's ``size`` ids before any is made (a typo must not fill memory)."""
     path = Path(keep)
     if path.suffix == ".npy" and path.is_file():
-        ids = np.asarray(np.load(path, allow_pickle=False)).reshape(-1)
+        try:
+            ids = np.asarray(np.load(path, allow_pickle=False)).reshape(-1)
+        except ValueError as error:  # object arrays, a file that is no .npy
+            raise UsageError(f"--keep: {keep[:200]} is no .npy of ids ({error})") from None
         if ids.dtype.kind not in "iu":  # 1.5 would become 1 silently
             raise UsageError(f"--keep: {keep[:200]} holds {ids.dtype}, not integer token ids")
         return ids.astype(np.int64)

@@ -114,6 +114,11 @@ def test_keep_ranges_are_checked_against_the_head_before_any_id_is_made(
     ]:
         assert main(["trim", "head", "--keep", keep, *where]) == 2
         assert said in capsys.readouterr().err
+    np.save(tmp_path / "objects.npy", np.array([1, "a"], dtype=object))
+    (tmp_path / "corrupt.npy").write_bytes(b"\x93NUMPY garbage")
+    for keep in ("objects.npy", "corrupt.npy"):
+        assert main(["trim", "head", "--keep", str(tmp_path / keep), *where]) == 2
+        assert "is no .npy of ids" in capsys.readouterr().err
     assert main(["trim", "head", "--keep", "0-9,5-14,14", *where]) == 0
     assert inspect_head(tmp_path / "t" / "1").vocab_size == 15
 
