@@ -8,6 +8,10 @@ something to find. Everything is seeded, so every machine makes the same files.
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,11 +47,31 @@ def write_demo_models(repository: str | Path, spec: DemoSpec = DemoSpec()) -> li
         (TIED_NAME, HeadWeights.from_arrays(table, dtype=spec.dtype)),
         (UNTIED_NAME, HeadWeights.from_arrays(table, drifted, dtype=spec.dtype)),
     ):
+
+        def write(staging: Path, weights: HeadWeights = weights) -> None:
+            save_head(weights, staging)
+            (staging / LABELS_FILE).write_text(labels, encoding="utf-8")
+
         version_dir = Path(repository) / name / "1"
-        save_head(weights, version_dir)
-        (version_dir / LABELS_FILE).write_text(labels, encoding="utf-8")
+        _write_whole(version_dir, write)
         written.append(version_dir)
     return written
+
+
+def _write_whole(version_dir: Path, write: Callable[[Path], None]) -> None:
+    """``write`` fills a directory beside ``version_dir``, renamed into place once whole (an
+    existing one, ``--force``, goes then): a full disk left half a head, which counted as
+    present and was never written again."""
+    version_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".writing-", dir=version_dir.parent))
+    try:
+        write(staging)
+        os.chmod(staging, 0o755)  # mkdtemp made it private
+        if version_dir.exists():
+            shutil.rmtree(version_dir)
+        os.rename(staging, version_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def demo_tokens(vocab_size: int) -> list[str]:

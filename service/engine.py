@@ -18,11 +18,12 @@ from dataclasses import dataclass
 
 from service.dataplane import DataPlane
 from service.demo import write_demo_models
+from service.errors import ServiceError
 from service.journal import ControlJournal
 from service.metrics import Metrics
 from service.poller import RepositoryPoller
 from service.registry import Registry
-from service.repository import model_names
+from service.repository import RepositoryError, model_names
 from service.settings import Settings
 
 logger = logging.getLogger("lmhead")
@@ -79,7 +80,10 @@ async def _start(settings: Settings, registry: Registry) -> None:
             logger.info("repository was empty: wrote the demo heads %s", written)
         await registry.load_all()
     except Exception as error:  # readiness must say why, not "still loading" forever
-        logger.exception("start-up failed")
+        if isinstance(error, ServiceError | RepositoryError):  # the message is the story
+            logger.error("start-up failed: %s", error)
+        else:
+            logger.exception("start-up failed")
         registry.fail_startup(error)
 
 

@@ -65,9 +65,14 @@ def _sockets(
     return sockets
 
 
-def check_free(host: str, port: int) -> None:
-    """``SystemExit`` unless ``host:port`` could be listened on now (nobody else holds it)."""
-    for listener in listening_sockets(host, port):
+def check_free(host: str, port: int, setting: str = "LMHEAD_PORT") -> None:
+    """``SystemExit`` unless ``host:port`` could be listened on now (nobody else holds it);
+    the message names the ``setting`` that chose the port."""
+    try:
+        sockets = listening_sockets(host, port)
+    except SystemExit as refused:
+        raise SystemExit(f"{refused} ({setting})") from None
+    for listener in sockets:
         listener.close()
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import resource
 import signal
 import socket
@@ -37,7 +38,7 @@ def run(settings: Settings) -> None:
     settle_allocator()
     sockets = listening_sockets(settings.host, settings.port)
     if settings.grpc_port is not None:
-        check_free(settings.host, settings.grpc_port)
+        check_free(settings.host, settings.grpc_port, "LMHEAD_GRPC_PORT")
     app = create_app(settings)
     config = uvicorn.Config(app, **_options(settings, app.state.metrics))
     logger.info("lmhead serving on %s", describe(sockets))
@@ -45,12 +46,19 @@ def run(settings: Settings) -> None:
     # Ctrl-C's KeyboardInterrupt, and SIGTERM's default (death by signal, status -15, where
     # the split service exits 0). Both end as a clean exit 0.
     signal.signal(signal.SIGTERM, _exit_cleanly)
+    signal.signal(signal.SIGHUP, _stop_on_hang_up)
     with contextlib.suppress(KeyboardInterrupt):
         uvicorn.Server(config).run(sockets=sockets)
 
 
 def _exit_cleanly(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(0)
+
+
+def _stop_on_hang_up(signum: int, frame: FrameType | None) -> None:
+    """A closed terminal (or a SIGHUP sent to stop it) drains as SIGTERM does: its default
+    ended the process at once, mid-request, with a version copy left in the scratch dir."""
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def run_on(

@@ -19,6 +19,8 @@ ControlMode = Literal["none", "explicit", "poll"]
 MemoryMode = Literal["shared", "fast"]
 ProviderChoice = Literal["auto", "cpu", "cuda"]
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+HOUR_S = 3600.0
+DAY_S = 86400.0
 
 
 class PlaceSettings(BaseSettings):
@@ -41,6 +43,16 @@ class PlaceSettings(BaseSettings):
     def _empty_name_is_unset(cls, value: object) -> object:
         """`LMHEAD_MODEL_NAME=` (compose's default substitution) means every model."""
         return None if value in ("", None) else value
+
+    @field_validator("repository", mode="before")
+    @classmethod
+    def _a_directory(cls, value: object) -> object:
+        """Never "" (it served the working directory), never a file."""
+        if value == "":
+            raise ValueError("must name a directory, got an empty value")
+        if Path(str(value)).exists() and not Path(str(value)).is_dir():
+            raise ValueError(f"{str(value)[:200]} is not a directory")
+        return value
 
 
 class Settings(PlaceSettings):
@@ -75,24 +87,24 @@ class Settings(PlaceSettings):
     """Open connections at once; more are answered 503 and closed (`lmhead serve` only)."""
     max_header_bytes: int = Field(default=32 * 1024, ge=1024)
     """Request line and headers; more is answered 431 and the connection closed."""
-    header_timeout_s: float = Field(default=10.0, gt=0)
+    header_timeout_s: float = Field(default=10.0, gt=0, le=HOUR_S, allow_inf_nan=False)
     """A request head (or a new connection's first one) must arrive within this; else 408."""
-    body_timeout_s: float = Field(default=30.0, gt=0)
+    body_timeout_s: float = Field(default=30.0, gt=0, le=HOUR_S, allow_inf_nan=False)
     """A request body must bring 1 KiB per this many seconds (else 408), and a client must
     read some of its answer in this time (else it is dropped)."""
-    keep_alive_s: float = Field(default=5.0, gt=0, allow_inf_nan=False)
+    keep_alive_s: float = Field(default=5.0, gt=0, le=HOUR_S, allow_inf_nan=False)
     """An idle keep-alive connection is closed after this."""
     batching: bool = True
     """Merge concurrent requests for one model into one onnxruntime run."""
     max_batch_rows: int = Field(default=128, ge=1)
     """Most rows merged into one run (a single larger request still runs, alone)."""
-    max_wait_ms: float = Field(default=2.0, ge=0)
+    max_wait_ms: float = Field(default=2.0, ge=0, le=10_000, allow_inf_nan=False)
     """How long a batch waits for more requests once the first has arrived."""
     max_queue_rows: int = Field(default=16384, ge=1)
     """Rows waiting per model before new requests get 503 with Retry-After; at least max_rows."""
-    inference_threads: int = Field(default=1, ge=1)
+    inference_threads: int = Field(default=1, ge=1, le=256)
     """Threads that run onnxruntime sessions (keep x intra_op_threads <= cores)."""
-    intra_op_threads: int = Field(default=0, ge=0)
+    intra_op_threads: int = Field(default=0, ge=0, le=1024)
     """onnxruntime threads per run; 0 means one per physical core."""
     memory_mode: MemoryMode = "shared"
     """shared: a tied head holds its matrix once (~1.0x W, full speed); fast: ~2x W."""
@@ -116,20 +128,21 @@ class Settings(PlaceSettings):
     """Log every HTTP request (uvicorn's access log); off by default at inference rates."""
     control_mode: ControlMode = "explicit"
     """none: models fixed at start; explicit: load/unload API; poll: rescan the repository too."""
-    poll_interval_s: float = Field(default=5.0, ge=0.05)
+    poll_interval_s: float = Field(default=5.0, ge=0.05, le=DAY_S, allow_inf_nan=False)
     """Seconds between repository scans in poll mode."""
     admin_token: SecretStr | None = None
     """When set, the repository API needs `Authorization: Bearer <token>`."""
     read_only: bool = False
     """Refuse repository load/unload calls with 403 (poll mode still follows the disk)."""
-    drain_timeout_s: float = Field(default=30.0, ge=0)
+    drain_timeout_s: float = Field(default=30.0, ge=0, le=HOUR_S, allow_inf_nan=False)
     """How long a replaced or unloaded version may finish admitted requests before release."""
 
-    @field_validator("admin_token", "scratch_dir", mode="before")
+    @field_validator("admin_token", "scratch_dir", "grpc_port", mode="before")
     @classmethod
     def _empty_is_unset(cls, value: object) -> object:
         """`LMHEAD_ADMIN_TOKEN=` (compose's default substitution) means no token, never "";
-        `LMHEAD_SCRATCH_DIR=` the system's temp directory, never the working directory."""
+        `LMHEAD_SCRATCH_DIR=` the system's temp directory, never the working directory;
+        `LMHEAD_GRPC_PORT=` no gRPC (the image sets 8001)."""
         return None if value in ("", None) else value
 
     @field_validator("scratch_dir")
@@ -143,17 +156,21 @@ class Settings(PlaceSettings):
     @model_validator(mode="after")
     def _check_limits(self) -> Self:
         if self.default_k > self.max_k:
-            raise ValueError(f"default_k ({self.default_k}) must be <= max_k ({self.max_k})")
+            raise ValueError(
+                f"LMHEAD_DEFAULT_K ({self.default_k}) must be <= LMHEAD_MAX_K ({self.max_k})"
+            )
         if self.max_queue_rows < self.max_rows:  # such a request would get 503 forever
             raise ValueError(
-                f"max_queue_rows ({self.max_queue_rows}) must be >= max_rows ({self.max_rows}): "
-                "a request of max_rows rows must fit in a model's queue"
+                f"LMHEAD_MAX_QUEUE_ROWS ({self.max_queue_rows}) must be >= LMHEAD_MAX_ROWS "
+                f"({self.max_rows}): a request of max_rows rows must fit in a model's queue"
             )
         if self.grpc_port is not None and self.grpc_port == self.port != 0:
-            raise ValueError(f"grpc_port and port are both {self.port}: give gRPC its own port")
+            raise ValueError(
+                f"LMHEAD_GRPC_PORT and LMHEAD_PORT are both {self.port}: give gRPC its own port"
+            )
         if self.admin_api_writable and self.admin_token is None and not self.loopback:
             raise ValueError(
-                f"host {self.host} exposes the repository load/unload API without a token: "
+                f"host {self.host!r} exposes the repository load/unload API without a token: "
                 "set LMHEAD_ADMIN_TOKEN, LMHEAD_READ_ONLY=true or LMHEAD_CONTROL_MODE=none"
             )
         return self

@@ -41,6 +41,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command is None:
             parser.print_help()
             return 0
+        if args.command != "serve" and getattr(args, "repository", "") is None:
+            PlaceSettings()  # no flag, and LMHEAD_REPOSITORY or LMHEAD_PORT invalid: says why
         return int(getattr(import_module("service.cli.commands"), args.handler)(args))
     except BrokenPipeError:  # `lmhead ... | head`: the reader left; not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -96,17 +98,18 @@ def _reported() -> tuple[type[Exception], ...]:
     return (HeadInspectionError, CheckpointError)
 
 
-def _place() -> PlaceSettings:
-    """The environment's repository and port for the flags' defaults; the defaults when it is
+def _place() -> PlaceSettings | None:
+    """The environment's repository and port for the flags' defaults; None when it is
     invalid, so that ``--version``, ``--help`` and a flag that overrides it still work (a
     command that uses the invalid value reports it)."""
     try:
         return PlaceSettings()
     except ValidationError:
-        return PlaceSettings.model_construct()
+        return None
 
 
-def _parser(place: PlaceSettings) -> argparse.ArgumentParser:
+def _parser(valid: PlaceSettings | None) -> argparse.ArgumentParser:
+    place = valid or PlaceSettings.model_construct()
     parser = argparse.ArgumentParser(prog="lmhead", description="Serve language-model heads.")
     parser.add_argument("--version", action="version", version=f"lmhead {__version__}")
     subcommands = parser.add_subparsers(dest="command")
@@ -115,7 +118,8 @@ def _parser(place: PlaceSettings) -> argparse.ArgumentParser:
         command.add_argument(
             "--repository",
             type=repository_path,
-            default=str(place.repository),  # a string default is checked by the type, too
+            # A string default is checked by the type, too; None: the environment is invalid.
+            default=None if valid is None else str(place.repository),
             help=f"model repository (default: LMHEAD_REPOSITORY, now {place.repository})",
         )
 
@@ -147,7 +151,7 @@ def _parser(place: PlaceSettings) -> argparse.ArgumentParser:
     def url(command: argparse.ArgumentParser) -> None:
         command.add_argument(
             "--url",
-            default=f"http://127.0.0.1:{place.port}",
+            default=None if valid is None else f"http://127.0.0.1:{place.port}",
             help="the running service (default: this machine on LMHEAD_PORT)",
         )
 

@@ -71,6 +71,16 @@ def serve(args: argparse.Namespace) -> int:
         return 0
     if args.replicas is not None or args.max_models:
         raise UsageError("--replicas and --max-models go with --ray")
+    if not settings.load_at_start and settings.control_mode == "none":
+        raise UsageError(
+            "LMHEAD_LOAD_AT_START=false with LMHEAD_CONTROL_MODE=none: no model could ever load "
+            "(load them at start, or allow the control API)"
+        )
+    if not settings.repository.is_dir() and not settings.create_demo_models:
+        raise UsageError(
+            f"the repository {str(settings.repository)[:200]} (LMHEAD_REPOSITORY or --repository) "
+            "is not a directory; make it, or set LMHEAD_CREATE_DEMO_MODELS=true"
+        )
     if settings.workers > 1:
         from service.split.supervisor import supervise
 
@@ -170,8 +180,9 @@ def _token_ids(keep: str, size: int) -> npt.NDArray[np.int64]:
 def compare(args: argparse.Namespace) -> int:
     from service.cli.compare import compare_served, format_comparison
 
+    url = args.url or _local_url()
     report = compare_served(
-        args.url, args.model_a, args.model_b, args.hidden, args.targets, args.k, args.repository
+        url, args.model_a, args.model_b, args.hidden, args.targets, args.k, args.repository
     )
     print(json.dumps(report, indent=2) if args.json else format_comparison(report))
     return 0
@@ -192,13 +203,21 @@ def health(args: argparse.Namespace) -> int:
     """For container health checks: GET /health/ready; exit 0 when ready."""
     import httpx
 
-    url = args.url.rstrip("/")
+    url = (args.url or _local_url()).rstrip("/")
     try:  # not ``Client.ready``: it is False for a service it cannot reach, said apart here
-        ready = httpx.get(f"{url}/health/ready", timeout=3).status_code == 200
+        # No proxy: a container's health check asks its own service, never through one.
+        ready = httpx.get(f"{url}/health/ready", timeout=3, trust_env=False).status_code == 200
     except httpx.TransportError as error:
         raise CommandError(f"{url} is not reachable: {error}") from None
     print(f"{url}: {'ready' if ready else 'not ready'}")
     return 0 if ready else 1
+
+
+def _local_url() -> str:
+    """This machine on LMHEAD_PORT (reached when that is invalid: reports why, as a setting)."""
+    from service.settings import PlaceSettings
+
+    return f"http://127.0.0.1:{PlaceSettings().port}"
 
 
 def inspect(args: argparse.Namespace) -> int:

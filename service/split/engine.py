@@ -21,7 +21,7 @@ import signal
 import socket
 import struct
 from collections.abc import Coroutine, Hashable
-from multiprocessing.synchronize import Event
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +40,7 @@ from service.split.channel import (
     FrameProtocol,
     arena_bytes,
 )
-from service.split.processes import become, ignore_ctrl_c
+from service.split.processes import become, ignore_group_signals
 
 logger = logging.getLogger("lmhead")
 #: Calls counted in ``lmhead_requests_in_flight`` (metadata and control calls are not).
@@ -222,9 +222,9 @@ def _check_peer(connection: socket.socket) -> None:
         raise ValueError(f"a connection from user {uid}, not this service's user")
 
 
-def engine_main(settings: Settings, path: str, listening: Event) -> None:
+def engine_main(settings: Settings, path: str, listening: Connection) -> None:
     """The engine process's entry (spawned by the supervisor); runs until SIGTERM."""
-    ignore_ctrl_c()  # Ctrl-C reaches every process: the
+    ignore_group_signals()  # Ctrl-C reaches every process: the
     # supervisor stops the fronts first, then this one, so no front loses its engine early
     become("lmhead-engine")
     logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s engine %(message)s")
@@ -232,7 +232,7 @@ def engine_main(settings: Settings, path: str, listening: Event) -> None:
         runner.run(_serve(settings, path, listening))
 
 
-async def _serve(settings: Settings, path: str, listening: Event) -> None:
+async def _serve(settings: Settings, path: str, listening: Connection) -> None:
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     # Kept in the supervisor's private directory: an engine started after this one dies
@@ -241,9 +241,18 @@ async def _serve(settings: Settings, path: str, listening: Event) -> None:
     async with running_engine(settings, Metrics(multiprocess=True), journal) as engine:
         server = EngineServer(engine.plane, path, arena_bytes(settings))
         server.start()
-        listening.set()
+        _say_listening(listening)
         await stop.wait()
         await server.close(settings.drain_timeout_s)
+
+
+def _say_listening(listening: Connection) -> None:
+    """Tell the supervisor through the pipe it gave (not a ``multiprocessing.Event``: setting
+    one waits for every process that waited on it, and a supervisor killed meanwhile never
+    answers, which held this loop, and its SIGTERM, for good)."""
+    with contextlib.suppress(OSError):  # the supervisor is gone: its end of the pipe too
+        listening.send_bytes(b"listening")
+    listening.close()
 
 
 def _loop_factory() -> Any:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import multiprocessing
 import os
 import signal
 from collections.abc import MutableSequence
@@ -19,7 +20,7 @@ def front_main(
     """Spawned by the supervisor; SIGTERM drains this front's requests, then it exits.
     ``connections[index]`` is this front's count of open connections (see
     ``SharedConnections``)."""
-    ignore_ctrl_c()  # the supervisor turns Ctrl-C into SIGTERM
+    ignore_group_signals()  # the supervisor turns Ctrl-C and SIGHUP into SIGTERM
     become("lmhead-front")
     yield_to_engine(settings.front_nice)
     from service.app import create_app
@@ -34,9 +35,12 @@ def front_main(
     run_on(app, settings, sockets, shared)
 
 
-def ignore_ctrl_c() -> None:
-    """Ignore SIGINT, then let through the one the supervisor's start held back (dropped)."""
+def ignore_group_signals() -> None:
+    """Ignore SIGINT and SIGHUP (a Ctrl-C, a closed terminal: sent to every process of the
+    group, which the supervisor stops in order), then let through the SIGINT the
+    supervisor's start held back (dropped)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
@@ -72,3 +76,6 @@ def become(name: str) -> None:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     except (OSError, AttributeError):
         pass
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:  # it died before the line above
+        raise SystemExit(0)  # nobody would ever stop this process, nor free its port

@@ -8,7 +8,7 @@ kernel spreads connections over the fronts. Then it watches:
 * a front that exits is started again; the engine and its loaded heads are untouched;
 * an engine that exits is reported and started again; meanwhile the fronts answer 503 and
   fail readiness (never an answer from nothing), and reconnect by themselves;
-* SIGTERM or SIGINT stops the fronts first (each drains its requests, as uvicorn does), then
+* SIGTERM, SIGINT or SIGHUP stops the fronts first (each drains its requests, as uvicorn does), then
   the engine, then removes the directory.
 
 Restarts back off (doubling, up to ``MAX_BACKOFF_S``) while a process keeps dying young.
@@ -24,6 +24,7 @@ import signal
 import socket
 import tempfile
 import time
+from multiprocessing import resource_tracker
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -31,6 +32,7 @@ from types import FrameType
 
 from prometheus_client import multiprocess
 
+from service import staging
 from service.listeners import check_free, reserve
 from service.settings import Settings
 
@@ -39,6 +41,8 @@ ENGINE_LISTEN_S = 120.0  # the engine listens before it loads anything; this is 
 STOP_MARGIN_S = 15.0
 YOUNG_S = 5.0  # a process that dies younger than this is restarted after a backoff
 MAX_BACKOFF_S = 5.0
+#: The supervisor's private directory (the engine's socket, the journal, metrics files).
+RUNTIME_PREFIX = "lmhead-run-"
 
 
 def supervise(settings: Settings) -> int:
@@ -47,7 +51,9 @@ def supervise(settings: Settings) -> int:
     logging.getLogger("lmhead").setLevel(settings.log_level.upper())  # `lmhead serve` set up
     # logging already (its level WARNING), so basicConfig alone left INFO unsaid
     held: list[socket.socket] = []
-    runtime = Path(tempfile.mkdtemp(prefix="lmhead-"))
+    runtime = Path(tempfile.mkdtemp(prefix=RUNTIME_PREFIX))
+    lock = staging.hold(runtime)  # a supervisor killed outright leaves its own: swept here
+    staging.sweep(Path(tempfile.gettempdir()), RUNTIME_PREFIX)
     try:
         metrics_dir = runtime / "metrics"
         metrics_dir.mkdir()
@@ -55,7 +61,7 @@ def supervise(settings: Settings) -> int:
         ports = {"port": settings.port, "grpc_port": settings.grpc_port}
         for name, port in ports.items():
             if port is not None:
-                check_free(settings.host, port)
+                check_free(settings.host, port, f"LMHEAD_{name.upper()}")
                 holding = _hold(settings.host, port)
                 held += holding
                 ports[name] = holding[0].getsockname()[1] if holding else port  # 0: what it got
@@ -65,6 +71,7 @@ def supervise(settings: Settings) -> int:
         for sock in held:
             sock.close()
         shutil.rmtree(runtime, ignore_errors=True)
+        lock.close()
 
 
 class Group:
@@ -84,7 +91,7 @@ class Group:
         self._connections = self._spawn.RawArray("q", settings.workers)
 
     def run(self) -> int:
-        for number in (signal.SIGTERM, signal.SIGINT):
+        for number in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(number, self._stop)
         self._wake_w.setblocking(False)
         signal.set_wakeup_fd(self._wake_w.fileno())
@@ -93,10 +100,12 @@ class Group:
                 return 0 if self._stopping else 1  # a stop asked for while starting
             for index in range(self._settings.workers):
                 self._start_front(index)
+            grpc = self._settings.grpc_port
             logger.info(
-                "lmhead serving on %s:%d with %d front processes and one engine",
+                "lmhead serving on %s:%d%s with %d front processes and one engine",
                 self._settings.host,
                 self._settings.port,
+                "" if grpc is None else f" (gRPC on port {grpc})",
                 self._settings.workers,
             )
             self._watch()
@@ -110,20 +119,28 @@ class Group:
     def _start_engine(self) -> bool:
         from service.split.engine import engine_main
 
-        listening = self._spawn.Event()
+        listening, told = self._spawn.Pipe(duplex=False)
         engine = self._spawn.Process(
             target=engine_main,
-            args=(self._settings, self._path, listening),
+            args=(self._settings, self._path, told),
             name="lmhead-engine",
         )
         _start_shielded(engine)
+        told.close()  # the engine's end is its own now: this one reads EOF once it exits
         self._engine, self._started[None] = engine, time.monotonic()
         deadline = time.monotonic() + ENGINE_LISTEN_S
-        while not listening.wait(0.1):  # the engine's own event; its death is checked too
-            if not engine.is_alive() or time.monotonic() > deadline or self._stopping:
-                logger.error("the engine process did not start (exit code %s)", engine.exitcode)
-                return False
-        return True
+        try:
+            while not listening.poll(0.1):  # the engine's word, or its death
+                if not engine.is_alive() or time.monotonic() > deadline or self._stopping:
+                    break
+            else:
+                return listening.recv_bytes() == b"listening"
+        except (EOFError, OSError):
+            pass
+        finally:
+            listening.close()
+        logger.error("the engine process did not start (exit code %s)", engine.exitcode)
+        return False
 
     def _start_front(self, index: int) -> None:
         from service.split.processes import front_main
@@ -217,9 +234,13 @@ def _hold(host: str, port: int) -> list[socket.socket]:
 
 def _start_shielded(process: BaseProcess) -> None:
     """Start ``process`` with Ctrl-C blocked: a child inherits the mask, so a Ctrl-C sent to
-    the whole group while it starts waits until it ignores Ctrl-C (``processes.ignore_ctrl_c``)
-    and is dropped, instead of ending in a ``KeyboardInterrupt`` traceback from deep in its
-    bootstrap. The supervisor's own Ctrl-C waits those few milliseconds too."""
+    the whole group while it starts waits until it ignores Ctrl-C
+    (``processes.ignore_group_signals``) and is dropped, instead of ending in a
+    ``KeyboardInterrupt`` traceback from deep in its bootstrap. The supervisor's own Ctrl-C
+    waits those few milliseconds too. multiprocessing's resource tracker is started first:
+    it starts on the first spawn, and unblocks Ctrl-C when it has (a start inside the shield
+    left the engine unshielded; an ``Event`` made before had started it)."""
+    resource_tracker.ensure_running()
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         process.start()

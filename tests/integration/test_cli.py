@@ -14,8 +14,9 @@ from safetensors.numpy import save_file
 from service import __version__
 from service.demo import demo_tokens
 from service.graph import EMBEDDING_WEIGHT, OUTPUT_WEIGHT
+from service.heads import HeadWeights, save_head
 from tests.conftest import initializers
-from tests.server import free_port
+from tests.server import free_port, running_server
 
 
 def _lmhead(*args: str) -> subprocess.CompletedProcess[str]:
@@ -157,3 +158,33 @@ def test_an_untied_twin_made_on_purpose_is_not_called_a_broken_tie(tmp_path: Pat
     text = _lmhead("inspect", str(repository / "twin" / "1")).stdout
     assert "untied twin" in text
     assert "broken tie" not in text
+
+
+def test_serve_refuses_settings_under_which_no_model_could_ever_load(tmp_path: Path) -> None:
+    env = {**os.environ, "LMHEAD_LOAD_AT_START": "false", "LMHEAD_CONTROL_MODE": "none"}
+    command = [sys.executable, "-m", "service", "serve", "--repository", str(tmp_path)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "no model could ever load" in done.stderr
+
+
+def test_health_asks_its_own_service_never_a_proxy(tmp_path: Path) -> None:
+    """With HTTP_PROXY set (as a host's may be) a ready service was reported unreachable;
+    with LMHEAD_PORT invalid, port 8000 was asked instead, perhaps another service's."""
+    table = np.random.default_rng(0).standard_normal((64, 8)).astype(np.float32)
+    save_head(HeadWeights.from_arrays(table), tmp_path / "head" / "1")
+    with running_server(tmp_path) as url:
+        _check_health(url)
+
+
+def _check_health(url: str) -> None:
+    closed = free_port()
+    proxied = {**os.environ, "HTTP_PROXY": f"http://127.0.0.1:{closed}", "ALL_PROXY": ""}
+    health = [sys.executable, "-m", "service", "health"]
+    asked = [*health, "--url", url]
+    done = subprocess.run(asked, env=proxied, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    invalid = {**os.environ, "LMHEAD_PORT": "abc"}
+    done = subprocess.run(health, env=invalid, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "invalid settings: LMHEAD_PORT" in done.stderr

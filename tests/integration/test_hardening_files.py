@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -272,14 +274,15 @@ def _settled_readiness(url: str) -> httpx.Response:
     return poll(settled, "start-up to end")
 
 
-def test_a_repository_that_is_not_there_fails_start_up_visibly(tmp_path: Path) -> None:
-    with live_server(tmp_path / "typo") as (url, log):
-        ready = _settled_readiness(url)
-        logged = log()
-    assert ready.status_code == 503
-    assert "start-up failed" in ready.json()["error"]["message"]
-    assert "is not a directory" in ready.json()["error"]["message"]
-    assert "start-up failed" in logged
+def test_a_repository_that_is_not_there_is_refused_at_start(tmp_path: Path) -> None:
+    """It ran "not ready" for good (a typo'd volume path); now it says so and exits, as a
+    bad setting does."""
+    command = [sys.executable, "-m", "service", "serve", "--repository", str(tmp_path / "typo")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "typo (LMHEAD_REPOSITORY or --repository) is not a directory" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "typo").exists()
 
 
 def test_failing_to_write_the_demo_heads_is_logged_and_reported(tmp_path: Path) -> None:

@@ -47,11 +47,13 @@ def test_a_name_the_repository_lacks_fails_start_up_visibly(
     tmp_path: Path, table: npt.NDArray[np.float32], output_weight: npt.NDArray[np.float32]
 ) -> None:
     write_tied_and_untied(tmp_path, table, output_weight)
-    with live_server(tmp_path, model_name="missing") as (url, _):
+    with live_server(tmp_path, model_name="missing") as (url, log):
         ready = httpx.get(f"{url}/health/ready")
         assert ready.status_code == 503
         assert "'missing'" in ready.text
         assert "tied" in ready.text  # what the repository does hold
+        assert "start-up failed: LMHEAD_MODEL_NAME is 'missing'" in log()
+        assert "Traceback" not in log()  # the message is the whole story
 
 
 def _scans(url: str) -> float:

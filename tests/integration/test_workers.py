@@ -11,6 +11,7 @@ front and leaves no process and no shared memory behind.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -605,11 +606,12 @@ def test_grpc_on_every_front(repository: Path) -> None:
         assert len(fronts) == 2
 
 
-@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_one_process_stops_cleanly_and_said_where_it_served(repository: Path, stop: int) -> None:
-    """Ctrl-C and SIGTERM drain and exit 0 without a traceback (uvicorn raises the signal
-    again once down: a KeyboardInterrupt traceback, and death by SIGTERM where the split
-    service exits 0), and the log named the address it listened on."""
+    """Ctrl-C, SIGTERM and SIGHUP drain and exit 0 without a traceback (uvicorn raises the
+    signal again once down: a KeyboardInterrupt traceback, and death by SIGTERM where the
+    split service exits 0; SIGHUP's default ended it at once), and the log named the address
+    it listened on."""
     port = free_port()
     env = {**os.environ, "LMHEAD_WORKERS": "1", "LMHEAD_REPOSITORY": str(repository)}
     command = [sys.executable, "-m", "service", "serve", "--port", str(port)]
@@ -702,3 +704,85 @@ def test_a_port_in_use_is_refused_at_once(repository: Path, workers: str) -> Non
     assert f"cannot serve on 127.0.0.1:{port}" in refused.stderr
     assert "Traceback" not in refused.stderr
     assert "lmhead ready" not in refused.stderr  # nothing was loaded first
+
+
+def test_a_supervisor_killed_outright_leaves_no_process_and_its_directory_goes_next_start(
+    repository: Path,
+) -> None:
+    """SIGKILL of the supervisor: the engine and fronts stop (the kernel tells them), and the
+    private directory it could not remove (journal, metrics files) is swept by the next
+    split service; that one stops on SIGHUP (a closed terminal) as on SIGTERM."""
+    port = free_port()
+    env = {**os.environ, "LMHEAD_WORKERS": "2", "LMHEAD_REPOSITORY": str(repository)}
+    command = [sys.executable, "-m", "service", "serve", "--port", str(port)]
+    quiet = subprocess.DEVNULL
+    process = subprocess.Popen(command, env=env, stdout=quiet, stderr=quiet)
+    try:
+        poll(lambda: _ready(f"http://127.0.0.1:{port}"), "ready", timeout_s=60)
+        killed = tree(f"http://127.0.0.1:{port}")
+        (socket_path,) = {c.laddr for c in killed.engine.net_connections("unix") if c.laddr}
+        runtime = Path(str(socket_path)).parent
+        process.kill()
+        process.wait(timeout=30)
+        _, alive = psutil.wait_procs([killed.engine, *killed.fronts], timeout=60)
+        assert alive == []
+        assert runtime.is_dir()
+        again = subprocess.Popen(
+            command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
+        try:
+            poll(lambda: _ready(f"http://127.0.0.1:{port}"), "ready again", timeout_s=60)
+            assert not runtime.exists()
+            again.send_signal(signal.SIGHUP)
+            _, errors = again.communicate(timeout=60)
+        finally:
+            if again.poll() is None:
+                again.kill()
+                again.wait()
+        assert again.returncode == 0, errors.decode()[-2000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def _orphan(result: Path) -> None:
+    """Spawned by ``_short_lived_parent``: waits until its parent is gone, then becomes a
+    process of the service; it must end there, as no supervisor would ever stop it."""
+    import multiprocessing
+
+    from service.split.processes import become
+
+    parent = multiprocessing.parent_process()
+    assert parent is not None
+    parent.join()  # the parent's sentinel: it has exited
+    try:
+        become("lmhead-test")
+    except SystemExit:
+        result.write_text("ended")
+        raise
+    result.write_text("lived on")
+
+
+def _short_lived_parent(result: Path, pid_file: Path) -> None:
+    import multiprocessing
+
+    child = multiprocessing.get_context("spawn").Process(target=_orphan, args=(result,))
+    child.start()
+    pid_file.write_text(str(child.pid))
+    os._exit(0)  # like a supervisor killed while its children start
+
+
+def test_a_process_whose_supervisor_died_before_it_started_ends_itself(tmp_path: Path) -> None:
+    """Killed in its first second, the supervisor left fronts answering 503 on the port for
+    good (the kernel's parent-death signal is asked for only once a child runs)."""
+    import multiprocessing
+
+    result, pid_file = tmp_path / "result", tmp_path / "pid"
+    spawn = multiprocessing.get_context("spawn")
+    parent = spawn.Process(target=_short_lived_parent, args=(result, pid_file))
+    parent.start()
+    parent.join(timeout=60)
+    with contextlib.suppress(psutil.NoSuchProcess):  # already gone is what it should be
+        psutil.Process(int(pid_file.read_text())).wait(timeout=60)
+    assert result.read_text() == "ended"

@@ -100,13 +100,9 @@ def test_empty_repository_is_ready_and_says_it_serves_nothing(tmp_path: Path) ->
     assert models == {"models": []}
 
 
-@pytest.mark.parametrize("where", ["missing", "a-file"])
-def test_a_missing_repository_fails_start_up_and_readiness_says_why(
-    tmp_path: Path, where: str
-) -> None:
-    path = tmp_path / where
-    if where == "a-file":
-        path.write_text("not a directory")
+def test_a_missing_repository_fails_start_up_and_readiness_says_why(tmp_path: Path) -> None:
+    """(``lmhead serve`` refuses it before starting; an app made in code says so here.)"""
+    path = tmp_path / "missing"
 
     async def scenario() -> tuple[int, str]:
         async with serving(create_app(Settings(repository=path))) as client:
@@ -128,24 +124,36 @@ def test_settings_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_settings_fail_fast_on_inconsistent_values(tmp_path: Path) -> None:
-    with pytest.raises(ValidationError, match=r"default_k \(9\) must be <= max_k \(3\)"):
+    with pytest.raises(ValidationError, match=r"LMHEAD_DEFAULT_K \(9\) must be <= LMHEAD_MAX_K"):
         Settings(default_k=9, max_k=3)
     with pytest.raises(ValidationError, match="memory_mode"):
         Settings(memory_mode="tiny")
     with pytest.raises(ValidationError, match="max_wait_ms"):
         Settings(max_wait_ms=-1)
-    with pytest.raises(ValidationError, match=r"max_queue_rows \(8\) must be >= max_rows \(16\)"):
+    with pytest.raises(ValidationError, match=r"LMHEAD_MAX_QUEUE_ROWS \(8\) must be >= LMHEAD_MAX"):
         Settings(max_queue_rows=8, max_rows=16)  # a 16-row request would get 503 forever
     with pytest.raises(ValidationError, match="keep_alive_s"):
         Settings(keep_alive_s=float("inf"))
-    with pytest.raises(ValidationError, match="grpc_port and port are both 8000"):
+    with pytest.raises(ValidationError, match="LMHEAD_GRPC_PORT and LMHEAD_PORT are both 8000"):
         Settings(port=8000, grpc_port=8000)  # the fronts took both on one port: gRPC unreachable
     a_file = tmp_path / "a-file"
     a_file.write_text("")
     with pytest.raises(ValidationError, match="is not a writable directory"):
         Settings(scratch_dir=a_file)  # every version's copy would fail, the service "ready"
-    empty = Settings(scratch_dir="", model_name="")  # compose's ${VAR:-}: unset, not "" or "."
-    assert (empty.scratch_dir, empty.model_name) == (None, None)
+    empty = Settings(scratch_dir="", model_name="", grpc_port="")  # compose's ${VAR:-}: unset
+    assert (empty.scratch_dir, empty.model_name, empty.grpc_port) == (None, None, None)
+    for refused, field in [
+        ({"repository": ""}, "must name a directory"),  # it served the working directory
+        ({"repository": a_file}, "is not a directory"),
+        ({"drain_timeout_s": float("inf")}, "drain_timeout_s"),  # a stop never ended
+        ({"drain_timeout_s": 1e30}, "drain_timeout_s"),
+        ({"header_timeout_s": float("inf")}, "header_timeout_s"),  # slow clients unbounded
+        ({"body_timeout_s": float("inf")}, "body_timeout_s"),
+        ({"intra_op_threads": 100_000}, "intra_op_threads"),  # 3.6 GB, deaf to SIGTERM
+        ({"inference_threads": 100_000}, "inference_threads"),
+    ]:
+        with pytest.raises(ValidationError, match=field):
+            Settings(**refused)  # type: ignore[arg-type]
 
 
 def test_lmhead_variables_that_name_no_setting_are_found() -> None:
@@ -216,10 +224,12 @@ def test_a_repository_that_is_a_file_is_refused_from_the_environment_too(
     a_file = tmp_path / "models"
     a_file.write_text("not a repository")
     monkeypatch.setenv("LMHEAD_REPOSITORY", str(a_file))
-    with pytest.raises(SystemExit) as done:
-        main(["demo", "--vocab-size", "64", "--d-model", "8"])
-    assert done.value.code == 2
-    assert f"{a_file} is not a directory" in capsys.readouterr().err
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert main(["demo", "--vocab-size", "64", "--d-model", "8"]) == 2
+    assert f"LMHEAD_REPOSITORY: {a_file} is not a directory" in capsys.readouterr().err
+    assert list(elsewhere.iterdir()) == []  # not the default ./models instead
     assert (
         main(["demo", "--vocab-size", "64", "--d-model", "8", "--repository", str(tmp_path)]) == 0
     )

@@ -270,3 +270,36 @@ def test_command_failures_are_one_line_with_the_right_status(
     (garbage / "model.onnx").write_bytes(b"\x08garbage")
     assert main(["quantize", "junk", "--quantize", "int8", "--repository", str(models)]) == 2
     assert "is not a readable ONNX model" in capsys.readouterr().err
+
+
+def test_demo_heads_appear_whole_or_not_at_all(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk left half a model.onnx that counted as present: later starts never wrote
+    the demo again, and `lmhead demo` called it unreadable."""
+    from service import heads
+    from service.demo import DemoSpec, write_demo_models
+
+    real = heads.save_head
+
+    def half_then_full_disk(weights: HeadWeights, directory: Path, **options: object) -> Path:
+        path = real(weights, directory)
+        os.truncate(path, path.stat().st_size // 2)
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr(heads, "save_head", half_then_full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        write_demo_models(tmp_path, DemoSpec(64, 8))
+    assert sorted(p.name for p in (tmp_path / "demo-tied").iterdir()) == []
+    monkeypatch.setattr(heads, "save_head", real)
+    assert write_demo_models(tmp_path, DemoSpec(64, 8))[0] == tmp_path / "demo-tied" / "1"
+    assert inspect_head(tmp_path / "demo-tied" / "1").vocab_size == 64
+
+
+def test_a_busy_port_names_the_setting_that_chose_it() -> None:
+    from service.listeners import check_free, listening_sockets
+
+    (held,) = listening_sockets("127.0.0.1", 0)
+    port = held.getsockname()[1]
+    with held, pytest.raises(SystemExit, match=f"127.0.0.1:{port}: .* \\(LMHEAD_GRPC_PORT\\)"):
+        check_free("127.0.0.1", port, "LMHEAD_GRPC_PORT")
