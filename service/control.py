@@ -22,11 +22,17 @@ class ControlAPI:
         self._settings = settings
 
     async def check_ready(self) -> None:
-        """503 until start-up loading is done (or for good, with the reason, if it failed)."""
+        """503 until start-up loading is done (or for good, with the reason, if it failed),
+        and while models were found but every one FAILED (a pod that serves nothing must
+        not take traffic: a bad image or a full GPU would otherwise roll out as "ready")."""
         if self._registry.startup_error is not None:
             raise ModelNotReady(f"start-up failed: {self._registry.startup_error}")
         if not self._registry.ready:
             raise ModelNotReady("models are still loading")
+        records = self._registry.records()
+        if records and all(record.state == ModelState.FAILED for record in records):
+            reasons = "; ".join(f"{r.name}: {r.reason}" for r in records[:5])
+            raise ModelNotReady(f"no model could be loaded ({reasons[:800]})")
 
     async def models(self) -> list[dict[str, Any]]:
         return [record.describe() for record in self._registry.records()]

@@ -172,7 +172,10 @@ class RecordBuilder:
         repository = self._settings.repository
         for prefix in {str(repository.resolve()), str(repository.absolute()), str(repository)}:
             text = text.replace(prefix + "/", "").replace(prefix, "<repository>")
-        scratch = self._settings.scratch_dir or Path(tempfile.gettempdir())
+        try:
+            scratch = self._settings.scratch_dir or Path(tempfile.gettempdir())
+        except OSError:  # no usable temp directory (a read-only root): the reason says so
+            return text
         for prefix in {str(scratch.resolve()), str(scratch.absolute()), str(scratch)}:
             text = text.replace(prefix, "<scratch>")
         return text

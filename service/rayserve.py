@@ -32,6 +32,8 @@ from service.settings import Settings
 #: Every answer names the Ray node and replica that computed it (spread and failover show).
 NODE_HEADER = b"x-lmhead-node"
 REPLICA_HEADER = b"x-lmhead-replica"
+#: ``build`` args that are no setting.
+BUILD_ARGS = frozenset({"replicas", "max_models"})
 
 
 class Replica:
@@ -156,6 +158,9 @@ def build(args: dict[str, Any]) -> Application:
     options: dict[str, Any] = {}
     if "replicas" in args:
         options["num_replicas"] = int(args["replicas"])
+    unknown = sorted(set(args) - set(Settings.model_fields) - BUILD_ARGS)
+    if unknown:  # a typo'd key (``repositry``) was dropped silently: the default served
+        raise ValueError(f"unknown args {unknown}: expected settings' names, replicas, max_models")
     settings = {key: value for key, value in args.items() if key in Settings.model_fields}
     max_models = int(args.get("max_models", 0))
     return LMHead.options(**options).bind(settings, max_models)

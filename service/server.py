@@ -79,7 +79,7 @@ def _options(
     return {
         "log_level": settings.log_level,
         "access_log": settings.access_log,
-        "timeout_graceful_shutdown": 10,
+        "timeout_graceful_shutdown": settings.drain_timeout_s,  # a stop drains as a swap does
         "timeout_keep_alive": settings.keep_alive_s,  # a float: 0.5 s must not become 0
         "http": limited_protocol(settings, shared, metrics),
         # No WebSocket routes: an upgraded connection would escape the limits above.

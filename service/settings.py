@@ -135,7 +135,8 @@ class Settings(PlaceSettings):
     read_only: bool = False
     """Refuse repository load/unload calls with 403 (poll mode still follows the disk)."""
     drain_timeout_s: float = Field(default=30.0, ge=0, le=HOUR_S, allow_inf_nan=False)
-    """How long a replaced or unloaded version may finish admitted requests before release."""
+    """How long admitted requests may finish: of a replaced or unloaded version before it is
+    released, and of the whole service when it stops (SIGTERM)."""
 
     @field_validator("admin_token", "scratch_dir", "grpc_port", mode="before")
     @classmethod

@@ -274,6 +274,27 @@ def _settled_readiness(url: str) -> httpx.Response:
     return poll(settled, "start-up to end")
 
 
+def test_a_service_whose_every_model_failed_is_not_ready(
+    tmp_path: Path, table: npt.NDArray[np.float32]
+) -> None:
+    """It answered ready while serving nothing: a bad image or a full GPU rolled out across
+    every replica, and the load balancer sent them traffic they answered 503."""
+    broken = tmp_path / "broken" / "1"
+    broken.mkdir(parents=True)
+    (broken / MODEL_FILE).write_bytes(b"not an onnx file")
+    with live_server(tmp_path) as (url, _):
+        ready = _settled_readiness(url)
+        assert ready.status_code == 503
+        assert "no model could be loaded (broken: " in ready.json()["error"]["message"]
+        assert httpx.get(f"{url}/v2/health/ready").status_code == 503
+        save_head(HeadWeights.from_arrays(table), tmp_path / "good" / "1")
+        assert httpx.post(f"{url}/v1/repository/models/good/load").status_code == 200
+        assert httpx.get(f"{url}/health/ready").json()["models"] == {
+            "broken": "FAILED",
+            "good": "READY",
+        }
+
+
 def test_a_repository_that_is_not_there_is_refused_at_start(tmp_path: Path) -> None:
     """It ran "not ready" for good (a typo'd volume path); now it says so and exits, as a
     bad setting does."""

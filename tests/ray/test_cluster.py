@@ -270,3 +270,5 @@ def test_the_serve_config_file_is_valid_and_builds() -> None:
         assert name.removeprefix("LMHEAD_").lower() in Settings.model_fields
     assert set(application.args) <= set(Settings.model_fields)
     assert build(application.args) is not None
+    with pytest.raises(ValueError, match=r"unknown args \['repositry'\]"):  # was dropped
+        build({"repositry": "/shared/models"})

@@ -50,7 +50,7 @@ def _containers() -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
 def _settings(container: dict[str, Any]) -> Settings:
     """The settings the container runs with: its env, then its `lmhead serve` arguments."""
     values = {
-        item["name"].removeprefix("LMHEAD_").lower(): item["value"]
+        item["name"].removeprefix("LMHEAD_").lower(): _value(item, container)
         for item in container.get("env", [])
     }
     args = container.get("args")
@@ -61,6 +61,15 @@ def _settings(container: dict[str, Any]) -> Settings:
         values |= {key: value for key, value in flags.items() if value is not None}
         values["model_name"] = parsed.model_name
     return Settings.model_validate(values)
+
+
+def _value(item: dict[str, Any], container: dict[str, Any]) -> str:
+    """An env item's value; the downward API's ``requests.cpu`` as the container asks it."""
+    if "value" in item:
+        return str(item["value"])
+    field = item["valueFrom"]["resourceFieldRef"]
+    assert field == {"resource": "requests.cpu", "divisor": "1"}, item
+    return str(container["resources"]["requests"]["cpu"])
 
 
 def _bytes(quantity: str) -> int:
@@ -113,6 +122,32 @@ def test_images_probes_and_memory_match_the_service(
     assert _bytes(container["resources"]["requests"]["memory"]) >= DEMO_RESIDENT_BYTES
 
 
+def _deployments() -> list[dict[str, Any]]:
+    return [d for d in _documents("deploy/kubernetes/*.yaml") if d["kind"] == "Deployment"]
+
+
+@pytest.mark.parametrize("deployment", _deployments(), ids=lambda d: d["metadata"]["name"])
+def test_pods_are_hardened_and_stop_without_refusing_connections(
+    deployment: dict[str, Any],
+) -> None:
+    """A read-only root needs a writable scratch directory (start-up hung "still loading"
+    without one); a stop first leaves the endpoints, then drains within the grace period;
+    probes wait longer than a loaded pod takes to answer (over 0.6 s measured)."""
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    settings = _settings(container)
+    assert settings.scratch_dir is not None
+    writable = {m["mountPath"] for m in container["volumeMounts"] if not m.get("readOnly")}
+    assert str(settings.scratch_dir) in writable
+    assert settings.intra_op_threads == int(container["resources"]["requests"]["cpu"])
+    pause = int(container["lifecycle"]["preStop"]["exec"]["command"][1])
+    assert pod["terminationGracePeriodSeconds"] >= pause + settings.drain_timeout_s + 5
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["timeoutSeconds"] >= 2, probe
+
+
 def test_services_and_autoscalers_point_at_the_deployment() -> None:
     manifests = _documents("deploy/kubernetes/*.yaml") + _documents("deploy/kserve/*.yaml")
     documents = {(d["kind"], d["metadata"]["name"]): d for d in manifests}
@@ -121,6 +156,18 @@ def test_services_and_autoscalers_point_at_the_deployment() -> None:
     service = documents[("Service", "lmhead")]["spec"]
     assert service["selector"].items() <= labels.items()
     assert service["ports"][0]["targetPort"] == "http"
+    deployments = _deployments()
+    for one in deployments:  # no Deployment's selector takes another's pods (nor its HPA)
+        for other in deployments:
+            selector = one["spec"]["selector"]["matchLabels"].items()
+            pods = other["spec"]["template"]["metadata"]["labels"].items()
+            assert (selector <= pods) == (one is other), (one["metadata"], other["metadata"])
+    gpu = documents[("Service", "lmhead-gpu")]["spec"]["selector"].items()
+    assert (
+        gpu
+        <= documents[("Deployment", "lmhead-gpu")]["spec"]["template"]["metadata"]["labels"].items()
+    )
+    assert not service["selector"].items() <= gpu
     target = documents[("HorizontalPodAutoscaler", "lmhead")]["spec"]["scaleTargetRef"]
     assert (target["kind"], target["name"]) == ("Deployment", "lmhead")
     claims = {
@@ -128,6 +175,7 @@ def test_services_and_autoscalers_point_at_the_deployment() -> None:
         for doc in documents.values()
         if doc["kind"] == "Deployment"
         for volume in doc["spec"]["template"]["spec"]["volumes"]
+        if "persistentVolumeClaim" in volume
     }
     assert claims == {documents[("PersistentVolumeClaim", "lmhead-models")]["metadata"]["name"]}
     isvc = documents[("InferenceService", "demo-tied")]["spec"]["predictor"]["model"]
