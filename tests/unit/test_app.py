@@ -262,3 +262,26 @@ def test_client_chosen_names_are_not_kept(repository: Path) -> None:
     assert status == 400  # the name is refused, and not remembered
     assert cached == 0
     assert locks <= 3  # the repository's own models
+
+
+def test_start_up_without_a_usable_temp_directory_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read-only root filesystem: start-up failed, and wording its reason asked for the temp
+    directory again, so readiness said "models are still loading" for good."""
+    import tempfile
+
+    def no_temp_directory() -> str:
+        raise FileNotFoundError(2, "No usable temporary directory found")
+
+    monkeypatch.setattr(tempfile, "gettempdir", no_temp_directory)
+
+    async def scenario() -> tuple[int, str]:
+        async with serving(create_app(Settings(repository=tmp_path))) as client:
+            answer = await client.get("/health/ready")
+            return answer.status_code, answer.json()["error"]["message"]
+
+    save_head(HeadWeights.from_arrays(np.ones((8, 4), np.float32)), tmp_path / "m" / "1")
+    status, message = asyncio.run(scenario())
+    assert status == 503
+    assert "No usable temporary directory" in message
