@@ -170,6 +170,12 @@ class HeadSession:
         self._session: ort.InferenceSession | None = ort.InferenceSession(
             str(self.path), options, providers=provider_entries(providers, tf32)
         )
+        if on_cuda and CUDA not in self._session.get_providers():  # e.g. a driver too old
+            logger.warning(
+                "%s: CUDA was asked for but its session runs on the CPU (CUDA could not start:"
+                " see onnxruntime's log above; onnxruntime-gpu needs a matching driver)",
+                self.path.parent.name,
+            )
         shapes = {value.name: value.shape for value in self._session.get_outputs()}
         self.vocab_size = int(shapes[LOGITS][1])
         inputs = {value.name: value.shape for value in self._session.get_inputs()}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -207,3 +208,18 @@ def test_cuda_provider_options_follow_the_tf32_setting(tf32: bool) -> None:
     assert name == CUDA
     assert cuda["use_tf32"] == ("1" if tf32 else "0")
     assert cuda["arena_extend_strategy"] == "kSameAsRequested"
+
+
+def test_a_session_that_could_not_start_cuda_says_so(
+    tied_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """onnxruntime falls back to the CPU where CUDA cannot start (a driver too old for the
+    wheel's CUDA): a GPU pod then served on its few CPUs, and nothing said so."""
+    with warnings.catch_warnings():  # a CPU build of onnxruntime warns that it has no CUDA
+        warnings.simplefilter("ignore", UserWarning)
+        session = HeadSession(tied_path, tied=True, providers=(CUDA, CPU))
+    if CUDA in session.providers:
+        pytest.skip("CUDA started here: nothing fell back")
+    assert f"{tied_path.parent.name}: CUDA was asked for but its session runs on the CPU" in (
+        caplog.text
+    )
