@@ -24,7 +24,8 @@ async def live() -> dict[str, str]:
 
 @router.get("/health/ready", responses=errors(503))
 async def ready(plane: PlaneDep) -> dict[str, object]:
-    """200 once every model found at start-up was loaded and warmed (or failed); 503 before."""
+    """200 once every model found at start-up was loaded and warmed (or failed), unless every
+    one failed; 503 before, and then."""
     await plane.check_ready()
     models = {m["name"]: m["state"] for m in await plane.models()}
     if not models:  # ready (models may be added), but say it: nothing is served yet
