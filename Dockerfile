@@ -35,8 +35,13 @@ RUN apt-get update \
     && python3 -m venv /opt/lmhead
 WORKDIR /src
 COPY pyproject.toml ./
+# The build stage's stub package: onnxruntime-gpu (255 MB) is not installed again per edit.
+RUN mkdir service && touch service/__init__.py \
+    && /opt/lmhead/bin/pip install ".[gpu,grpc]" "onnxruntime-gpu==${ORT_GPU}" \
+    && /opt/lmhead/bin/pip uninstall --yes lmhead \
+    && rm -rf service build ./*.egg-info
 COPY service ./service
-RUN /opt/lmhead/bin/pip install ".[gpu,grpc]" "onnxruntime-gpu==${ORT_GPU}" && rm -rf /src
+RUN /opt/lmhead/bin/pip install --no-deps . && rm -rf /src
 RUN groupadd --system --gid 10001 lmhead \
     && useradd --system --uid 10001 --gid 10001 --create-home lmhead \
     && mkdir -p /models && chown lmhead /models
