@@ -34,12 +34,12 @@ from service.repository import (
     ModelConfig,
     ModelSource,
     Signature,
-    private_copy,
     read_labels,
     read_space,
 )
 from service.runtime import HeadSession, Projection
 from service.settings import MemoryMode
+from service.staging import private_copy
 from service.vocabulary import TokenSpace
 
 

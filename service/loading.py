@@ -79,8 +79,8 @@ class RecordBuilder:
         if not loaded and previous is None and fallback:
             loaded, kept = await self._fall_back(source, fallback, failed)
         if not loaded:
-            reason = "; ".join(f"version {v}: {r}" for v, r in failed.items()) or (
-                "no version directory with a model.onnx"
+            reason = "; ".join(f"version {v}: {r}" for v, r in failed.items()) or _none_chosen(
+                source
             )
             return self.failed(name, previous, reason, failed, pin)
         self._metrics.loads.labels(name, "published").inc()
@@ -237,3 +237,14 @@ def _reason(error: Exception) -> str:
     plain = isinstance(error, RepositoryError | VersionLoadError)  # their messages say it all
     text = (str(error) if plain else f"{type(error).__name__}: {error}").replace("\n", " ")
     return text if len(text) <= MAX_REASON_CHARS else text[: MAX_REASON_CHARS - 3] + "..."
+
+
+def _none_chosen(source: ModelSource) -> str:
+    """Why no version was loaded when none failed: none on disk, or none the policy names."""
+    policy = source.config.versions
+    if isinstance(policy, list) and source.versions:
+        return (
+            f"config.json versions {policy[:20]} match none on disk "
+            f"({sorted(source.versions)[:20]})"
+        )
+    return "no version directory with a model.onnx"

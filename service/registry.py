@@ -30,10 +30,10 @@ from service.repository import (
     is_valid_name,
     maybe_dir,
     model_names,
-    sweep_stale_copies,
     version_entries,
 )
 from service.settings import Settings
+from service.staging import sweep_stale_copies
 
 logger = logging.getLogger("lmhead")
 #: Why a model is UNAVAILABLE: a control call unloaded it (it stays so until a load), or

@@ -17,7 +17,7 @@ the model's ``config.json``. The registry reuses a loaded version whose signatur
 poller only considers a version once its signature was stable across two scans (a copy in
 progress changes it).
 
-Versions are immutable once served: ``private_copy`` loads each from a copy that nobody else
+Versions are immutable once served: ``staging.private_copy`` loads each from a copy nobody else
 can write (removed as soon as onnxruntime has it), so truncating or overwriting the files of a
 served version changes nothing it answers, and a change is seen as a change (a new load).
 """
@@ -26,11 +26,7 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import stat
-import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -38,7 +34,6 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from service import staging
 from service.digits import decimal
 from service.errors import describe_validation_errors
 from service.vocabulary import TokenSpace
@@ -52,9 +47,12 @@ LABELS_FILE = "vocab.txt"
 #: A trimmed head's original ids (``service.trim``).
 VOCAB_MAP_FILE = "vocab_map.json"
 Signature = tuple[tuple[str | int, ...], ...]
-#: A version's private copy (locked by its loader while it loads from it: ``service.staging``).
-COPY_PREFIX = "lmhead-version-"
 MAX_CONFIG_BYTES = 1 << 20
+#: Labels files: a token string per row (a 262k vocabulary takes ~3 MB), none very long.
+MAX_LABELS_BYTES = 64 * 2**20
+MAX_LABEL_CHARS = 1024
+#: A trimmed head's map: ``"123456789, "`` per id at most, in JSON.
+MAP_BYTES_PER_ROW = 24
 
 
 class RepositoryError(ValueError):
@@ -68,6 +66,14 @@ class ShadowConfig(BaseModel):
 
     model: str
     fraction: float = Field(default=0.1, ge=0.0, le=1.0)
+
+    @field_validator("model")
+    @classmethod
+    def _a_model_name(cls, value: str) -> str:
+        """A name the repository could hold (``../../etc`` loaded, and shadowed nothing)."""
+        if not is_valid_name(value):
+            raise ValueError(f"{value[:64]!r} is no model name")
+        return value
 
 
 class ModelConfig(BaseModel):
@@ -276,44 +282,7 @@ def file_signature(path: Path) -> Signature:
     return ((path.name, status.st_size, status.st_mtime_ns, status.st_ino, status.st_mode),)
 
 
-@contextmanager
-def private_copy(
-    version_dir: Path, expected: Signature, root: Path, into: Path | None = None
-) -> Iterator[Path]:
-    """The version's files copied where nobody else can write them; removed on exit.
-
-    Load from the copy, then let it go: onnxruntime keeps what it mapped (an unlinked file
-    stays readable while mapped), and no later write to the repository reaches it. Only
-    regular files inside the repository are copied (a FIFO would block the loader, a link out
-    of the repository would serve files nobody put there); files that differ from ``expected``
-    (``ModelSource.files`` as scanned) after the copy fail the load: never a mix of two versions.
-    """
-    target = Path(tempfile.mkdtemp(prefix=COPY_PREFIX, dir=into))
-    lock = staging.hold(target)  # in use: ``sweep_stale_copies`` leaves it
-    try:
-        for path in sorted(version_dir.iterdir()):
-            if path.is_dir():
-                continue
-            _check_regular(path, root)
-            shutil.copyfile(path, target / path.name)
-        if signature(version_dir) != expected:
-            raise RepositoryError(
-                f"the files of {version_dir.parent.name}/{version_dir.name} changed while "
-                "being loaded; publish a version by renaming a complete directory into place"
-            )
-        yield target
-    finally:
-        shutil.rmtree(target, ignore_errors=True)
-        lock.close()
-
-
-def sweep_stale_copies(into: Path | None) -> list[str]:
-    """Remove the version copies left by processes killed mid-load (no ``finally`` ran; each
-    holds a whole head): a copy in use is locked (``service.staging``)."""
-    return staging.sweep(into or Path(tempfile.gettempdir()), COPY_PREFIX)
-
-
-def _check_regular(path: Path, root: Path) -> None:
+def check_regular(path: Path, root: Path) -> None:
     """A regular file, itself or behind a link that stays inside the repository."""
     where = f"{path.parent.parent.name}/{path.parent.name}/{path.name}"
     if not path.resolve().is_relative_to(root):
@@ -332,7 +301,7 @@ def read_config(directory: Path, root: Path) -> ModelConfig:
     if not path.exists():
         return ModelConfig()
     where = f"{directory.name}/{CONFIG_FILE}"
-    _check_regular(path, root)
+    check_regular(path, root)
     if path.stat().st_size > MAX_CONFIG_BYTES:
         raise RepositoryError(f"{where} is over {MAX_CONFIG_BYTES} bytes")
     try:
@@ -344,36 +313,68 @@ def read_config(directory: Path, root: Path) -> ModelConfig:
 
 
 def read_labels(version_dir: Path, filename: str, vocab_size: int) -> list[str] | None:
-    """Token strings for a version, or None without a labels file; never more than the vocab."""
+    """Token strings for a version, or None without a labels file; never more than the vocab,
+    none longer than ``MAX_LABEL_CHARS`` (each answer repeats its tokens' strings: one 10 MB
+    line made a 200-row answer 2 GB), no file above ``MAX_LABELS_BYTES``."""
     path = version_dir / filename
-    if not path.is_file():
+    if not path.exists():
         return None
+    if not path.is_file() or path.stat().st_size > MAX_LABELS_BYTES:
+        raise RepositoryError(
+            f"{filename} must be a text file of at most {MAX_LABELS_BYTES} bytes, a token "
+            "string per line"
+        )
+    try:
+        text = path.read_bytes().decode("utf-8-sig")  # a byte-order mark is no part of token 0
+    except UnicodeDecodeError as error:
+        raise RepositoryError(
+            f"{filename} is not UTF-8 text ({error.reason} at byte {error.start})"
+        ) from None
     # Lines end at "\n" only: ``read_text`` would also end them at a "\r" inside a token
     # (universal newlines) and shift every later id's string.
-    labels = path.read_bytes().decode("utf-8").split("\n")
+    labels = text.split("\n")
+    ended = labels[:-1]  # the last is what follows the final newline ("" when it ends in one)
+    if ended and all(label.endswith("\r") for label in ended):  # a file saved with CRLF
+        labels = [label[:-1] for label in ended] + labels[-1:]
     if labels and labels[-1] == "":
         labels.pop()
-    if labels and all(label.endswith("\r") for label in labels):  # a file saved with CRLF
-        labels = [label[:-1] for label in labels]
     if len(labels) > vocab_size:
         raise RepositoryError(
             f"{filename} has {len(labels)} labels but the head has vocab_size {vocab_size}"
+        )
+    longest = max(range(len(labels)), key=lambda i: len(labels[i]), default=None)
+    if longest is not None and len(labels[longest]) > MAX_LABEL_CHARS:
+        raise RepositoryError(
+            f"{filename} line {longest + 1} has {len(labels[longest])} characters; a token "
+            f"string has at most {MAX_LABEL_CHARS}"
         )
     return labels
 
 
 def read_space(version_dir: Path, vocab_size: int) -> TokenSpace:
-    """The version's token space: its own columns, or the original ids of a trimmed head."""
+    """The version's token space: its own columns, or the original ids of a trimmed head (a
+    map that keeps every id in place is no trim)."""
     path = version_dir / VOCAB_MAP_FILE
     if not path.is_file():
         return TokenSpace(vocab_size)
+    if path.stat().st_size > MAP_BYTES_PER_ROW * vocab_size + 1024:  # never parsed: 11x in RAM
+        raise ValueError(f"{VOCAB_MAP_FILE} is far larger than a map of {vocab_size} ids")
     try:
         mapping = json.loads(path.read_text(encoding="utf-8"))
-        size, ids = int(mapping["vocab_size"]), np.array(mapping["token_ids"], np.int64)
-    except (ValueError, KeyError, TypeError) as error:
-        raise ValueError(f"{VOCAB_MAP_FILE} is not a token map: {error}") from None
-    if ids.shape != (vocab_size,):
-        raise ValueError(f"{VOCAB_MAP_FILE} maps {ids.size} ids; the head has {vocab_size} rows")
-    if (np.diff(ids) <= 0).any() or ids[0] < 0 or ids[-1] >= size:
+        size, ids = mapping["vocab_size"], mapping["token_ids"]
+        if not _whole(size) or not isinstance(ids, list) or not all(map(_whole, ids)):
+            raise TypeError("vocab_size and token_ids must be whole numbers below 2**62")
+        kept = np.array(ids, np.int64)
+    except (ValueError, KeyError, TypeError, RecursionError) as error:
+        raise ValueError(f"{VOCAB_MAP_FILE} is not a token map: {str(error)[:200]}") from None
+    if kept.shape != (vocab_size,):
+        raise ValueError(f"{VOCAB_MAP_FILE} maps {kept.size} ids; the head has {vocab_size} rows")
+    if (np.diff(kept) <= 0).any() or kept[0] < 0 or kept[-1] >= size:
         raise ValueError(f"{VOCAB_MAP_FILE} token_ids must ascend within [0, {size})")
-    return TokenSpace(size, ids)
+    if size == vocab_size:  # every id kept, in place
+        return TokenSpace(vocab_size)
+    return TokenSpace(size, kept)
+
+
+def _whole(value: object) -> bool:
+    return type(value) is int and 0 <= value < 2**62

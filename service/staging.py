@@ -1,6 +1,6 @@
 """Directories being written or read by one process, locked while in use, so that what a
 killed process left behind can be swept by the next one: the private copies a version loads
-from (``repository.private_copy``) and the staging directories new versions are written in
+from (``private_copy``) and the staging directories new versions are written in
 (``importer.write_version``).
 
 The lock is an ``flock`` on a file inside the directory, named only once held: a directory
@@ -12,10 +12,17 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
+from service.repository import RepositoryError, Signature, check_regular, signature
+
 LOCK_FILE = ".lmhead-lock"
+#: A version's private copy, locked by its loader while it loads from it.
+COPY_PREFIX = "lmhead-version-"
 
 
 def hold(directory: Path) -> BinaryIO:
@@ -50,3 +57,40 @@ def sweep(parent: Path, prefix: str) -> list[str]:
         except OSError:  # held (BlockingIOError), not ours to open, or no lock: in use
             continue
     return removed
+
+
+@contextmanager
+def private_copy(
+    version_dir: Path, expected: Signature, root: Path, into: Path | None = None
+) -> Iterator[Path]:
+    """The version's files copied where nobody else can write them; removed on exit.
+
+    Load from the copy, then let it go: onnxruntime keeps what it mapped (an unlinked file
+    stays readable while mapped), and no later write to the repository reaches it. Only
+    regular files inside the repository are copied (a FIFO would block the loader, a link out
+    of the repository would serve files nobody put there); files that differ from ``expected``
+    (``ModelSource.files`` as scanned) after the copy fail the load: never a mix of two versions.
+    """
+    target = Path(tempfile.mkdtemp(prefix=COPY_PREFIX, dir=into))
+    lock = hold(target)  # in use: ``sweep_stale_copies`` leaves it
+    try:
+        for path in sorted(version_dir.iterdir()):
+            if path.is_dir():
+                continue
+            check_regular(path, root)
+            shutil.copyfile(path, target / path.name)
+        if signature(version_dir) != expected:
+            raise RepositoryError(
+                f"the files of {version_dir.parent.name}/{version_dir.name} changed while "
+                "being loaded; publish a version by renaming a complete directory into place"
+            )
+        yield target
+    finally:
+        shutil.rmtree(target, ignore_errors=True)
+        lock.close()
+
+
+def sweep_stale_copies(into: Path | None) -> list[str]:
+    """Remove the version copies left by processes killed mid-load (no ``finally`` ran; each
+    holds a whole head): a copy in use is locked."""
+    return sweep(into or Path(tempfile.gettempdir()), COPY_PREFIX)

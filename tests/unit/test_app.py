@@ -285,3 +285,16 @@ def test_start_up_without_a_usable_temp_directory_says_so(
     status, message = asyncio.run(scenario())
     assert status == 503
     assert "No usable temporary directory" in message
+
+
+def test_a_version_policy_naming_no_version_on_disk_says_so(tmp_path: Path) -> None:
+    """It said "no version directory with a model.onnx" with version 1 right there."""
+    save_head(HeadWeights.from_arrays(np.ones((8, 4), np.float32)), tmp_path / "m" / "1")
+    (tmp_path / "m" / "config.json").write_text('{"versions": [7, 8]}')
+
+    async def scenario() -> dict[str, object]:
+        async with serving(create_app(Settings(repository=tmp_path))) as client:
+            return dict((await client.get("/v1/models/m")).json())
+
+    reason = asyncio.run(scenario())["reason"]
+    assert reason == "config.json versions [7, 8] match none on disk ([1])"

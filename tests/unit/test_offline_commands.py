@@ -67,7 +67,7 @@ def test_a_quantized_copy_of_a_trimmed_head_answers_in_original_ids(tmp_path: Pa
 @pytest.mark.parametrize(
     ("spoil", "message"),
     [
-        (lambda v: (v / LABELS_FILE).write_bytes(b"\xff\xfe\n"), "can't decode"),
+        (lambda v: (v / LABELS_FILE).write_bytes(b"\xff\xfe\n"), "is not UTF-8 text"),
         (lambda v: (v / LABELS_FILE).write_text("x\n" * (VOCAB + 1)), "has 1001 labels"),
         (lambda v: (v / VOCAB_MAP_FILE).write_text("{"), "is not a token map"),
     ],
