@@ -23,14 +23,19 @@ class ControlAPI:
 
     async def check_ready(self) -> None:
         """503 until start-up loading is done (or for good, with the reason, if it failed),
-        and while models were found but every one FAILED (a pod that serves nothing must
-        not take traffic: a bad image or a full GPU would otherwise roll out as "ready")."""
+        and while every model start-up loaded has FAILED and none serves (a pod that serves
+        nothing must not take traffic: a bad image or a full GPU would otherwise roll out as
+        "ready"). Models loaded later by call or by the poller do not count: a failed load
+        of one would take a pod out of the Service its next load call comes through."""
         if self._registry.startup_error is not None:
             raise ModelNotReady(f"start-up failed: {self._registry.startup_error}")
         if not self._registry.ready:
             raise ModelNotReady("models are still loading")
-        records = self._registry.records()
-        if records and all(record.state == ModelState.FAILED for record in records):
+        started = self._registry.started_with
+        everything = self._registry.records()
+        records = [record for record in everything if record.name in started]
+        serving = any(record.state == ModelState.READY for record in everything)
+        if records and not serving and all(r.state == ModelState.FAILED for r in records):
             reasons = "; ".join(f"{r.name}: {r.reason}" for r in records[:5])
             raise ModelNotReady(f"no model could be loaded ({reasons[:800]})")
 

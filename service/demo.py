@@ -61,7 +61,8 @@ def write_demo_models(repository: str | Path, spec: DemoSpec = DemoSpec()) -> li
 def _write_whole(version_dir: Path, write: Callable[[Path], None]) -> None:
     """``write`` fills a directory beside ``version_dir``, renamed into place once whole (an
     existing one, ``--force``, goes then): a full disk left half a head, which counted as
-    present and was never written again."""
+    present and was never written again (nor is a model directory left empty: a model)."""
+    made = not version_dir.parent.exists()
     version_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".writing-", dir=version_dir.parent))
     try:
@@ -72,6 +73,8 @@ def _write_whole(version_dir: Path, write: Callable[[Path], None]) -> None:
         os.rename(staging, version_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+        if made and not any(version_dir.parent.iterdir()):
+            version_dir.parent.rmdir()
 
 
 def demo_tokens(vocab_size: int) -> list[str]:

@@ -3,6 +3,7 @@ model is tied (or when asked: ``--tie`` / ``--untie``)."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import sys
@@ -273,7 +274,7 @@ def companions(source: Path, vocab_size: int) -> Callable[[Path], None]:
     try:
         read_labels(source, LABELS_FILE, vocab_size)
         read_space(source, vocab_size)
-    except (ValueError, OSError) as error:  # UnicodeDecodeError is a ValueError
+    except ValueError as error:  # UnicodeDecodeError is one (an OSError is the machine's)
         raise CheckpointError(f"{source}: {error}") from None
 
     def copy(staging: Path) -> None:
@@ -327,9 +328,10 @@ def _publish(written: Path, target: Path, flag: str) -> None:
         os.rename(written, target)
     except OSError as error:  # another command published this version meanwhile
         if target.exists():
-            raise CheckpointError(
-                f"version {target.name} of {target.parent} was written meanwhile; choose "
-                f"another {flag}"
+            raise FileExistsError(
+                errno.EEXIST,
+                f"version {target.name} was written meanwhile (choose another {flag})",
+                str(target),
             ) from None
         raise error
 

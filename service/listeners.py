@@ -65,7 +65,7 @@ def _sockets(
     return sockets
 
 
-def check_free(host: str, port: int, setting: str = "LMHEAD_PORT") -> None:
+def check_free(host: str, port: int, setting: str = "LMHEAD_PORT or --port") -> None:
     """``SystemExit`` unless ``host:port`` could be listened on now (nobody else holds it);
     the message names the ``setting`` that chose the port."""
     try:

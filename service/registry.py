@@ -61,6 +61,8 @@ class Registry:
         self._builder = RecordBuilder(settings, executor, metrics)
         self.ready = False
         self.startup_error: str | None = None
+        #: The models start-up loaded (readiness fails while every one of them failed).
+        self.started_with: frozenset[str] = frozenset()
 
     def fail_startup(self, error: Exception) -> None:
         """Start-up could not finish: readiness reports this instead of "still loading"."""
@@ -109,6 +111,7 @@ class Registry:
                 self._records[name] = ModelRecord(
                     name, ModelState.FAILED, self._builder.reason(error)
                 )
+        self.started_with = frozenset(name for name in wanted if name in on_disk)
         self.ready = True
         states = {record.name: record.state.value for record in self.records()}
         if not states:

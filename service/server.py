@@ -28,6 +28,7 @@ from service.settings import Settings
 
 logger = logging.getLogger("lmhead")
 FD_MARGIN = 64  # descriptors for model files, the log, the event loop itself
+MIN_STOP_DRAIN_S = 10.0
 
 
 def run(settings: Settings) -> None:
@@ -38,7 +39,7 @@ def run(settings: Settings) -> None:
     settle_allocator()
     sockets = listening_sockets(settings.host, settings.port)
     if settings.grpc_port is not None:
-        check_free(settings.host, settings.grpc_port, "LMHEAD_GRPC_PORT")
+        check_free(settings.host, settings.grpc_port, "LMHEAD_GRPC_PORT or --grpc-port")
     app = create_app(settings)
     config = uvicorn.Config(app, **_options(settings, app.state.metrics))
     logger.info("lmhead serving on %s", describe(sockets))
@@ -46,7 +47,8 @@ def run(settings: Settings) -> None:
     # Ctrl-C's KeyboardInterrupt, and SIGTERM's default (death by signal, status -15, where
     # the split service exits 0). Both end as a clean exit 0.
     signal.signal(signal.SIGTERM, _exit_cleanly)
-    signal.signal(signal.SIGHUP, _stop_on_hang_up)
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # `nohup lmhead serve` stays
+        signal.signal(signal.SIGHUP, _stop_on_hang_up)
     with contextlib.suppress(KeyboardInterrupt):
         uvicorn.Server(config).run(sockets=sockets)
 
@@ -79,7 +81,8 @@ def _options(
     return {
         "log_level": settings.log_level,
         "access_log": settings.access_log,
-        "timeout_graceful_shutdown": settings.drain_timeout_s,  # a stop drains as a swap does
+        # A stop drains as a swap does, never less than uvicorn's 10 s (0 cancels at once).
+        "timeout_graceful_shutdown": max(settings.drain_timeout_s, MIN_STOP_DRAIN_S),
         "timeout_keep_alive": settings.keep_alive_s,  # a float: 0.5 s must not become 0
         "http": limited_protocol(settings, shared, metrics),
         # No WebSocket routes: an upgraded connection would escape the limits above.

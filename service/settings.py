@@ -50,8 +50,9 @@ class PlaceSettings(BaseSettings):
         """Never "" (it served the working directory), never a file."""
         if value == "":
             raise ValueError("must name a directory, got an empty value")
-        if Path(str(value)).exists() and not Path(str(value)).is_dir():
-            raise ValueError(f"{str(value)[:200]} is not a directory")
+        path = str(value)
+        if os.path.exists(path) and not os.path.isdir(path):  # False where it cannot look
+            raise ValueError(f"{path[:200]} is not a directory")
         return value
 
 
@@ -136,7 +137,7 @@ class Settings(PlaceSettings):
     """Refuse repository load/unload calls with 403 (poll mode still follows the disk)."""
     drain_timeout_s: float = Field(default=30.0, ge=0, le=HOUR_S, allow_inf_nan=False)
     """How long admitted requests may finish: of a replaced or unloaded version before it is
-    released, and of the whole service when it stops (SIGTERM)."""
+    released, and of the whole service when it stops (SIGTERM; 10 s at least)."""
 
     @field_validator("admin_token", "scratch_dir", "grpc_port", mode="before")
     @classmethod

@@ -25,11 +25,24 @@ LOCK_FILE = ".lmhead-lock"
 COPY_PREFIX = "lmhead-version-"
 
 
-def hold(directory: Path) -> BinaryIO:
-    """Lock ``directory`` as in use until the returned file is closed."""
+def hold(directory: Path, shared: bool = False) -> BinaryIO:
+    """Lock ``directory`` as in use until the returned file is closed; ``shared``: others of
+    the same service may hold it too (``join``)."""
     lock = (directory / f"{LOCK_FILE}.new").open("wb")
-    fcntl.flock(lock, fcntl.LOCK_EX)
+    fcntl.flock(lock, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
     os.rename(directory / f"{LOCK_FILE}.new", directory / LOCK_FILE)  # once held, never before
+    return lock
+
+
+def join(directory: Path) -> BinaryIO | None:
+    """Hold ``directory`` (locked ``shared``) as in use too, until the returned file closes:
+    the engine and fronts of a supervisor killed outright still use its directory while they
+    drain. None if it is gone already."""
+    try:
+        lock = (directory / LOCK_FILE).open("rb")
+    except OSError:
+        return None
+    fcntl.flock(lock, fcntl.LOCK_SH)
     return lock
 
 

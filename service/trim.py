@@ -56,7 +56,7 @@ def trim_version(
     try:
         space = read_space(source, len(weights.embedding))
         labels = read_labels(source, LABELS_FILE, len(weights.embedding))
-    except (ValueError, OSError) as error:  # UnicodeDecodeError is a ValueError
+    except ValueError as error:  # UnicodeDecodeError is one (an OSError is the machine's)
         raise CheckpointError(f"{source}: {error}") from None
     kept = np.unique(np.asarray(keep).reshape(-1))
     if kept.dtype.kind not in "iu" or not len(kept):

@@ -8,6 +8,7 @@ other ``LMHEAD_*`` setting too.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from collections.abc import Sequence
@@ -49,7 +50,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     except (Exception, KeyboardInterrupt) as error:  # one line; the traceback only when asked
         known = _known_failure(error)
-        if known is None and os.environ.get("LMHEAD_DEBUG"):
+        if os.environ.get("LMHEAD_DEBUG") and not isinstance(error, UsageError | ValidationError):
             raise
         message, status = known or (
             f"{type(error).__name__}: {error} (LMHEAD_DEBUG=1 shows where)",
@@ -71,9 +72,28 @@ def _known_failure(error: BaseException) -> tuple[str, int] | None:
         return str(error), 1
     if isinstance(error, KeyboardInterrupt):
         return "interrupted", 130
-    if isinstance(error, OSError) and error.strerror:  # no space, read-only, permissions
-        return _os_error(error), 1
+    if isinstance(error, OSError) and error.errno in ENVIRONMENT_ERRNOS:
+        return _os_error(error), 1  # the machine's state, not a bug: no space, permissions
     return None
+
+
+#: OSErrors that say what is wrong with the machine or the paths given (anything else: a bug).
+ENVIRONMENT_ERRNOS = frozenset(
+    {
+        errno.ENOSPC,
+        errno.EDQUOT,
+        errno.EROFS,
+        errno.EACCES,
+        errno.EPERM,
+        errno.ENOENT,
+        errno.EEXIST,
+        errno.ENOTDIR,
+        errno.EISDIR,
+        errno.ENOTEMPTY,
+        errno.EMFILE,
+        errno.ENAMETOOLONG,
+    }
+)
 
 
 def _os_error(error: OSError) -> str:

@@ -214,10 +214,17 @@ def health(args: argparse.Namespace) -> int:
 
 
 def _local_url() -> str:
-    """This machine on LMHEAD_PORT (reached when that is invalid: reports why, as a setting)."""
+    """This machine on LMHEAD_PORT (reached when that is invalid: says so, exit 1: Docker
+    reserves a health check's 2)."""
+    from pydantic import ValidationError
+
     from service.settings import PlaceSettings
 
-    return f"http://127.0.0.1:{PlaceSettings().port}"
+    try:
+        return f"http://127.0.0.1:{PlaceSettings().port}"
+    except ValidationError as error:
+        wrong = ", ".join(f"LMHEAD_{str(e['loc'][0]).upper()}: {e['msg']}" for e in error.errors())
+        raise CommandError(f"invalid settings: {wrong[:300]} (or give --url)") from None
 
 
 def inspect(args: argparse.Namespace) -> int:

@@ -25,6 +25,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from service import staging
 from service.dataplane import DataPlane
 from service.engine import running_engine
 from service.errors import ServiceError
@@ -228,7 +229,10 @@ def engine_main(settings: Settings, path: str, listening: Connection) -> None:
     # supervisor stops the fronts first, then this one, so no front loses its engine early
     become("lmhead-engine")
     logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s engine %(message)s")
-    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+    with (  # the supervisor's directory is in use until this process ends
+        staging.join(Path(path).parent) or contextlib.nullcontext(),
+        asyncio.Runner(loop_factory=_loop_factory()) as runner,
+    ):
         runner.run(_serve(settings, path, listening))
 
 

@@ -10,7 +10,9 @@ import multiprocessing
 import os
 import signal
 from collections.abc import MutableSequence
+from pathlib import Path
 
+from service import staging
 from service.settings import Settings
 
 
@@ -32,7 +34,9 @@ def front_main(
     app = create_app(settings, front=lambda: connected_plane(engine_socket, settings))
     shared = SharedConnections(connections, index)
     sockets = listening_sockets(settings.host, settings.port, reuse_port=True)
-    run_on(app, settings, sockets, shared)
+    # The supervisor's directory is in use until this front ends (``staging.join``).
+    with staging.join(Path(engine_socket).parent) or contextlib.nullcontext():
+        run_on(app, settings, sockets, shared)
 
 
 def ignore_group_signals() -> None:

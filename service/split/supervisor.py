@@ -52,7 +52,9 @@ def supervise(settings: Settings) -> int:
     # logging already (its level WARNING), so basicConfig alone left INFO unsaid
     held: list[socket.socket] = []
     runtime = Path(tempfile.mkdtemp(prefix=RUNTIME_PREFIX))
-    lock = staging.hold(runtime)  # a supervisor killed outright leaves its own: swept here
+    # Held by every process of this service (``staging.join``): a supervisor killed outright
+    # leaves it, swept by the next one once its engine and fronts have ended too.
+    lock = staging.hold(runtime, shared=True)
     staging.sweep(Path(tempfile.gettempdir()), RUNTIME_PREFIX)
     try:
         metrics_dir = runtime / "metrics"
@@ -61,7 +63,8 @@ def supervise(settings: Settings) -> int:
         ports = {"port": settings.port, "grpc_port": settings.grpc_port}
         for name, port in ports.items():
             if port is not None:
-                check_free(settings.host, port, f"LMHEAD_{name.upper()}")
+                flag = name.replace("_", "-")
+                check_free(settings.host, port, f"LMHEAD_{name.upper()} or --{flag}")
                 holding = _hold(settings.host, port)
                 held += holding
                 ports[name] = holding[0].getsockname()[1] if holding else port  # 0: what it got
@@ -91,8 +94,10 @@ class Group:
         self._connections = self._spawn.RawArray("q", settings.workers)
 
     def run(self) -> int:
-        for number in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        for number in (signal.SIGTERM, signal.SIGINT):
             signal.signal(number, self._stop)
+        if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # `nohup` keeps it out
+            signal.signal(signal.SIGHUP, self._stop)
         self._wake_w.setblocking(False)
         signal.set_wakeup_fd(self._wake_w.fileno())
         try:

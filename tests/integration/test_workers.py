@@ -786,3 +786,61 @@ def test_a_process_whose_supervisor_died_before_it_started_ends_itself(tmp_path:
     with contextlib.suppress(psutil.NoSuchProcess):  # already gone is what it should be
         psutil.Process(int(pid_file.read_text())).wait(timeout=60)
     assert result.read_text() == "ended"
+
+
+def test_the_directory_of_a_killed_supervisor_stays_while_its_engine_lives(
+    repository: Path,
+) -> None:
+    """A supervisor started meanwhile swept the directory of one killed outright while its
+    engine still drained there (journal, socket): every process of a service holds it."""
+    from service import staging
+    from service.split.supervisor import RUNTIME_PREFIX
+
+    port = free_port()
+    env = {**os.environ, "LMHEAD_WORKERS": "2", "LMHEAD_REPOSITORY": str(repository)}
+    command = [sys.executable, "-m", "service", "serve", "--port", str(port)]
+    quiet = subprocess.DEVNULL
+    process = subprocess.Popen(command, env=env, stdout=quiet, stderr=quiet)
+    try:
+        poll(lambda: _ready(f"http://127.0.0.1:{port}"), "ready", timeout_s=60)
+        processes = tree(f"http://127.0.0.1:{port}")
+        (socket_path,) = {c.laddr for c in processes.engine.net_connections("unix") if c.laddr}
+        runtime = Path(str(socket_path)).parent
+        processes.engine.suspend()  # as an engine still draining
+        process.kill()
+        process.wait(timeout=30)
+        psutil.wait_procs(processes.fronts, timeout=60)
+        assert runtime.name not in staging.sweep(runtime.parent, RUNTIME_PREFIX)
+        assert runtime.is_dir()
+        processes.engine.resume()  # its parent-death SIGTERM is delivered now
+        processes.engine.wait(timeout=60)
+        assert runtime.name in staging.sweep(runtime.parent, RUNTIME_PREFIX)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_nohup_keeps_a_hang_up_out(repository: Path) -> None:
+    """The service's SIGHUP handler replaced nohup's ignore: the terminal closing stopped it."""
+    port = free_port()
+    env = {**os.environ, "LMHEAD_REPOSITORY": str(repository)}
+    command = [sys.executable, "-m", "service", "serve", "--port", str(port)]
+    quiet = subprocess.DEVNULL
+
+    def as_nohup() -> None:
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+    process = subprocess.Popen(command, env=env, stdout=quiet, stderr=quiet, preexec_fn=as_nohup)
+    try:
+        poll(lambda: _ready(f"http://127.0.0.1:{port}"), "ready", timeout_s=60)
+        assert _sig_ignored(process.pid) & (1 << (signal.SIGHUP - 1))
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+
+
+def _sig_ignored(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    (line,) = [line for line in status if line.startswith("SigIgn:")]
+    return int(line.split()[1], 16)

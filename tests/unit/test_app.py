@@ -298,3 +298,28 @@ def test_a_version_policy_naming_no_version_on_disk_says_so(tmp_path: Path) -> N
 
     reason = asyncio.run(scenario())["reason"]
     assert reason == "config.json versions [7, 8] match none on disk ([1])"
+
+
+def test_a_failed_load_by_call_leaves_a_lazy_service_ready(tmp_path: Path) -> None:
+    """Readiness counts the models start-up loaded: with none (LMHEAD_LOAD_AT_START=false),
+    one failed load call took the pod out of the Service its next call comes through."""
+    (tmp_path / "broken" / "1").mkdir(parents=True)
+    (tmp_path / "broken" / "1" / "model.onnx").write_bytes(b"not onnx")
+
+    async def scenario() -> tuple[int, int]:
+        settings = Settings(repository=tmp_path, load_at_start=False)
+        async with serving(create_app(settings)) as client:
+            loaded = await client.post("/v1/repository/models/broken/load")
+            return loaded.status_code, (await client.get("/health/ready")).status_code
+
+    assert asyncio.run(scenario()) == (400, 200)
+
+
+def test_a_stop_drains_at_least_ten_seconds() -> None:
+    """LMHEAD_DRAIN_TIMEOUT_S=0 (release replaced versions at once) cancelled every request
+    in flight on SIGTERM with a 500."""
+    from service.server import _options
+
+    settings = Settings(drain_timeout_s=0)
+    assert _options(settings, Metrics())["timeout_graceful_shutdown"] == 10
+    assert _options(Settings(), Metrics())["timeout_graceful_shutdown"] == 30

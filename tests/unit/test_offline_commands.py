@@ -290,7 +290,7 @@ def test_demo_heads_appear_whole_or_not_at_all(
     monkeypatch.setattr(heads, "save_head", half_then_full_disk)
     with pytest.raises(OSError, match="No space left"):
         write_demo_models(tmp_path, DemoSpec(64, 8))
-    assert sorted(p.name for p in (tmp_path / "demo-tied").iterdir()) == []
+    assert list(tmp_path.iterdir()) == []  # an empty model directory is a model to the service
     monkeypatch.setattr(heads, "save_head", real)
     assert write_demo_models(tmp_path, DemoSpec(64, 8))[0] == tmp_path / "demo-tied" / "1"
     assert inspect_head(tmp_path / "demo-tied" / "1").vocab_size == 64
