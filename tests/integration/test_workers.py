@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -713,37 +714,41 @@ def test_a_supervisor_killed_outright_leaves_no_process_and_its_directory_goes_n
     private directory it could not remove (journal, metrics files) is swept by the next
     split service; that one stops on SIGHUP (a closed terminal) as on SIGTERM."""
     port = free_port()
+    with _split_process(repository, port) as process:
+        killed = tree(f"http://127.0.0.1:{port}")
+        runtime = _runtime_dir(killed)
+        process.kill()
+        process.wait(timeout=30)
+        _, alive = psutil.wait_procs([killed.engine, *killed.fronts], timeout=60)
+        assert alive == []
+        assert runtime.is_dir()
+    with _split_process(repository, port) as again:
+        assert not runtime.exists()
+        again.send_signal(signal.SIGHUP)
+        again.wait(timeout=60)
+    assert again.returncode == 0
+
+
+@contextmanager
+def _split_process(repository: Path, port: int) -> Iterator[subprocess.Popen[bytes]]:
+    """``lmhead serve`` with two fronts as a process of its own (the test signals it), ready."""
     env = {**os.environ, "LMHEAD_WORKERS": "2", "LMHEAD_REPOSITORY": str(repository)}
     command = [sys.executable, "-m", "service", "serve", "--port", str(port)]
     quiet = subprocess.DEVNULL
     process = subprocess.Popen(command, env=env, stdout=quiet, stderr=quiet)
     try:
         poll(lambda: _ready(f"http://127.0.0.1:{port}"), "ready", timeout_s=60)
-        killed = tree(f"http://127.0.0.1:{port}")
-        (socket_path,) = {c.laddr for c in killed.engine.net_connections("unix") if c.laddr}
-        runtime = Path(str(socket_path)).parent
-        process.kill()
-        process.wait(timeout=30)
-        _, alive = psutil.wait_procs([killed.engine, *killed.fronts], timeout=60)
-        assert alive == []
-        assert runtime.is_dir()
-        again = subprocess.Popen(
-            command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-        )
-        try:
-            poll(lambda: _ready(f"http://127.0.0.1:{port}"), "ready again", timeout_s=60)
-            assert not runtime.exists()
-            again.send_signal(signal.SIGHUP)
-            _, errors = again.communicate(timeout=60)
-        finally:
-            if again.poll() is None:
-                again.kill()
-                again.wait()
-        assert again.returncode == 0, errors.decode()[-2000:]
+        yield process
     finally:
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def _runtime_dir(processes: Tree) -> Path:
+    """The supervisor's private directory, where its engine's socket is."""
+    (socket_path,) = {c.laddr for c in processes.engine.net_connections("unix") if c.laddr}
+    return Path(str(socket_path)).parent
 
 
 def _orphan(result: Path) -> None:
@@ -797,15 +802,9 @@ def test_the_directory_of_a_killed_supervisor_stays_while_its_engine_lives(
     from service.split.supervisor import RUNTIME_PREFIX
 
     port = free_port()
-    env = {**os.environ, "LMHEAD_WORKERS": "2", "LMHEAD_REPOSITORY": str(repository)}
-    command = [sys.executable, "-m", "service", "serve", "--port", str(port)]
-    quiet = subprocess.DEVNULL
-    process = subprocess.Popen(command, env=env, stdout=quiet, stderr=quiet)
-    try:
-        poll(lambda: _ready(f"http://127.0.0.1:{port}"), "ready", timeout_s=60)
+    with _split_process(repository, port) as process:
         processes = tree(f"http://127.0.0.1:{port}")
-        (socket_path,) = {c.laddr for c in processes.engine.net_connections("unix") if c.laddr}
-        runtime = Path(str(socket_path)).parent
+        runtime = _runtime_dir(processes)
         processes.engine.suspend()  # as an engine still draining
         process.kill()
         process.wait(timeout=30)
@@ -815,10 +814,6 @@ def test_the_directory_of_a_killed_supervisor_stays_while_its_engine_lives(
         processes.engine.resume()  # its parent-death SIGTERM is delivered now
         processes.engine.wait(timeout=60)
         assert runtime.name in staging.sweep(runtime.parent, RUNTIME_PREFIX)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
 
 
 def test_nohup_keeps_a_hang_up_out(repository: Path) -> None:
