@@ -1,7 +1,7 @@
-"""Directories being written or read by one process, locked while in use, so that what a
-killed process left behind can be swept by the next one: the private copies a version loads
-from (``private_copy``) and the staging directories new versions are written in
-(``importer.write_version``).
+"""Directories in use, locked while they are, so that what a killed process left behind can
+be swept by the next one: the private copies a version loads from (``private_copy``), the
+staging directories new versions are written in (``importer.write_version``), and a split
+service's private directory, which all its processes hold (``split.supervisor``).
 
 The lock is an ``flock`` on a file inside the directory, named only once held: a directory
 whose lock file can be opened and locked is nobody's, whatever process or container made it.
