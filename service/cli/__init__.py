@@ -25,9 +25,9 @@ from service.cli.errors import (
     non_negative,
     positive,
     repository_path,
+    settings_message,
 )
 from service.demo import DemoSpec
-from service.errors import describe_validation_errors
 from service.quantize import DEFAULT_BLOCK_SIZE
 from service.settings import PlaceSettings, Settings
 
@@ -66,7 +66,7 @@ def _known_failure(error: BaseException) -> tuple[str, int] | None:
     Ctrl-C (nothing half-written is published); None for anything else (a bug)."""
     if isinstance(error, (UsageError, ValidationError, *_reported())):
         if isinstance(error, ValidationError):
-            return f"invalid settings: {describe_validation_errors(_as_variables(error), '')}", 2
+            return f"invalid settings: {settings_message(error)}", 2
         return str(error), 2
     if isinstance(error, CommandError):
         return str(error), 1
@@ -100,14 +100,6 @@ def _os_error(error: OSError) -> str:
     """``No space left on device: /repo/m/.writing-x/model.onnx.data`` (the path is the story)."""
     paths = [str(name)[:200] for name in (error.filename, error.filename2) if name is not None]
     return f"{error.strerror}: {' -> '.join(paths)}" if paths else str(error.strerror)
-
-
-def _as_variables(error: ValidationError) -> list[dict[str, object]]:
-    """Settings' errors located by their environment variables (``port`` -> ``LMHEAD_PORT``)."""
-    return [
-        {**item, "loc": tuple(f"LMHEAD_{str(part).upper()}" for part in item["loc"])}
-        for item in error.errors()
-    ]
 
 
 def _reported() -> tuple[type[Exception], ...]:

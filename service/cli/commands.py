@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from service.cli.errors import CommandError, UsageError
+from service.cli.errors import CommandError, UsageError, settings_message
 from service.demo import TIED_NAME, UNTIED_NAME, DemoSpec, write_demo_models
 from service.digits import decimal
 from service.graph import FORMAT
@@ -223,8 +223,7 @@ def _local_url() -> str:
     try:
         return f"http://127.0.0.1:{PlaceSettings().port}"
     except ValidationError as error:
-        wrong = ", ".join(f"LMHEAD_{str(e['loc'][0]).upper()}: {e['msg']}" for e in error.errors())
-        raise CommandError(f"invalid settings: {wrong[:300]} (or give --url)") from None
+        raise CommandError(f"invalid settings: {settings_message(error)} (or give --url)") from None
 
 
 def inspect(args: argparse.Namespace) -> int:

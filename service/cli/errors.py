@@ -1,14 +1,27 @@
 """The errors a command raises on purpose (printed as ``lmhead: message``): exit 2 for an
 option the command refuses, as argparse's own refusals, and exit 1 when it could not do its
-job; and the argument types that refuse bad values before a command starts."""
+job; the argument types that refuse bad values before a command starts, and the message of
+invalid settings."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from service.digits import decimal
+from service.errors import describe_validation_errors
 from service.repository import is_valid_name
+
+
+def settings_message(error: ValidationError) -> str:
+    """Settings' errors located by their environment variables (``port`` -> ``LMHEAD_PORT``)."""
+    located = [
+        {**item, "loc": tuple(f"LMHEAD_{str(part).upper()}" for part in item["loc"])}
+        for item in error.errors()
+    ]
+    return describe_validation_errors(located, "")
 
 
 class CommandError(Exception):
