@@ -8,10 +8,6 @@ something to find. Everything is seeded, so every machine makes the same files.
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +31,7 @@ class DemoSpec:
 def write_demo_models(repository: str | Path, spec: DemoSpec = DemoSpec()) -> list[Path]:
     """Write ``demo-tied/1`` and ``demo-untied/1`` under ``repository``; return their dirs."""
     from service.heads import HeadWeights, save_head  # onnx: not for the CLI's every start
+    from service.staging import write_whole
 
     rng = np.random.default_rng(spec.seed)
     scale = np.float32(spec.d_model**-0.5)
@@ -53,28 +50,9 @@ def write_demo_models(repository: str | Path, spec: DemoSpec = DemoSpec()) -> li
             (staging / LABELS_FILE).write_text(labels, encoding="utf-8")
 
         version_dir = Path(repository) / name / "1"
-        _write_whole(version_dir, write)
+        write_whole(version_dir, write, replace=True)  # --force rewrites them
         written.append(version_dir)
     return written
-
-
-def _write_whole(version_dir: Path, write: Callable[[Path], None]) -> None:
-    """``write`` fills a directory beside ``version_dir``, renamed into place once whole (an
-    existing one, ``--force``, goes then): a full disk left half a head, which counted as
-    present and was never written again (nor is a model directory left empty: a model)."""
-    made = not version_dir.parent.exists()
-    version_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".writing-", dir=version_dir.parent))
-    try:
-        write(staging)
-        os.chmod(staging, 0o755)  # mkdtemp made it private
-        if version_dir.exists():
-            shutil.rmtree(version_dir)
-        os.rename(staging, version_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-        if made and not any(version_dir.parent.iterdir()):
-            version_dir.parent.rmdir()
 
 
 def demo_tokens(vocab_size: int) -> list[str]:

@@ -4,10 +4,8 @@ model is tied (or when asked: ``--tie`` / ``--untie``)."""
 from __future__ import annotations
 
 import errno
-import os
 import shutil
 import sys
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,8 +27,6 @@ from service.repository import LABELS_FILE, MODEL_FILE, VOCAB_MAP_FILE, read_lab
 EXTERNAL_DATA_ABOVE_BYTES = 256 * 2**20
 #: Versions are at most 18 digits (``service.digits``).
 MAX_VERSION = 10**18 - 1
-#: A new version's directory while it is written (hidden from the service and the poller).
-STAGING_PREFIX = ".writing-"
 
 
 @dataclass(frozen=True)
@@ -291,49 +287,18 @@ def write_version(
     write: Callable[[Path], None],
     flag: str = "--version",
 ) -> Path:
-    """``write`` fills a staging directory beside the versions, renamed into place when done:
-    the new version appears complete or not at all (the poller never sees half of it).
-    ``flag``: the option that chose ``to_version``, named when that version exists.
-
-    The staging directory is locked while written (``service.staging``): those of a killed
-    command are swept by the next one. A model directory made here and left empty by a
-    failure goes too (the service would list it as a failed model)."""
+    """``write`` fills the new version, which appears complete or not at all
+    (``staging.write_whole``). ``flag``: the option that chose ``to_version``, named when
+    that version exists."""
     if model_dir.exists() and not model_dir.is_dir():
         raise CheckpointError(f"{model_dir} is a file, not a model directory")
-    made = not model_dir.exists()
-    model_dir.mkdir(parents=True, exist_ok=True)
+    target = _version_dir(model_dir, to_version, flag)
     try:
-        staging.sweep(model_dir, STAGING_PREFIX)
-        target = _version_dir(model_dir, to_version, flag)
-        with tempfile.TemporaryDirectory(prefix=STAGING_PREFIX, dir=model_dir) as scratch:
-            written = Path(scratch)
-            lock = staging.hold(written)
-            try:
-                write(written)
-                os.chmod(written, 0o755)  # mkdtemp made it private
-                staging.release(written, lock)
-                _publish(written, target, flag)
-            finally:
-                lock.close()
-            written.mkdir()  # for the context manager to remove
-        return target
-    except BaseException:
-        if made and not any(model_dir.iterdir()):
-            model_dir.rmdir()
-        raise
-
-
-def _publish(written: Path, target: Path, flag: str) -> None:
-    try:
-        os.rename(written, target)
-    except OSError as error:  # another command published this version meanwhile
-        if target.exists():
-            raise FileExistsError(
-                errno.EEXIST,
-                f"version {target.name} was written meanwhile (choose another {flag})",
-                str(target),
-            ) from None
-        raise error
+        staging.write_whole(target, write)
+    except FileExistsError:  # another command published this version meanwhile
+        taken = f"version {target.name} was written meanwhile (choose another {flag})"
+        raise FileExistsError(errno.EEXIST, taken, str(target)) from None
+    return target
 
 
 class Progress:

@@ -1,6 +1,6 @@
 """Directories in use, locked while they are, so that what a killed process left behind can
 be swept by the next one: the private copies a version loads from (``private_copy``), the
-staging directories new versions are written in (``importer.write_version``), and a split
+staging directories new versions are written in (``write_whole``), and a split
 service's private directory, which all its processes hold (``split.supervisor``).
 
 The lock is an ``flock`` on a file inside the directory, named only once held: a directory
@@ -9,11 +9,12 @@ whose lock file can be opened and locked is nobody's, whatever process or contai
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
@@ -21,6 +22,8 @@ from typing import BinaryIO
 from service.repository import RepositoryError, Signature, check_regular, signature
 
 LOCK_FILE = ".lmhead-lock"
+#: A new version's directory while it is written (hidden from the service and the poller).
+STAGING_PREFIX = ".writing-"
 #: A version's private copy, locked by its loader while it loads from it.
 COPY_PREFIX = "lmhead-version-"
 
@@ -51,6 +54,48 @@ def release(directory: Path, lock: BinaryIO) -> None:
     first, while held, so no sweeper can take it and remove the directory."""
     (directory / LOCK_FILE).unlink(missing_ok=True)
     lock.close()
+
+
+def write_whole(target: Path, write: Callable[[Path], None], replace: bool = False) -> None:
+    """``write`` fills a directory beside ``target``, locked while written (the next call
+    sweeps those a killed command left), renamed into place once whole: the poller never
+    sees half of it, and a full disk leaves no half head that would count as present.
+    ``replace``: an existing ``target`` goes then; else one there is a ``FileExistsError``.
+    A parent made here and left empty by a failure goes too (the service would list an
+    empty model directory as a failed model)."""
+    parent = target.parent
+    made = not parent.exists()
+    parent.mkdir(parents=True, exist_ok=True)
+    try:
+        sweep(parent, STAGING_PREFIX)
+        with tempfile.TemporaryDirectory(prefix=STAGING_PREFIX, dir=parent) as scratch:
+            written = Path(scratch)
+            lock = hold(written)
+            try:
+                write(written)
+                os.chmod(written, 0o755)  # mkdtemp made it private
+                release(written, lock)
+                if replace and target.exists():
+                    shutil.rmtree(target)
+                _rename(written, target)
+            finally:
+                lock.close()
+            written.mkdir()  # for the context manager to remove
+    except BaseException:
+        if made and not any(parent.iterdir()):
+            parent.rmdir()
+        raise
+
+
+def _rename(written: Path, target: Path) -> None:
+    try:
+        os.rename(written, target)
+    except OSError as error:  # another command wrote it meanwhile
+        if target.exists():
+            raise FileExistsError(
+                errno.EEXIST, f"{target.name} was written meanwhile", str(target)
+            ) from None
+        raise error
 
 
 def sweep(parent: Path, prefix: str) -> list[str]:

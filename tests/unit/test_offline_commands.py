@@ -18,7 +18,6 @@ from service.checkpoints import CheckpointError, tokenizer_tokens
 from service.cli import main
 from service.heads import HeadWeights, save_head
 from service.importer import (
-    STAGING_PREFIX,
     ImportOptions,
     import_checkpoint,
     quantize_version,
@@ -27,7 +26,7 @@ from service.importer import (
 from service.inspect import HeadInspectionError, inspect_head
 from service.quantize import QuantSpec
 from service.repository import LABELS_FILE, VOCAB_MAP_FILE, read_space
-from service.staging import hold
+from service.staging import STAGING_PREFIX, hold
 from service.trim import trim_version
 
 VOCAB, D = 1000, 16
