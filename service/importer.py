@@ -20,6 +20,7 @@ from service.digits import decimal
 from service.heads import HeadWeights, dtype_name, read_head, save_head
 from service.quantize import QuantSpec
 from service.repository import LABELS_FILE, MODEL_FILE, VOCAB_MAP_FILE, read_labels, read_space
+from service.vocabulary import TokenSpace
 
 #: Above this the weights go to model.onnx.data: written straight from the numpy buffers (no
 #: protobuf copy, so the import peak stays near the checkpoint tensor plus its float32 copy)
@@ -264,14 +265,18 @@ def read_float_head(source: Path) -> HeadWeights:
         raise CheckpointError(f"{error} (--version picks another)") from None
 
 
-def companions(source: Path, vocab_size: int) -> Callable[[Path], None]:
-    """What copies a version's labels and token map into a new version of the same rows,
-    once checked as the service reads them (now: never after the work is done)."""
+def read_companions(source: Path, vocab_size: int) -> tuple[list[str] | None, TokenSpace]:
+    """A version's labels and token space, read as the service reads them."""
     try:
-        read_labels(source, LABELS_FILE, vocab_size)
-        read_space(source, vocab_size)
+        return read_labels(source, LABELS_FILE, vocab_size), read_space(source, vocab_size)
     except ValueError as error:  # UnicodeDecodeError is one (an OSError is the machine's)
         raise CheckpointError(f"{source}: {error}") from None
+
+
+def companions(source: Path, vocab_size: int) -> Callable[[Path], None]:
+    """What copies a version's labels and token map into a new version of the same rows,
+    once checked (now: never after the work is done)."""
+    read_companions(source, vocab_size)
 
     def copy(staging: Path) -> None:
         for name in (LABELS_FILE, VOCAB_MAP_FILE):

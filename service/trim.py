@@ -24,11 +24,12 @@ from service.errors import InvalidInput
 from service.heads import HeadWeights, read_head, save_head
 from service.importer import (
     EXTERNAL_DATA_ABOVE_BYTES,
+    read_companions,
     read_float_head,
     source_version,
     write_version,
 )
-from service.repository import LABELS_FILE, MODEL_FILE, VOCAB_MAP_FILE, read_labels, read_space
+from service.repository import LABELS_FILE, MODEL_FILE, VOCAB_MAP_FILE, read_space
 
 
 def id_space_size(source: Path) -> int:
@@ -53,11 +54,7 @@ def trim_version(
     ids; repeats and order do not matter) as a version of ``new_name``."""
     source = source_version(Path(repository) / name, version)
     weights = read_float_head(source)
-    try:
-        space = read_space(source, len(weights.embedding))
-        labels = read_labels(source, LABELS_FILE, len(weights.embedding))
-    except ValueError as error:  # UnicodeDecodeError is one (an OSError is the machine's)
-        raise CheckpointError(f"{source}: {error}") from None
+    labels, space = read_companions(source, len(weights.embedding))
     kept = np.unique(np.asarray(keep).reshape(-1))
     if kept.dtype.kind not in "iu" or not len(kept):
         raise CheckpointError("--keep must name at least one integer token id")
