@@ -6,6 +6,14 @@ VENV ?= .venv
 # are loaded there too, by tests/integration/test_runtimes.py.
 ORT_OLDEST ?= 1.18.0
 OLDEST ?= .venv-oldest
+# onnxruntime 1.18 (and numpy < 2) has wheels for Python 3.8-3.12 only: .venv-oldest is made
+# with PYTHON when it is one of those, else with python3.12 or python3.11 from PATH; with none,
+# the tests that need it skip and say why (OLDEST_PYTHON=... names another interpreter).
+ifeq ($(origin OLDEST_PYTHON), undefined)
+OLDEST_PYTHON := $(shell for p in $(PYTHON) python3.12 python3.11; do \
+	$$p -c 'import sys; sys.exit(sys.version_info >= (3, 13))' 2>/dev/null \
+	&& exec $$p -c 'import sys; print(sys.executable)'; done)
+endif
 # The KServe SDK in its own environment (its server dependencies pin versions lmhead's do not
 # share): its gRPC client runs in tests/integration/test_grpc_kserve.py, its CRD models and
 # kubernetes-validate's schemas check the manifests (deploy/validate.py).
@@ -31,7 +39,7 @@ install: $(STAMP)
 
 $(OLDEST)/.installed: Makefile
 	rm -rf $(OLDEST)
-	$(PYTHON) -m venv $(OLDEST)
+	$(OLDEST_PYTHON) -m venv $(OLDEST)
 	$(OLDEST)/bin/python -m pip install --quiet "onnxruntime==$(ORT_OLDEST)" "numpy<2"
 	touch $@
 
@@ -49,8 +57,9 @@ lint: install
 typecheck: install
 	$(BIN)/mypy
 
-pytest: install $(OLDEST)/.installed $(DEPLOY)/.installed
-	LMHEAD_OLDEST_PYTHON=$(OLDEST)/bin/python LMHEAD_KSERVE_PYTHON=$(DEPLOY)/bin/python $(BIN)/pytest
+pytest: install $(if $(OLDEST_PYTHON),$(OLDEST)/.installed) $(DEPLOY)/.installed
+	LMHEAD_OLDEST_PYTHON=$(if $(OLDEST_PYTHON),$(OLDEST)/bin/python) \
+	LMHEAD_KSERVE_PYTHON=$(DEPLOY)/bin/python $(BIN)/pytest
 
 ## Everything CI checks: install, lint, type-check, the whole test suite.
 test: lint typecheck pytest

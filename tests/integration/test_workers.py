@@ -731,8 +731,17 @@ def test_a_supervisor_killed_outright_leaves_no_process_and_its_directory_goes_n
 
 @contextmanager
 def _split_process(repository: Path, port: int) -> Iterator[subprocess.Popen[bytes]]:
-    """``lmhead serve`` with two fronts as a process of its own (the test signals it), ready."""
-    env = {**os.environ, "LMHEAD_WORKERS": "2", "LMHEAD_REPOSITORY": str(repository)}
+    """``lmhead serve`` with two fronts as a process of its own (the test signals it), ready;
+    with a temporary directory of its own: a split service started by another test run on
+    this machine sweeps the stale ``lmhead-run-*`` directories of a shared one."""
+    scratch = repository.parent / "tmp"
+    scratch.mkdir(exist_ok=True)
+    env = {
+        **os.environ,
+        "LMHEAD_WORKERS": "2",
+        "LMHEAD_REPOSITORY": str(repository),
+        "TMPDIR": str(scratch),
+    }
     command = [sys.executable, "-m", "service", "serve", "--port", str(port)]
     quiet = subprocess.DEVNULL
     process = subprocess.Popen(command, env=env, stdout=quiet, stderr=quiet)
