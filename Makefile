@@ -19,6 +19,8 @@ endif
 # kubernetes-validate's schemas check the manifests (deploy/validate.py).
 DEPLOY ?= .venv-deploy
 KSERVE_SDK ?= 0.21.0
+# Every runtime dependency at pyproject's lower bound (make test-floors).
+FLOORS ?= .venv-floors
 # Ray Serve (service/rayserve.py) and its multi-node cluster tests, in their own environment.
 RAY_VENV ?= .venv-ray
 REPOSITORY ?= models
@@ -26,7 +28,7 @@ EXTRAS ?= cpu,dev
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run demo test lint typecheck pytest deploy-check ray-test docker-test bench clean
+.PHONY: install run demo test test-floors lint typecheck pytest deploy-check ray-test docker-test bench clean
 
 $(STAMP): pyproject.toml
 	rm -rf $(VENV)
@@ -63,6 +65,19 @@ pytest: install $(if $(OLDEST_PYTHON),$(OLDEST)/.installed) $(DEPLOY)/.installed
 
 ## Everything CI checks: install, lint, type-check, the whole test suite.
 test: lint typecheck pytest
+
+## The whole test suite with every runtime dependency at the lowest version pyproject allows
+## (.ci/floors.py pins them), in its own environment: CI runs it after `make test`.
+$(FLOORS)/.installed: pyproject.toml .ci/floors.py
+	rm -rf $(FLOORS)
+	$(PYTHON) -m venv $(FLOORS)
+	$(FLOORS)/bin/python -m pip install --quiet --upgrade pip
+	$(PYTHON) .ci/floors.py > $(FLOORS)/floors.txt
+	$(FLOORS)/bin/python -m pip install --quiet -e '.[cpu,dev]' -c $(FLOORS)/floors.txt
+	touch $@
+
+test-floors: $(FLOORS)/.installed
+	$(FLOORS)/bin/pytest -p no:cacheprovider
 
 $(DEPLOY)/.installed: Makefile
 	rm -rf $(DEPLOY)
@@ -106,4 +121,4 @@ bench: install
 	$(BIN)/python -m bench.import_head
 
 clean:
-	rm -rf $(VENV) $(OLDEST) $(DEPLOY) $(RAY_VENV) .mypy_cache .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(OLDEST) $(DEPLOY) $(FLOORS) $(RAY_VENV) .mypy_cache .pytest_cache .ruff_cache

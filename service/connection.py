@@ -378,6 +378,10 @@ def _closing_unasked(cycle: Any, send: Any) -> Any:
     async def sending(message: Any) -> None:
         if message["type"] == "http.response.start" and cycle.waiting_for_100_continue:
             cycle.keep_alive = False
+            headers = list(message.get("headers", ()))
+            if not any(name.lower() == b"connection" for name, _ in headers):
+                # said by uvicorn >= 0.53 for keep_alive=False; older ones only closed
+                message = {**message, "headers": [*headers, (b"connection", b"close")]}
         await send(message)
 
     return sending

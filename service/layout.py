@@ -36,7 +36,7 @@ from service.inspect import HeadReport, inspect_head
 from service.lse_graph import add_chunked_logsumexp
 from service.quantize import QuantSpec
 from service.rows import FileRows, QuantizedRows, RowSource
-from service.runtime import CUDA, HeadSession
+from service.runtime import CUDA, RUNTIME_VERSION, HeadSession
 from service.settings import MemoryMode
 from service.vocabulary import CandidateLogits
 
@@ -177,20 +177,26 @@ def _row_source(
 
 def required_runtime(report: HeadReport, split: bool) -> tuple[int, int]:
     """The oldest onnxruntime that runs this head as laid out: 8-bit ``MatMulNBits`` came in
-    1.22, ``GatherBlockQuantized`` on uint8 codes with ``bits`` in 1.23 (both measured);
-    4-bit projections and float heads run on 1.18, lmhead's oldest."""
+    1.22, ``GatherBlockQuantized`` on uint8 codes with ``bits`` in 1.23, and it looks 4-bit
+    rows up right from 1.27 (1.23-1.26 answered wrong rows at some widths: 58% of the values
+    at d_model 96, block 32; all measured); 4-bit projections and float heads run on 1.18,
+    lmhead's oldest."""
     quantization = report.quantization
     if quantization is None:
         return (1, 18)
     if quantization["table"] and not split:
-        return (1, 23)
+        return (1, 27) if quantization["bits"] == 4 else (1, 23)
     return (1, 22) if quantization["bits"] == 8 else (1, 18)
+
+
+def runtime_for(report: HeadReport, placement: Placement) -> tuple[int, int]:
+    """The oldest onnxruntime that runs this head as ``open_head`` lays it out there."""
+    return required_runtime(report, _splits(report, placement))
 
 
 def check_runtime(report: HeadReport, split: bool) -> None:
     needed = required_runtime(report, split)
-    have = tuple(int(part) for part in ort.__version__.split(".")[:2])
-    if have < needed:
+    if needed > RUNTIME_VERSION:
         raise ValueError(
             f"this {report.dtype} head needs onnxruntime >= {needed[0]}.{needed[1]} laid out "
             f"{'split' if split else 'in one session'}; this is onnxruntime {ort.__version__}"

@@ -84,7 +84,7 @@ class CompareOptions(_Options):
 class _Document(BaseModel):
     """A model only the OpenAPI document uses (answers are built by the codecs)."""
 
-    model_config = ConfigDict(use_attribute_docstrings=True)
+    model_config = ConfigDict(use_attribute_docstrings=True, protected_namespaces=())
 
 
 def _example(**values: Any) -> ConfigDict:

@@ -28,6 +28,7 @@ import onnxruntime as ort
 from onnx import helper
 
 from service.inspect import HeadInspectionError, inspect_head, resolve_model_path
+from service.layout import check_runtime
 
 CONTRIB_DOMAIN = "com.microsoft"
 
@@ -68,6 +69,10 @@ def retie(path: str | Path, output: str | Path | None = None) -> RetieResult:
     repaired.graph.initializer.extend(remaining)
     _say_tied(repaired)
     onnx.checker.check_model(repaired)
+    try:  # the tied head runs as one session in the check below
+        check_runtime(report, split=False)
+    except ValueError as error:
+        raise HeadInspectionError(f"cannot check the retied head: {error}") from None
     difference = _compare(original, repaired)
     target = Path(output) if output is not None else source
     external = report.external_data or repaired.ByteSize() > 2**31 - 2**26

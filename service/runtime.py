@@ -99,6 +99,12 @@ class Scored:
 
 #: Rows whose ranks are counted at once (a rows x vocab boolean temporary).
 RANK_ROWS = 8
+#: This onnxruntime's (major, minor) version.
+RUNTIME_VERSION = tuple(int(part) for part in ort.__version__.split(".")[:2])
+#: onnxruntime before 1.31 divides by zero (SIGFPE: the process dies) in TopK on 0 rows with
+#: k >= 1, and a run computes every node: there an embedding run carries one zero row (one
+#: row of projection wasted per lookup, and per load's warm-up).
+_FILLER_ROWS = 0 if RUNTIME_VERSION >= (1, 31) else 1
 
 
 def session_options(
@@ -188,8 +194,8 @@ class HeadSession:
         #: into a buffer of its thread's, else 2 (logits and log-softmax, or transforms').
         self.score_copies = 1 if LSE_IN_CHUNKS in self._inputs else 2
         self._score_buffers = threading.local()
-        self._no_rows = np.zeros((0, self.d_model), np.float32)
-        self._no_temperature = np.zeros((0, 1), np.float32)
+        self._no_rows = np.zeros((_FILLER_ROWS, self.d_model), np.float32)
+        self._no_temperature = np.ones((_FILLER_ROWS, 1), np.float32)
         self._no_ids = np.zeros((0,), np.int64)
 
     @property

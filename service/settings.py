@@ -28,7 +28,11 @@ class PlaceSettings(BaseSettings):
     (``demo`` and ``import`` write to the same repository that ``serve`` serves)."""
 
     model_config = SettingsConfigDict(
-        env_prefix="LMHEAD_", use_attribute_docstrings=True, extra="ignore", frozen=True
+        env_prefix="LMHEAD_",
+        use_attribute_docstrings=True,
+        extra="ignore",
+        frozen=True,
+        protected_namespaces=("settings_",),  # model_name: pydantic<2.10 warns on model_*
     )
 
     repository: Path = Path("models")

@@ -8,14 +8,18 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 import onnx
+import onnxruntime as ort
 import pytest
 from onnx import numpy_helper
 
 from service.demo import demo_tokens
 from service.graph import OUTPUT_WEIGHT
 from service.heads import HeadWeights, save_head
+from service.inspect import inspect_head
+from service.layout import Placement, runtime_for
 from service.reference import output_projection_tied, output_projection_untied
 from service.repository import MODEL_FILE
+from service.runtime import RUNTIME_VERSION
 
 VOCAB = 997
 D_MODEL = 48
@@ -106,3 +110,12 @@ def repository(
     root = tmp_path_factory.mktemp("models")
     write_tied_and_untied(root, table, output_weight)
     return root
+
+
+def skip_unless_runnable(path: Path, placement: Placement | None = None) -> None:
+    """Skip where this onnxruntime cannot run the head as ``placement`` lays it out (the
+    service refuses it there, saying which version it needs): ``make test-floors`` runs the
+    suite on onnxruntime 1.18, lmhead's oldest, which has no 8-bit kernels."""
+    needed = runtime_for(inspect_head(path), placement or Placement())
+    if needed > RUNTIME_VERSION:
+        pytest.skip(f"needs onnxruntime >= {needed[0]}.{needed[1]}; this is {ort.__version__}")

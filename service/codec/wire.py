@@ -303,7 +303,10 @@ def npy_bytes(array: npt.NDArray[Any]) -> bytes:
 
 def npz_bytes(arrays: Mapping[str, npt.NDArray[Any]]) -> bytes:
     stream = io.BytesIO()
-    np.savez(stream, allow_pickle=False, **arrays)
+    # Numeric arrays are never pickled: no allow_pickle=False, which numpy < 2.2 stored as an
+    # array of that name (and Any: numpy >= 2.2's stubs match **arrays against allow_pickle).
+    fields: dict[str, Any] = dict(arrays)
+    np.savez(stream, **fields)
     return stream.getvalue()
 
 

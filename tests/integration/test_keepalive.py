@@ -40,7 +40,11 @@ def test_a_500_on_a_framework_route_keeps_the_connection(
         raise RuntimeError("a bug")
 
     config = uvicorn.Config(
-        app, port=settings.port, http=limited_protocol(settings), log_level="critical"
+        app,
+        port=settings.port,
+        http=limited_protocol(settings),
+        ws="none",  # as service.server (uvicorn < 0.50 auto-imports websockets.legacy: deprecated)
+        log_level="critical",
     )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
