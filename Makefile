@@ -68,9 +68,11 @@ test: lint typecheck pytest
 
 ## The whole test suite with every runtime dependency at the lowest version pyproject allows
 ## (.ci/floors.py pins them), in its own environment: CI runs it after `make test`.
-$(FLOORS)/.installed: pyproject.toml .ci/floors.py
+$(FLOORS)/.installed: pyproject.toml .ci/floors.py Makefile
+	$(if $(OLDEST_PYTHON),,$(error the floors need Python 3.11 or 3.12 (onnxruntime 1.18 has no wheels for \
+	newer ones): none found; name one with OLDEST_PYTHON=...))
 	rm -rf $(FLOORS)
-	$(PYTHON) -m venv $(FLOORS)
+	$(OLDEST_PYTHON) -m venv $(FLOORS)
 	$(FLOORS)/bin/python -m pip install --quiet --upgrade pip
 	$(PYTHON) .ci/floors.py > $(FLOORS)/floors.txt
 	$(FLOORS)/bin/python -m pip install --quiet -e '.[cpu,dev]' -c $(FLOORS)/floors.txt
