@@ -194,8 +194,8 @@ class HeadSession:
         #: into a buffer of its thread's, else 2 (logits and log-softmax, or transforms').
         self.score_copies = 1 if LSE_IN_CHUNKS in self._inputs else 2
         self._score_buffers = threading.local()
-        self._no_rows = np.zeros((_FILLER_ROWS, self.d_model), np.float32)
-        self._no_temperature = np.ones((_FILLER_ROWS, 1), np.float32)
+        self._filler_rows = np.zeros((_FILLER_ROWS, self.d_model), np.float32)
+        self._filler_temperature = np.ones((_FILLER_ROWS, 1), np.float32)
         self._no_ids = np.zeros((0,), np.int64)
 
     @property
@@ -279,7 +279,9 @@ class HeadSession:
         if self.rows is not None:
             embeddings = self.rows.rows(flat)
         else:
-            (embeddings,) = self._run([EMBEDDINGS], self._no_rows, flat, 1, self._no_temperature)
+            (embeddings,) = self._run(
+                [EMBEDDINGS], self._filler_rows, flat, 1, self._filler_temperature
+            )
         return embeddings.reshape(*ids.shape, self.d_model)
 
     def _run(
