@@ -21,14 +21,14 @@ DEPLOY ?= .venv-deploy
 KSERVE_SDK ?= 0.21.0
 # Every runtime dependency at pyproject's lower bound (make test-floors).
 FLOORS ?= .venv-floors
-# Ray Serve (service/rayserve.py) and its multi-node cluster tests, in their own environment.
+# Ray Serve (service/hosting/rayserve.py) and its multi-node cluster tests, in their own environment.
 RAY_VENV ?= .venv-ray
 REPOSITORY ?= models
 EXTRAS ?= cpu,dev
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run demo test test-floors lint typecheck pytest deploy-check ray-test docker-test bench clean
+.PHONY: install run demo test test-fast test-floors lint layers typecheck pytest deploy-check ray-test docker-test bench clean
 
 $(STAMP): pyproject.toml
 	rm -rf $(VENV)
@@ -59,12 +59,17 @@ lint: install
 typecheck: install
 	$(BIN)/mypy
 
+## The layer order of service/ (pyproject's [tool.importlinter]): fails naming any import that
+## runs up a layer, any circle, and any module at the root of service/ placed in no layer.
+layers: install
+	$(BIN)/lint-imports
+
 pytest: install $(if $(OLDEST_PYTHON),$(OLDEST)/.installed) $(DEPLOY)/.installed
 	LMHEAD_OLDEST_PYTHON=$(if $(OLDEST_PYTHON),$(OLDEST)/bin/python) \
 	LMHEAD_KSERVE_PYTHON=$(DEPLOY)/bin/python $(BIN)/pytest
 
 ## Everything CI checks: install, lint, type-check, the whole test suite.
-test: lint typecheck pytest
+test: lint layers typecheck pytest
 
 ## The whole test suite with every runtime dependency at the lowest version pyproject allows
 ## (.ci/floors.py pins them), in its own environment: CI runs it after `make test`.

@@ -36,10 +36,10 @@ import onnxruntime as ort
 import psutil
 
 from bench.machine import describe_machine
-from service.heads import HeadWeights, save_head
-from service.inspect import inspect_head
-from service.layout import servable_path
-from service.runtime import CPU, CUDA, HeadSession
+from service.heads.files import HeadWeights, save_head
+from service.heads.inspector import inspect_head
+from service.runtime.layout import servable_path
+from service.runtime.session import CPU, CUDA, HeadSession
 
 ROWS = (1, 8, 64, 512)
 K = 10

@@ -41,13 +41,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.loadgen import build_request, closed_loop
 from bench.machine import describe_machine
-from service.compare import agreement
-from service.heads import HeadWeights, save_head
-from service.inspect import inspect_head
-from service.layout import Placement, open_head
-from service.quantize import QuantSpec
-from service.reference import log_softmax
-from service.runtime import HeadSession
+from service.heads.files import HeadWeights, save_head
+from service.heads.inspector import inspect_head
+from service.heads.quantize import QuantSpec
+from service.heads.reference import log_softmax
+from service.plane.comparison import agreement
+from service.runtime.layout import Placement, open_head
+from service.runtime.session import HeadSession
 from service.settings import MemoryMode
 from tests.server import running_server
 
@@ -256,7 +256,7 @@ def _accuracy(
 
 
 def _resident_ratio(path: Path, mode: str) -> float:
-    command = [sys.executable, "-m", "service.memory", str(path), "--memory-mode", mode]
+    command = [sys.executable, "-m", "service.tools.memory", str(path), "--memory-mode", mode]
     out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
     return float(json.loads(out)["ratio"])
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from service.demo import write_demo_models
+from service.tools.demo import write_demo_models
 
 #: The widest vector instructions a CPU offers, best first (``/proc/cpuinfo`` flags): MLAS
 #: picks its kernels by them, and quantized heads' speed follows (one "AMD EPYC" VM measured

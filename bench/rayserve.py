@@ -23,7 +23,7 @@ from ray import serve
 
 from bench.machine import describe_machine, report_on_demo_heads
 from bench.serve import Result, _drive, _mean
-from service.rayserve import LMHead
+from service.hosting.rayserve import LMHead
 from tests.server import free_port, running_server
 
 MODEL = "demo-tied"

@@ -41,9 +41,9 @@ import uvloop
 
 from bench.loadgen import build_request, closed_loop
 from bench.machine import describe_machine
-from service.demo import write_demo_models
-from service.inspect import inspect_head
-from service.runtime import HeadSession
+from service.heads.inspector import inspect_head
+from service.runtime.session import HeadSession
+from service.tools.demo import write_demo_models
 from tests.server import running_checkout, running_server
 
 ROWS = (1, 8, 64)

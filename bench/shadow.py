@@ -14,7 +14,7 @@ from pathlib import Path
 
 from bench.machine import describe_machine
 from bench.serve import _drive
-from service.demo import write_demo_models
+from service.tools.demo import write_demo_models
 from tests.server import running_server
 
 FRACTIONS = (0.0, 0.1, 1.0)

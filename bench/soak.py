@@ -30,9 +30,9 @@ import numpy.typing as npt
 from bench.machine import describe_machine
 from service.client import Client
 from service.errors import ServiceError
-from service.heads import HeadWeights, save_head
+from service.heads.files import HeadWeights, save_head
+from service.heads.reference import top_k
 from service.limits import worst_case_extra_bytes
-from service.reference import top_k
 from service.settings import Settings
 from tests.conftest import reference_logits
 from tests.server import peak_resident, running_server, server_process

@@ -25,7 +25,7 @@ import psutil
 
 from service.client import AsyncClient
 from service.errors import ServiceError
-from service.heads import HeadWeights, save_head
+from service.heads.files import HeadWeights, save_head
 from tests.server import running_server
 
 CLIENTS = 8

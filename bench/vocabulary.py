@@ -30,14 +30,14 @@ import numpy.typing as npt
 
 from bench.machine import describe_machine
 from service.allocator import peak_resident_bytes, reset_peak
-from service.heads import HeadWeights, save_head
-from service.layout import Placement, open_head
+from service.heads.files import HeadWeights, save_head
 from service.limits import Limits
-from service.memory import resident_bytes
-from service.runtime import HeadSession
-from service.scoring import score_rows
-from service.trim import trim_version
-from service.vocabulary import SampleSpec, logsumexp, sample_sorted, top_sorted
+from service.plane.scoring import score_rows
+from service.runtime.layout import Placement, open_head
+from service.runtime.session import HeadSession
+from service.runtime.vocabulary import SampleSpec, logsumexp, sample_sorted, top_sorted
+from service.tools.memory import resident_bytes
+from service.tools.trim import trim_version
 
 REPEATS = 7
 K = 10

@@ -44,11 +44,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.loadgen import build_request, closed_loop
 from bench.machine import describe_machine
 from bench.serve import Result, _bare, _hidden, _result
-from service.demo import write_demo_models
-from service.heads import HeadWeights, save_head
-from service.inspect import inspect_head
-from service.runtime import HeadSession, select_providers
+from service.heads.files import HeadWeights, save_head
+from service.heads.inspector import inspect_head
+from service.runtime.session import HeadSession, select_providers
 from service.settings import Settings
+from service.tools.demo import write_demo_models
 from tests.server import running_server, server_process
 
 CLIENTS = (1, 16, 64)

@@ -1,7 +1,7 @@
 """glibc allocator settings every lmhead process applies (no-ops elsewhere), and the
 resident high-water mark the memory measurements read (Linux).
 
-Kept apart from ``service.memory`` (the footprint measurements) so a front process, which
+Kept apart from ``service.tools.memory`` (the footprint measurements) so a front process, which
 holds no head, applies them without importing onnxruntime.
 """
 

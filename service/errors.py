@@ -1,8 +1,9 @@
 """One error hierarchy, for the service and its client alike (the standard library only).
 
 Every error the service raises on purpose is a ``ServiceError`` carrying its HTTP status and a
-stable ``code``; ``service.routes.errors`` renders it as ``{"error": {"code", "message"}}`` (in
-one place), and ``service.client`` raises the class of the code it reads back (``by_code``).
+stable ``code``; ``service.api.routes.error_handlers`` renders it as
+``{"error": {"code", "message"}}`` (in one place), and ``service.client`` raises the class of
+the code it reads back (``by_code``).
 Messages name the field, the expected and the actual value, and never echo the request body.
 """
 

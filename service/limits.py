@@ -19,7 +19,6 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from service.compare import STATISTICS_BYTES
 from service.errors import InvalidInput, LogitsOverflow, PayloadTooLarge, ServerBusy
 from service.settings import Settings
 
@@ -36,6 +35,11 @@ BODY_EXPANSION = 3
 #: ``0.5,`` decodes to ~10x its bytes, ``[0],`` to ~30x (measured +2.05 GB for 63 MiB).
 JSON_NUMBER_BYTES = 40
 JSON_ARRAY_BYTES = 80
+#: Logits the statistics of compare, score and shadow process at a time
+#: (``service.plane.comparison``); a chunk's float64 and index temporaries are ~10x it.
+CHUNK_BYTES = 4 * 2**20
+#: What the statistics hold at most.
+STATISTICS_BYTES = 10 * CHUNK_BYTES
 
 
 def refuse_overflow(

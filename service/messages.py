@@ -17,7 +17,7 @@ import numpy.typing as npt
 
 Tokens = Sequence[list[str | None]]
 """Token strings of returned ids, one list per (flattened) row; None past the labels file
-(a ``service.labels.TokenStrings``, looked up when first read, or a plain list)."""
+(a ``service.repository.labels.TokenStrings``, looked up when first read, or a plain list)."""
 
 
 @dataclass(frozen=True)

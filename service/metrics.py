@@ -245,7 +245,8 @@ class Metrics:
         children[1].observe(seconds)
 
     def refused(self, code: str) -> None:
-        """The HTTP layer refused a request or a connection itself (``service.connection``)."""
+        """The HTTP layer refused a request or a connection itself
+        (``service.hosting.connection``)."""
         self.http_refused.labels(code).inc()
 
     def model_released(self, model: str, version: str, tied: str, runs: bool = True) -> None:

@@ -12,14 +12,14 @@ import onnxruntime as ort
 import pytest
 from onnx import numpy_helper
 
-from service.demo import demo_tokens
-from service.graph import OUTPUT_WEIGHT
-from service.heads import HeadWeights, save_head
-from service.inspect import inspect_head
-from service.layout import Placement, runtime_for
-from service.reference import output_projection_tied, output_projection_untied
-from service.repository import MODEL_FILE
-from service.runtime import RUNTIME_VERSION
+from service.heads import MODEL_FILE
+from service.heads.files import HeadWeights, save_head
+from service.heads.graph import OUTPUT_WEIGHT
+from service.heads.inspector import inspect_head
+from service.heads.reference import output_projection_tied, output_projection_untied
+from service.runtime.layout import Placement, runtime_for
+from service.runtime.session import RUNTIME_VERSION
+from service.tools.demo import demo_tokens
 
 VOCAB = 997
 D_MODEL = 48

@@ -3,6 +3,11 @@
 Every command takes the repository and port from ``LMHEAD_REPOSITORY`` and ``LMHEAD_PORT``
 when not given (so ``demo`` and ``import`` write where ``serve`` serves); ``serve`` reads every
 other ``LMHEAD_*`` setting too.
+
+Layer: the top one. It may import every layer below (``service.hosting``, ``service.api``,
+``service.tools``, ...), the client and the shared basics; nothing imports it but
+``python -m service`` (``make layers`` checks the order). Commands import what they need when
+they run, so ``lmhead --help`` loads no onnxruntime.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from service import __version__
-from service.cli.errors import (
+from service.cli.arguments import (
     CommandError,
     UsageError,
     model_name,
@@ -27,9 +32,9 @@ from service.cli.errors import (
     repository_path,
     settings_message,
 )
-from service.demo import DemoSpec
-from service.quantize import DEFAULT_BLOCK_SIZE
+from service.heads.quantize import DEFAULT_BLOCK_SIZE
 from service.settings import PlaceSettings, Settings
+from service.tools.demo import DemoSpec
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -104,8 +109,8 @@ def _os_error(error: OSError) -> str:
 
 def _reported() -> tuple[type[Exception], ...]:
     """Errors whose message is the whole story (a head or checkpoint that cannot be read)."""
-    from service.checkpoints import CheckpointError
-    from service.inspect import HeadInspectionError
+    from service.heads.inspector import HeadInspectionError
+    from service.tools.checkpoints import CheckpointError
 
     return (HeadInspectionError, CheckpointError)
 

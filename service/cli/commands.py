@@ -11,16 +11,21 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from service.cli.errors import CommandError, UsageError, settings_message
-from service.demo import TIED_NAME, UNTIED_NAME, DemoSpec, write_demo_models
+from service.cli.arguments import CommandError, UsageError, settings_message
 from service.digits import decimal
-from service.graph import FORMAT
-from service.importer import ImportOptions, import_checkpoint, quantize_version, source_version
-from service.inspect import HeadReport, inspect_head
-from service.quantize import QuantSpec
-from service.repository import MODEL_FILE
-from service.retie import retie
-from service.trim import id_space_size, trim_version
+from service.heads import MODEL_FILE
+from service.heads.graph import FORMAT
+from service.heads.inspector import HeadReport, inspect_head
+from service.heads.quantize import QuantSpec
+from service.tools.demo import TIED_NAME, UNTIED_NAME, DemoSpec, write_demo_models
+from service.tools.importer import (
+    ImportOptions,
+    import_checkpoint,
+    quantize_version,
+    source_version,
+)
+from service.tools.retie import retie
+from service.tools.trim import id_space_size, trim_version
 
 
 def demo(args: argparse.Namespace) -> int:
@@ -42,7 +47,7 @@ def demo(args: argparse.Namespace) -> int:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from service import server
+    from service.hosting import server
     from service.settings import Settings, unknown_environment
 
     flags = {
@@ -62,7 +67,7 @@ def serve(args: argparse.Namespace) -> int:
         if settings.workers > 1:  # each replica is one process; Serve scales by replicas
             raise UsageError("LMHEAD_WORKERS applies without --ray (use --replicas under Ray)")
         try:
-            from service import rayserve
+            from service.hosting import rayserve
         except ImportError as error:
             raise CommandError(
                 f"--ray needs the ray extra (pip install '.[ray]'): {error}"
@@ -82,7 +87,7 @@ def serve(args: argparse.Namespace) -> int:
             "is not a directory; make it, or set LMHEAD_CREATE_DEMO_MODELS=true"
         )
     if settings.workers > 1:
-        from service.split.supervisor import supervise
+        from service.hosting.split.supervisor import supervise
 
         return supervise(settings)
     server.run(settings)

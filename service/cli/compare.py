@@ -12,10 +12,10 @@ from typing import Any
 import httpx
 import numpy as np
 
-from service.cli.errors import CommandError
+from service.cli.arguments import CommandError
 from service.client import Client
 from service.errors import ServiceError
-from service.repository import MODEL_FILE
+from service.heads import MODEL_FILE
 
 
 def compare_served(
@@ -53,7 +53,7 @@ def _resident(repository: Path, block: dict[str, Any]) -> int | None:
     path = repository / block["name"] / str(block["version"]) / MODEL_FILE
     if not path.is_file():
         return None
-    command = [sys.executable, "-m", "service.memory", str(path), "--memory-mode"]
+    command = [sys.executable, "-m", "service.tools.memory", str(path), "--memory-mode"]
     command += [block["memory_mode"]]
     measured = json.loads(subprocess.run(command, capture_output=True, check=True).stdout)
     return int(measured["warm_bytes"])

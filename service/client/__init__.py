@@ -15,6 +15,10 @@ tie answered.
     with Client("http://127.0.0.1:8000") as client:
         top = client.topk("demo-tied", hidden, k=5, logprobs=True)
         print(top.token_ids, top.version, top.tied)
+
+Layer: the client stands beside the service's layers, not on them. It may import only the
+shared basics at the package root (``service.errors``, ``service.npyio``), never a layer of the
+service (``make layers`` checks it), so it installs and imports without onnxruntime.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as triton
 
-from service.demo import demo_tokens
+from service.tools.demo import demo_tokens
 
 HIDDEN = np.random.default_rng(5).standard_normal((2, 512)).astype(np.float32).tolist()
 

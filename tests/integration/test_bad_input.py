@@ -13,7 +13,7 @@ import numpy.typing as npt
 import orjson
 import pytest
 
-from service.heads import HeadWeights, save_head
+from service.heads.files import HeadWeights, save_head
 from tests.conftest import D_MODEL, VOCAB
 from tests.server import running_server
 

@@ -12,9 +12,9 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from service import __version__
-from service.demo import demo_tokens
-from service.graph import EMBEDDING_WEIGHT, OUTPUT_WEIGHT
-from service.heads import HeadWeights, save_head
+from service.heads.files import HeadWeights, save_head
+from service.heads.graph import EMBEDDING_WEIGHT, OUTPUT_WEIGHT
+from service.tools.demo import demo_tokens
 from tests.conftest import initializers
 from tests.server import free_port, running_server
 

@@ -19,7 +19,6 @@ import pytest
 
 from service.client import AsyncClient, Client, UnreadableAnswer
 from service.client.calls import Calls, retry_after
-from service.demo import demo_tokens
 from service.errors import (
     InvalidInput,
     ModelNotFound,
@@ -28,7 +27,8 @@ from service.errors import (
     Unauthorized,
     VersionNotFound,
 )
-from service.reference import log_softmax, top_k
+from service.heads.reference import log_softmax, top_k
+from service.tools.demo import demo_tokens
 from tests.conftest import D_MODEL, VOCAB, reference_logits
 from tests.server import free_port, running_server, running_server_on
 

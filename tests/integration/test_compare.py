@@ -16,9 +16,9 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from service.compare import kl_rows
-from service.heads import HeadWeights, save_head
-from service.reference import log_softmax, logsumexp, top_k
+from service.heads.files import HeadWeights, save_head
+from service.heads.reference import log_softmax, logsumexp, top_k
+from service.plane.comparison import kl_rows
 from tests.conftest import D_MODEL, VOCAB, reference_logits
 from tests.server import poll, running_server
 

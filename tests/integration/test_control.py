@@ -16,8 +16,8 @@ import numpy.typing as npt
 import onnx
 import pytest
 
-from service.heads import HeadWeights, save_head
-from service.repository import DATA_FILE
+from service.heads import DATA_FILE
+from service.heads.files import HeadWeights, save_head
 from tests.conftest import D_MODEL
 from tests.server import running_server
 

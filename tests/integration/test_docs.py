@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from bench.readme import headlines
-from service.demo import DemoSpec, write_demo_models
 from service.settings import settings_table
+from service.tools.demo import DemoSpec, write_demo_models
 from tests.server import free_port, running_server
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,8 +11,8 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from service.heads import HeadWeights, save_head
-from service.reference import output_projection_tied, top_k
+from service.heads.files import HeadWeights, save_head
+from service.heads.reference import output_projection_tied, top_k
 from tests.conftest import D_MODEL
 from tests.server import running_server
 

@@ -22,9 +22,9 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from service.demo import demo_tokens
-from service.heads import HeadWeights, save_head
-from service.reference import log_softmax, logsumexp, top_k
+from service.heads.files import HeadWeights, save_head
+from service.heads.reference import log_softmax, logsumexp, top_k
+from service.tools.demo import demo_tokens
 from tests.conftest import D_MODEL, VOCAB, reference_logits
 from tests.server import free_port, poll, running_server, server_process
 

@@ -15,7 +15,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from service.reference import top_k
+from service.heads.reference import top_k
 from tests.conftest import D_MODEL, reference_logits, write_tied_and_untied
 from tests.server import free_port, running_server
 

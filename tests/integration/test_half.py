@@ -11,7 +11,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from service.heads import NUMPY_DTYPES, HeadWeights, save_head
+from service.heads.files import NUMPY_DTYPES, HeadWeights, save_head
 from tests.conftest import D_MODEL
 from tests.server import running_server
 

@@ -20,10 +20,11 @@ import numpy.typing as npt
 import onnx
 import pytest
 
-from service.graph import EMBEDDING_WEIGHT
-from service.heads import HeadWeights, save_head
-from service.reference import top_k
-from service.repository import CONFIG_FILE, DATA_FILE, MODEL_FILE
+from service.heads import DATA_FILE, MODEL_FILE
+from service.heads.files import HeadWeights, save_head
+from service.heads.graph import EMBEDDING_WEIGHT
+from service.heads.reference import top_k
+from service.repository.disk import CONFIG_FILE
 from tests.conftest import D_MODEL, reference_logits
 from tests.server import (
     anonymous_peak,

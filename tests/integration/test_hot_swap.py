@@ -18,8 +18,8 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from service.heads import HeadWeights, save_head
-from service.reference import top_k
+from service.heads.files import HeadWeights, save_head
+from service.heads.reference import top_k
 from tests.conftest import D_MODEL, reference_logits
 from tests.server import poll, running_server
 

@@ -15,8 +15,8 @@ import numpy.typing as npt
 import pytest
 from safetensors.numpy import save_file
 
-from service.importer import import_checkpoint
-from service.reference import log_softmax, top_k
+from service.heads.reference import log_softmax, top_k
+from service.tools.importer import import_checkpoint
 from tests.server import running_server
 
 VOCAB, D = 400, 32

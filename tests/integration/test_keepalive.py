@@ -12,9 +12,9 @@ import numpy as np
 import numpy.typing as npt
 import uvicorn
 
-from service.app import create_app
-from service.heads import HeadWeights, save_head
-from service.server import limited_protocol
+from service.heads.files import HeadWeights, save_head
+from service.hosting.app import create_app
+from service.hosting.server import limited_protocol
 from service.settings import Settings
 from tests.server import free_port, poll
 
@@ -43,7 +43,8 @@ def test_a_500_on_a_framework_route_keeps_the_connection(
         app,
         port=settings.port,
         http=limited_protocol(settings),
-        ws="none",  # as service.server (uvicorn < 0.50 auto-imports websockets.legacy: deprecated)
+        # as service.hosting.server (uvicorn < 0.50 auto-imports websockets.legacy: deprecated)
+        ws="none",
         log_level="critical",
     )
     server = uvicorn.Server(config)

@@ -1,7 +1,7 @@
 """A tied head in the "shared" memory mode costs about 1x W of resident memory, not 2x; a
 quantized tied head holds its quantized bytes about once.
 
-Measured in fresh subprocesses (``python -m service.memory``: what a head adds to a process
+Measured in fresh subprocesses (``python -m service.tools.memory``: what a head adds to a process
 already running onnxruntime) on a GPT-2-sized head (50257 x 768, 154 MB) so that the ratio
 means something. The other settings are measured and printed for the record.
 """
@@ -16,12 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from service.graph import HeadTransforms
-from service.heads import HeadWeights, save_head
-from service.inspect import inspect_head
-from service.layout import Placement
-from service.quantize import QuantSpec
-from service.scoring import SCORE_BYTES
+from service.heads.files import HeadWeights, save_head
+from service.heads.graph import HeadTransforms
+from service.heads.inspector import inspect_head
+from service.heads.quantize import QuantSpec
+from service.plane.scoring import SCORE_BYTES
+from service.runtime.layout import Placement
 from tests.conftest import skip_unless_runnable
 
 VOCAB, D_MODEL = 50257, 768
@@ -67,7 +67,14 @@ def heads(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _footprint(path: Path, *, memory_mode: str, extra: tuple[str, ...] = ()) -> dict[str, float]:
-    command = [sys.executable, "-m", "service.memory", str(path), "--memory-mode", memory_mode]
+    command = [
+        sys.executable,
+        "-m",
+        "service.tools.memory",
+        str(path),
+        "--memory-mode",
+        memory_mode,
+    ]
     command += extra
     completed = subprocess.run(command, capture_output=True, text=True, check=True)
     result: dict[str, float] = json.loads(completed.stdout)
@@ -87,7 +94,7 @@ def test_shared_tied_head_costs_about_one_matrix(heads: dict[str, Path], variant
 def test_a_scoring_run_holds_what_its_rows_were_counted_for(
     heads: dict[str, Path], variant: str, copies: int
 ) -> None:
-    """Prompt scoring on a CPU takes its log-sum-exp in row chunks (``service.lse_graph``): a
+    """Prompt scoring on a CPU takes its log-sum-exp in row chunks (``service.heads.lse_graph``): a
     run holds one rows x vocab float32 tensor (the written graph's ``LogSoftmax`` would make
     it two), so runs hold twice the rows in the same bytes. A soft-capped head's transforms
     hold two anyway: its runs are counted for two. Either way a prompt of any length peaks

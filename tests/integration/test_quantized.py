@@ -17,8 +17,8 @@ import pytest
 from safetensors.numpy import save_file
 
 from bench.heads import peaked_states
-from service.heads import HeadWeights, save_head
-from service.quantize import QuantSpec, quantize
+from service.heads.files import HeadWeights, save_head
+from service.heads.quantize import QuantSpec, quantize
 from tests.conftest import skip_unless_runnable
 from tests.server import running_server
 

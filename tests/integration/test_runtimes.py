@@ -20,16 +20,16 @@ import onnx
 import pytest
 from safetensors.numpy import save_file
 
-from service.graph import IR_VERSION, OPSET, HeadTransforms
-from service.heads import HeadWeights, read_head, save_head
-from service.importer import ImportOptions, import_checkpoint
-from service.inspect import inspect_head
-from service.layout import chunked_copy, required_runtime
-from service.lse_graph import CHUNK_ROWS
-from service.quantize import QuantSpec
-from service.repository import MODEL_FILE
-from service.retie import retie
-from service.runtime import HeadSession
+from service.heads import MODEL_FILE
+from service.heads.files import HeadWeights, read_head, save_head
+from service.heads.graph import IR_VERSION, OPSET, HeadTransforms
+from service.heads.inspector import inspect_head
+from service.heads.lse_graph import CHUNK_ROWS
+from service.heads.quantize import QuantSpec
+from service.runtime.layout import chunked_copy, required_runtime
+from service.runtime.session import HeadSession
+from service.tools.importer import ImportOptions, import_checkpoint
+from service.tools.retie import retie
 from tests.conftest import D_MODEL
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,9 +13,9 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from service.demo import demo_tokens
-from service.heads import HeadWeights, save_head
-from service.reference import log_softmax, logsumexp, top_k
+from service.heads.files import HeadWeights, save_head
+from service.heads.reference import log_softmax, logsumexp, top_k
+from service.tools.demo import demo_tokens
 from tests.conftest import D_MODEL, VOCAB, reference_logits, write_tied_and_untied
 from tests.server import live_server, poll, running_server, server_process
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from service.heads import HeadWeights, save_head
+from service.heads.files import HeadWeights, save_head
 from tests.server import running_server
 
 VOCAB, D_MODEL = 50257, 768

@@ -13,7 +13,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from service.reference import log_softmax, logsumexp
+from service.heads.reference import log_softmax, logsumexp
 from tests.conftest import D_MODEL, VOCAB, reference_logits
 from tests.server import running_server
 
@@ -362,7 +362,7 @@ def test_rows_past_the_prefix_are_drawn_exactly_from_full_logits(
 ) -> None:
     """No filter on flat rows: the draw may land past the 64 fetched tokens, and those rows run
     again with full logits. Draws are the inverse CDF of the same u over the whole sorted row."""
-    from service.vocabulary import SampleSpec
+    from service.runtime.vocabulary import SampleSpec
 
     spec = SampleSpec(seed=5)
     flat = HIDDEN * np.float32(0.02)  # logits spread ~0.15: nearly uniform over 997 tokens

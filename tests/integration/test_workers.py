@@ -30,10 +30,10 @@ import psutil
 import pytest
 
 from service.client import Client
-from service.demo import demo_tokens
 from service.errors import ServiceError
-from service.heads import HeadWeights, save_head
-from service.reference import log_softmax, top_k
+from service.heads.files import HeadWeights, save_head
+from service.heads.reference import log_softmax, top_k
+from service.tools.demo import demo_tokens
 from tests.conftest import D_MODEL, VOCAB, reference_logits
 from tests.server import (
     free_port,
@@ -765,7 +765,7 @@ def _orphan(result: Path) -> None:
     process of the service; it must end there, as no supervisor would ever stop it."""
     import multiprocessing
 
-    from service.split.processes import become
+    from service.hosting.split.processes import become
 
     parent = multiprocessing.parent_process()
     assert parent is not None
@@ -807,8 +807,8 @@ def test_the_directory_of_a_killed_supervisor_stays_while_its_engine_lives(
 ) -> None:
     """A supervisor started meanwhile swept the directory of one killed outright while its
     engine still drained there (journal, socket): every process of a service holds it."""
-    from service import staging
-    from service.split.supervisor import RUNTIME_PREFIX
+    from service.hosting.split.supervisor import RUNTIME_PREFIX
+    from service.repository import staging
 
     port = free_port()
     with _split_process(repository, port) as process:

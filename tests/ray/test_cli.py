@@ -18,7 +18,7 @@ import httpx
 import numpy as np
 import pytest
 
-from service.heads import HeadWeights, save_head
+from service.heads.files import HeadWeights, save_head
 from tests.conftest import reference_logits
 from tests.server import free_port, poll
 

@@ -24,8 +24,8 @@ import yaml
 from ray import serve
 from ray.serve.schema import ServeDeploySchema
 
-from service.heads import HeadWeights, save_head
-from service.rayserve import LMHead, build
+from service.heads.files import HeadWeights, save_head
+from service.hosting.rayserve import LMHead, build
 from service.settings import Settings
 from tests.conftest import reference_logits
 from tests.ray.conftest import COUNTS, Cluster
@@ -263,7 +263,7 @@ def test_the_serve_config_file_is_valid_and_builds() -> None:
     path = Path(__file__).resolve().parents[2] / "deploy" / "ray" / "serve.yaml"
     config = ServeDeploySchema.model_validate(yaml.safe_load(path.read_text(encoding="utf-8")))
     (application,) = config.applications
-    assert application.import_path == "service.rayserve:build"
+    assert application.import_path == "service.hosting.rayserve:build"
     (deployment,) = application.deployments
     assert deployment.name == LMHead.name
     for name in application.runtime_env["env_vars"]:

@@ -17,13 +17,13 @@ from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
-from service.app import create_app
 from service.cli import main
-from service.dataplane import DataPlane
-from service.heads import HeadWeights, save_head
+from service.heads.files import HeadWeights, save_head
+from service.heads.reference import output_projection_tied, top_k
+from service.hosting.app import create_app
 from service.metrics import Metrics
-from service.reference import output_projection_tied, top_k
-from service.registry import Registry
+from service.plane.dataplane import DataPlane
+from service.repository.registry import Registry
 from service.settings import Settings, unknown_environment
 from tests.conftest import D_MODEL
 
@@ -318,7 +318,7 @@ def test_a_failed_load_by_call_leaves_a_lazy_service_ready(tmp_path: Path) -> No
 def test_a_stop_drains_at_least_ten_seconds() -> None:
     """LMHEAD_DRAIN_TIMEOUT_S=0 (release replaced versions at once) cancelled every request
     in flight on SIGTERM with a 500."""
-    from service.server import _options
+    from service.hosting.server import _options
 
     settings = Settings(drain_timeout_s=0)
     assert _options(settings, Metrics())["timeout_graceful_shutdown"] == 10

@@ -17,10 +17,10 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from service.batch import BatchStats
-from service.batching import Batcher, BatchLimits, RunBatch
 from service.errors import InferenceFailed, ModelNotReady, PayloadTooLarge, QueueFull
-from service.runtime import HeadSession, Projection
+from service.runtime.batcher import Batcher, BatchLimits, RunBatch
+from service.runtime.pending import BatchStats
+from service.runtime.session import HeadSession, Projection
 from tests.conftest import D_MODEL
 
 WAIT = 30.0

@@ -17,10 +17,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from service.labels import LabelShipment, LabelTable, TokenStrings
+from service.hosting.split.arena import ALIGN, Arena, ArenaFull
+from service.hosting.split.channel import FrameProtocol, pack, unpack
 from service.messages import HeadInfo, Target, TopKRequest, TopKResult
-from service.split.arena import ALIGN, Arena, ArenaFull
-from service.split.channel import FrameProtocol, pack, unpack
+from service.repository.labels import LabelShipment, LabelTable, TokenStrings
 
 ARRAYS: list[np.ndarray[Any, Any]] = [
     np.arange(12, dtype=np.float32).reshape(3, 4),

@@ -7,8 +7,8 @@ import asyncio
 import numpy as np
 import pytest
 
-from service.codec import native
-from service.codec.wire import JSON, OFFLOAD_BYTES, float_array, int_array, off_loop
+from service.api.codec import native
+from service.api.codec.wire import JSON, OFFLOAD_BYTES, float_array, int_array, off_loop
 from service.errors import InvalidInput
 from service.messages import HeadInfo, LogitsResult
 

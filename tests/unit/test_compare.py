@@ -8,7 +8,7 @@ import re
 import numpy as np
 
 from service.cli.compare import format_comparison
-from service.compare import Scores, perplexity, row_agreement, top_k_sets, wins
+from service.plane.comparison import Scores, perplexity, row_agreement, top_k_sets, wins
 
 
 def test_top_k_sets_take_tied_logits_in_id_order() -> None:

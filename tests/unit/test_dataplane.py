@@ -27,9 +27,6 @@ from onnx import numpy_helper
 from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 
-from service import grouping
-from service.compare import kl_rows
-from service.dataplane import DataPlane
 from service.errors import (
     Forbidden,
     InvalidInput,
@@ -41,9 +38,9 @@ from service.errors import (
     Unauthorized,
     VersionNotFound,
 )
-from service.graph import OUTPUT_BIAS
-from service.heads import HeadWeights, save_head
-from service.labels import TokenStrings
+from service.heads.files import HeadWeights, save_head
+from service.heads.graph import OUTPUT_BIAS
+from service.heads.reference import log_softmax, top_k
 from service.messages import (
     CompareRequest,
     EmbedRequest,
@@ -55,11 +52,14 @@ from service.messages import (
     VocabularyOptions,
 )
 from service.metrics import Metrics
-from service.reference import log_softmax, top_k
-from service.registry import Registry
-from service.repository import LABELS_FILE
+from service.plane import grouping
+from service.plane.comparison import kl_rows
+from service.plane.dataplane import DataPlane
+from service.repository.disk import LABELS_FILE
+from service.repository.labels import TokenStrings
+from service.repository.registry import Registry
+from service.repository.staging import LOCK_FILE
 from service.settings import Settings
-from service.staging import LOCK_FILE
 from tests.conftest import D_MODEL, VOCAB, reference_logits
 
 T = TypeVar("T")

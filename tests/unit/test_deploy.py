@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import yaml
 
-from service.app import create_app
 from service.cli import _parser
+from service.hosting.app import create_app
 from service.limits import worst_case_extra_bytes
 from service.settings import PlaceSettings, Settings
 

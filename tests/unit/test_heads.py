@@ -9,15 +9,8 @@ import numpy.typing as npt
 import onnx
 import pytest
 
-from service.graph import (
-    ELEMENT_TYPES,
-    EMBEDDING_WEIGHT,
-    IR_VERSION,
-    OPSET,
-    OUTPUT_WEIGHT,
-    HeadTransforms,
-)
-from service.heads import (
+from service.heads import DATA_FILE, MODEL_FILE
+from service.heads.files import (
     EXTERNAL_ALIGNMENT,
     NUMPY_DTYPES,
     HeadWeights,
@@ -25,8 +18,15 @@ from service.heads import (
     read_head,
     save_head,
 )
-from service.inspect import inspect_head
-from service.repository import DATA_FILE, MODEL_FILE
+from service.heads.graph import (
+    ELEMENT_TYPES,
+    EMBEDDING_WEIGHT,
+    IR_VERSION,
+    OPSET,
+    OUTPUT_WEIGHT,
+    HeadTransforms,
+)
+from service.heads.inspector import inspect_head
 from tests.conftest import D_MODEL, VOCAB, initializers
 
 

@@ -13,13 +13,13 @@ import onnx
 import pytest
 from safetensors.numpy import save_file
 
-from service.checkpoints import CheckpointError
 from service.cli import main
-from service.heads import HeadWeights, save_head
-from service.importer import ImportOptions, import_checkpoint, quantize_version
-from service.inspect import inspect_head
-from service.quantize import QuantSpec
-from service.repository import read_labels
+from service.heads.files import HeadWeights, save_head
+from service.heads.inspector import inspect_head
+from service.heads.quantize import QuantSpec
+from service.repository.disk import read_labels
+from service.tools.checkpoints import CheckpointError
+from service.tools.importer import ImportOptions, import_checkpoint, quantize_version
 from tests.conftest import initializers
 
 VOCAB, D = 300, 16

@@ -12,9 +12,9 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from service.cli import main
-from service.graph import IR_VERSION, OPSET
-from service.heads import HeadWeights, save_head
-from service.inspect import HeadInspectionError, inspect_head
+from service.heads.files import HeadWeights, save_head
+from service.heads.graph import IR_VERSION, OPSET
+from service.heads.inspector import HeadInspectionError, inspect_head
 from tests.conftest import D_MODEL, VOCAB
 
 MATRIX_BYTES = VOCAB * D_MODEL * 4

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import numpy as np
 
-from service.heads import HeadWeights, save_head
-from service.journal import ControlJournal, Served
+from service.heads.files import HeadWeights, save_head
 from service.metrics import Metrics
-from service.registry import Registry
+from service.repository.journal import ControlJournal, Served
+from service.repository.registry import Registry
 from service.settings import Settings
 
 

@@ -1,4 +1,4 @@
-"""How heads are laid out when opened (``service.layout``) and the rows read beside them."""
+"""How heads are laid out when opened (``service.runtime.layout``) and the rows read beside them."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from service import output_projection_tied
-from service.heads import HeadWeights, save_head
-from service.layout import Placement, open_head
-from service.rows import FileRows
-from service.runtime import HeadSession
+from service.heads.files import HeadWeights, save_head
+from service.runtime.layout import Placement, open_head
+from service.runtime.rows import FileRows
+from service.runtime.session import HeadSession
 from service.settings import MemoryMode
 
 VOCAB, D_MODEL = 300, 32

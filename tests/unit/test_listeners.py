@@ -1,5 +1,5 @@
-"""The ports, taken before models load (``service.listeners``), and answers written whole
-(``service.connection.CoalescedWrites``), on real sockets."""
+"""The ports, taken before models load (``service.hosting.listeners``), and answers written whole
+(``service.hosting.connection.CoalescedWrites``), on real sockets."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import socket
 
 import pytest
 
-from service.connection import COALESCE_BYTES, CoalescedWrites
-from service.listeners import check_free, describe, listening_sockets, reserve
+from service.hosting.connection import COALESCE_BYTES, CoalescedWrites
+from service.hosting.listeners import check_free, describe, listening_sockets, reserve
 
 
 def _listening(sock: socket.socket) -> bool:

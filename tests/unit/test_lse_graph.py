@@ -1,4 +1,4 @@
-"""The log-sum-exp in row chunks (``service.lse_graph``): what CPU sessions score with.
+"""The log-sum-exp in row chunks (``service.heads.lse_graph``): what CPU sessions score with.
 
 The loop must give the same answers as the single ``LogSoftmax`` of the written file at every
 row count (chunks end mid-run); every head opened on a CPU whose projection writes the logits
@@ -16,12 +16,12 @@ import onnxruntime as ort
 import pytest
 from onnx import helper
 
-from service.graph import HeadTransforms
-from service.heads import HeadWeights, save_head
-from service.layout import Placement, chunked_copy, open_head
-from service.lse_graph import CHUNK_ROWS, LSE_IN_CHUNKS, add_chunked_logsumexp
-from service.quantize import QuantSpec
-from service.runtime import RUNTIME_VERSION, HeadSession
+from service.heads.files import HeadWeights, save_head
+from service.heads.graph import HeadTransforms
+from service.heads.lse_graph import CHUNK_ROWS, LSE_IN_CHUNKS, add_chunked_logsumexp
+from service.heads.quantize import QuantSpec
+from service.runtime.layout import Placement, chunked_copy, open_head
+from service.runtime.session import RUNTIME_VERSION, HeadSession
 from service.settings import MemoryMode
 from tests.conftest import D_MODEL, VOCAB, reference_logits
 
@@ -88,7 +88,7 @@ def test_a_bias_or_softcap_head_keeps_its_written_form(
     tmp_path: Path, table: npt.NDArray[np.float32], output_weight: npt.NDArray[np.float32]
 ) -> None:
     """Its logits come out of transforms, whose intermediates hold two rows x vocab tensors
-    with the loop or without: the loop would buy nothing (``service.lse_graph``)."""
+    with the loop or without: the loop would buy nothing (``service.heads.lse_graph``)."""
     weights = HeadWeights.from_arrays(
         table, bias=output_weight[:, 0], transforms=HeadTransforms(0.5, 2.0, 30.0)
     )

@@ -14,20 +14,20 @@ import pytest
 from onnx import numpy_helper
 from safetensors.numpy import save_file
 
-from service.checkpoints import CheckpointError, tokenizer_tokens
 from service.cli import main
-from service.heads import HeadWeights, save_head
-from service.importer import (
+from service.heads.files import HeadWeights, save_head
+from service.heads.inspector import HeadInspectionError, inspect_head
+from service.heads.quantize import QuantSpec
+from service.repository.disk import LABELS_FILE, VOCAB_MAP_FILE, read_space
+from service.repository.staging import STAGING_PREFIX, hold
+from service.tools.checkpoints import CheckpointError, tokenizer_tokens
+from service.tools.importer import (
     ImportOptions,
     import_checkpoint,
     quantize_version,
     write_version,
 )
-from service.inspect import HeadInspectionError, inspect_head
-from service.quantize import QuantSpec
-from service.repository import LABELS_FILE, VOCAB_MAP_FILE, read_space
-from service.staging import STAGING_PREFIX, hold
-from service.trim import trim_version
+from service.tools.trim import trim_version
 
 VOCAB, D = 1000, 16
 
@@ -276,8 +276,8 @@ def test_demo_heads_appear_whole_or_not_at_all(
 ) -> None:
     """A full disk left half a model.onnx that counted as present: later starts never wrote
     the demo again, and `lmhead demo` called it unreadable."""
-    from service import heads
-    from service.demo import DemoSpec, write_demo_models
+    from service.heads import files as heads
+    from service.tools.demo import DemoSpec, write_demo_models
 
     real = heads.save_head
 
@@ -296,7 +296,7 @@ def test_demo_heads_appear_whole_or_not_at_all(
 
 
 def test_a_busy_port_names_the_setting_that_chose_it() -> None:
-    from service.listeners import check_free, listening_sockets
+    from service.hosting.listeners import check_free, listening_sockets
 
     (held,) = listening_sockets("127.0.0.1", 0)
     port = held.getsockname()[1]

@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from service.heads import HeadWeights, save_head
+from service.heads import MODEL_FILE
+from service.heads.files import HeadWeights, save_head
 from service.metrics import Metrics
-from service.poller import RepositoryPoller
-from service.registry import Registry
-from service.repository import MODEL_FILE
+from service.repository.poller import RepositoryPoller
+from service.repository.registry import Registry
 from service.settings import Settings
 
 Scenario = Callable[[Registry, RepositoryPoller], Awaitable[None]]

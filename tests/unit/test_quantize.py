@@ -14,14 +14,14 @@ import pytest
 from onnx import numpy_helper
 
 from bench.heads import peaked_states
-from service.compare import agreement
-from service.graph import IR_VERSION, OPSET, QUANTIZATION, HeadTransforms, quantized_names
-from service.heads import HeadWeights, read_head, save_head
-from service.inspect import HeadReport, inspect_head
-from service.layout import Placement, open_head, required_runtime
-from service.quantize import QuantSpec, dequantize, quantize
-from service.retie import retie
-from service.rows import QuantizedRows
+from service.heads.files import HeadWeights, read_head, save_head
+from service.heads.graph import IR_VERSION, OPSET, QUANTIZATION, HeadTransforms, quantized_names
+from service.heads.inspector import HeadReport, inspect_head
+from service.heads.quantize import QuantSpec, dequantize, quantize
+from service.plane.comparison import agreement
+from service.runtime.layout import Placement, open_head, required_runtime
+from service.runtime.rows import QuantizedRows
+from service.tools.retie import retie
 from tests.conftest import skip_unless_runnable
 
 VOCAB, D_MODEL = 700, 96  # 96 = 3 blocks of 32: odd block counts pack 4-bit zero points

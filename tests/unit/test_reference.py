@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from service import output_projection_tied, output_projection_untied
-from service.reference import log_softmax, logsumexp, top_k
+from service.heads.reference import log_softmax, logsumexp, top_k
 
 
 @pytest.fixture

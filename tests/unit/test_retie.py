@@ -11,9 +11,9 @@ import onnxruntime as ort
 import pytest
 
 from service.cli import main
-from service.heads import HeadWeights, save_head
-from service.inspect import HeadInspectionError, inspect_head
-from service.retie import retie
+from service.heads.files import HeadWeights, save_head
+from service.heads.inspector import HeadInspectionError, inspect_head
+from service.tools.retie import retie
 from tests.conftest import D_MODEL, VOCAB
 from tests.unit.test_inspect import _exported_style_head
 

@@ -10,9 +10,9 @@ import numpy.typing as npt
 import onnxruntime as ort
 import pytest
 
-from service.heads import HeadWeights, save_head
-from service.reference import log_softmax, logsumexp, top_k
-from service.runtime import (
+from service.heads.files import HeadWeights, save_head
+from service.heads.reference import log_softmax, logsumexp, top_k
+from service.runtime.session import (
     CPU,
     CUDA,
     MEMORY_MODES,

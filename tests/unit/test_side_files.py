@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from service.repository import (
+from service.repository.disk import (
     MAX_LABEL_CHARS,
     ModelConfig,
     RepositoryError,

@@ -8,11 +8,11 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from service.graph import HeadTransforms
-from service.heads import HeadWeights, save_head
-from service.layout import Placement, open_head
-from service.runtime import HeadSession
-from service.vocabulary import (
+from service.heads.files import HeadWeights, save_head
+from service.heads.graph import HeadTransforms
+from service.runtime.layout import Placement, open_head
+from service.runtime.session import HeadSession
+from service.runtime.vocabulary import (
     Bias,
     SampleSpec,
     apply_bias,

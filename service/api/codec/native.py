@@ -1,0 +1,390 @@
+"""The native API's wire format (``/v1``): one decode and one encode per request.
+
+Bodies are JSON (``hidden_states`` or ``input_ids`` beside the options) or ``.npy`` (options as
+query parameters). Answers are JSON by default; top-k also answers ``application/x-npy`` (one
+structured array with fields ``token_ids``, ``logits`` and, when asked, ``logprobs``) and
+``application/x-npz`` (one array per field plus ``logsumexp``); ``/logits`` answers ``.npy`` by
+default. Every inference answer carries ``x-lmhead-model``, ``-version`` and ``-tied`` headers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import orjson
+from pydantic import BaseModel
+from starlette.requests import Request
+from starlette.responses import Response
+
+from service.api.codec.wire import (
+    JSON,
+    NPY,
+    NPZ,
+    booleans_hidden,
+    content_type,
+    float_array,
+    int_array,
+    json_bytes,
+    npy_bytes,
+    npz_bytes,
+    off_loop,
+    options,
+    parse_json_object,
+    parse_npy,
+    read_body,
+    response_type,
+    target,
+)
+from service.api.schemas import (
+    CompareOptions,
+    EmbedOptions,
+    LogitsOptions,
+    ScoreOptions,
+    TopKOptions,
+)
+from service.errors import InvalidInput
+from service.messages import (
+    CompareRequest,
+    CompareResult,
+    EmbedRequest,
+    EmbedResult,
+    HeadInfo,
+    LogitsRequest,
+    LogitsResult,
+    SampleOptions,
+    ScoreRequest,
+    ScoreResult,
+    Target,
+    TopKRequest,
+    TopKResult,
+    VocabularyOptions,
+)
+
+HIDDEN = "hidden_states"
+
+
+async def decode_topk(request: Request, body_limit: int) -> tuple[TopKRequest, str]:
+    """A top-k request and the media type the answer should have."""
+    answer = response_type(request, (JSON, NPY, NPZ), JSON)
+    hidden, opts, arrays = await _hidden_and_options(request, body_limit, TopKOptions)
+    decoded = TopKRequest(
+        target(request),
+        hidden,
+        opts.k,
+        opts.temperature,
+        opts.logprobs,
+        tokens=answer == JSON,
+        vocabulary=_vocabulary(opts, arrays),
+    )
+    return decoded, answer
+
+
+def _vocabulary(opts: TopKOptions, arrays: dict[str, Any]) -> VocabularyOptions | None:
+    """The distribution options, or None when the request has none (the plain fast path)."""
+    sample = opts.sample
+    if not (arrays or opts.logit_bias or opts.logprobs_over or sample):
+        return None
+    return VocabularyOptions(
+        arrays.get("allowed_token_ids"),
+        opts.logit_bias,
+        arrays.get("banned_token_ids"),
+        opts.logprobs_over,
+        None if sample is None else SampleOptions(**sample.model_dump()),
+    )
+
+
+async def decode_logits(request: Request, body_limit: int) -> tuple[LogitsRequest, str]:
+    answer = response_type(request, (NPY, JSON), NPY)
+    hidden, opts, arrays = await _hidden_and_options(
+        request, body_limit, LogitsOptions, ("allowed_token_ids",)
+    )
+    allowed = arrays.get("allowed_token_ids")
+    return LogitsRequest(target(request), hidden, opts.temperature, allowed), answer
+
+
+async def decode_embed(request: Request, body_limit: int) -> tuple[EmbedRequest, str]:
+    answer = response_type(request, (JSON, NPY), JSON)
+    body = await read_body(request, body_limit)
+    if content_type(request, (JSON, NPY)) == NPY:
+        ids = parse_npy(body, "input_ids")
+    else:
+        ids = await off_loop(len(body), _json_ids, body)
+    return EmbedRequest(target(request), ids), answer
+
+
+def _json_ids(body: bytes) -> npt.NDArray[np.int64]:
+    payload = parse_json_object(body)
+    booleans = booleans_hidden(body, payload)
+    ids = int_array(
+        _required(payload, "input_ids", "a nested list of token ids"), "input_ids", booleans
+    )
+    options(EmbedOptions, payload)
+    return ids
+
+
+async def decode_score(request: Request, body_limit: int) -> ScoreRequest:
+    content_type(request, (JSON,))
+    body = await read_body(request, body_limit)
+    return await off_loop(len(body), _score_request, body, target(request))
+
+
+def _score_request(body: bytes, to: Target) -> ScoreRequest:
+    payload = parse_json_object(body)
+    booleans = booleans_hidden(body, payload)
+    hidden = float_array(_required(payload, HIDDEN, "(rows, d_model)"), HIDDEN, booleans)
+    targets = _required(payload, "target_ids", "one token id per row")
+    candidates = payload.pop("candidate_ids", None)
+    opts: ScoreOptions = options(ScoreOptions, payload)
+    return ScoreRequest(
+        to,
+        hidden,
+        int_array(targets, "target_ids", booleans),
+        None if candidates is None else int_array(candidates, "candidate_ids", booleans),
+        opts.k,
+        opts.logprobs_over,
+    )
+
+
+async def decode_compare(request: Request, body_limit: int) -> CompareRequest:
+    content_type(request, (JSON,))
+    body = await read_body(request, body_limit)
+    return await off_loop(len(body), _compare_request, body)
+
+
+def _compare_request(body: bytes) -> CompareRequest:
+    payload = parse_json_object(body)
+    booleans = booleans_hidden(body, payload)
+    hidden = float_array(_required(payload, HIDDEN, "(rows, d_model)"), HIDDEN, booleans)
+    targets = payload.pop("target_ids", None)
+    opts: CompareOptions = options(CompareOptions, payload)
+    return CompareRequest(
+        (opts.models[0], opts.models[1]),
+        hidden,
+        None if targets is None else int_array(targets, "target_ids", booleans),
+        opts.k,
+        opts.measure_speed,
+    )
+
+
+async def encode_topk(result: TopKResult, answer: str) -> Response:
+    return await off_loop(result.token_ids.size * 32, _topk_response, result, answer)
+
+
+async def encode_logits(result: LogitsResult, answer: str) -> Response:
+    return await off_loop(result.logits.nbytes * 3, _logits_response, result, answer)
+
+
+async def encode_embed(result: EmbedResult, answer: str) -> Response:
+    return await off_loop(result.embeddings.nbytes * 3, _embed_response, result, answer)
+
+
+async def encode_score(result: ScoreResult) -> Response:
+    size = result.rank.size * 64 + sum(
+        found.ids.size * 40 for found in (result.candidates, result.alternatives) if found
+    )
+    return await off_loop(size, _score_response, result)
+
+
+async def encode_compare(result: CompareResult) -> Response:
+    return _compare_response(result)  # a few summaries: small whatever the rows
+
+
+def _topk_response(result: TopKResult, answer: str) -> Response:
+    if answer == JSON:
+        return _reply(result.head, json_bytes(_topk_payload(result)), JSON)
+    if answer == NPZ:
+        arrays: dict[str, npt.NDArray[Any]] = {
+            "token_ids": result.token_ids,
+            "logits": result.logits,
+        }
+        if result.logprobs is not None:
+            arrays["logprobs"] = result.logprobs
+        if result.sampled is not None:
+            arrays["sampled_token_ids"] = result.sampled.token_ids
+            arrays["sampled_logprobs"] = result.sampled.logprobs
+            arrays["seed"] = np.array(result.sampled.seed, np.uint64)  # to draw them again
+        return _reply(result.head, npz_bytes({**arrays, "logsumexp": result.logsumexp}), NPZ)
+    return _reply(result.head, npy_bytes(_topk_records(result)), NPY)
+
+
+def _logits_response(result: LogitsResult, answer: str) -> Response:
+    if answer == JSON:
+        payload = {**_identity(result.head), "logits": result.logits}
+        if result.token_ids is not None:  # restricted: the columns' ids (npy: as requested)
+            payload["token_ids"] = result.token_ids
+        return _reply(result.head, json_bytes(payload), JSON)
+    return _reply(result.head, npy_bytes(result.logits), NPY)
+
+
+def _embed_response(result: EmbedResult, answer: str) -> Response:
+    if answer == NPY:
+        return _reply(result.head, npy_bytes(result.embeddings), NPY)
+    payload = {**_identity(result.head), "embeddings": result.embeddings}
+    return _reply(result.head, json_bytes(payload), JSON)
+
+
+def _score_response(result: ScoreResult) -> Response:
+    payload: dict[str, Any] = {
+        **_identity(result.head),
+        "results": [
+            {"logit": logit, "logprob": logprob, "rank": rank}
+            for logit, logprob, rank in zip(
+                result.logit.tolist(), result.logprob.tolist(), result.rank.tolist(), strict=True
+            )
+        ],
+        "nll": result.nll,
+        "perplexity": result.perplexity,
+    }
+    for name, found in (("candidates", result.candidates), ("alternatives", result.alternatives)):
+        if found is not None:
+            payload[name] = [
+                {"ids": ids, "logits": logits, "logprobs": logprobs}
+                for ids, logits, logprobs in zip(
+                    found.ids.tolist(), found.logits.tolist(), found.logprobs.tolist(), strict=True
+                )
+            ]
+    payload["logprobs_over"] = result.logprobs_over
+    return _reply(result.head, json_bytes(payload), JSON)
+
+
+def _compare_response(result: CompareResult) -> Response:
+    payload: dict[str, Any] = {**result.agreement, "models": list(result.models)}
+    if result.ties is not None:
+        payload["ties"] = result.ties
+    return Response(json_bytes(payload), media_type=JSON)
+
+
+#: Id lists beside the options: decoded to numpy like the hidden states, not by pydantic.
+ID_LISTS = ("allowed_token_ids", "banned_token_ids")
+#: Query parameters (``.npy`` bodies) whose value is JSON text.
+JSON_QUERY = (*ID_LISTS, "logit_bias", "sample")
+QUERY_EXAMPLES = {"logit_bias": '{"3":-100}', "sample": '{"seed":1}'}
+
+
+async def _hidden_and_options(
+    request: Request, body_limit: int, schema: type[BaseModel], lists: Sequence[str] = ID_LISTS
+) -> tuple[npt.NDArray[Any], Any, dict[str, npt.NDArray[Any]]]:
+    """The rows, the options of ``schema`` and the id ``lists`` the route takes."""
+    body = await read_body(request, body_limit)
+    if content_type(request, (JSON, NPY)) == NPY:
+        array = parse_npy(body, HIDDEN)
+        values = {k: _query_value(k, v) for k, v in request.query_params.items() if k != "version"}
+        arrays = _id_lists(values, lists, booleans=True)
+        taken = (*lists, "version")
+        typed = {k: v for k, v in values.items() if k in JSON_QUERY}
+        untyped = {k: v for k, v in values.items() if k not in typed}
+        opts = options(schema, untyped, strict=False, taken=taken)
+        if typed:  # JSON text holds JSON types: checked as strictly as in a JSON body
+            checked = options(schema, typed, taken=taken)
+            opts = opts.model_copy(update={name: getattr(checked, name) for name in typed})
+        return array, opts, arrays
+    return await off_loop(len(body), _json_hidden_and_options, body, schema, lists)
+
+
+def _query_value(name: str, text: str) -> Any:
+    if name not in JSON_QUERY:
+        return text
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError:
+        example = QUERY_EXAMPLES.get(name, "[3,7]")
+        raise InvalidInput(f"query parameter {name} must be JSON, e.g. {name}={example}") from None
+
+
+def _id_lists(
+    values: dict[str, Any], lists: Sequence[str], booleans: bool
+) -> dict[str, npt.NDArray[Any]]:
+    return {
+        name: int_array(values.pop(name), name, booleans)
+        for name in lists
+        if values.get(name) is not None
+    }
+
+
+def _json_hidden_and_options(
+    body: bytes, schema: type[BaseModel], lists: Sequence[str]
+) -> tuple[npt.NDArray[Any], Any, dict[str, npt.NDArray[Any]]]:
+    values = parse_json_object(body)
+    booleans = booleans_hidden(body, values)
+    expected = "(rows, d_model) or (batch, tokens, d_model)"
+    array = float_array(_required(values, HIDDEN, expected), HIDDEN, booleans)
+    arrays = _id_lists(values, lists, booleans)
+    return array, options(schema, values, taken=(HIDDEN, *lists)), arrays
+
+
+def _required(payload: dict[str, Any], field: str, expected: str) -> Any:
+    if field not in payload:
+        raise InvalidInput(f"{field} is required: {expected}")
+    return payload.pop(field)
+
+
+def _identity(head: HeadInfo) -> dict[str, Any]:
+    return {"model": head.name, "version": head.version, "tied": head.tied}
+
+
+def _topk_payload(result: TopKResult) -> dict[str, Any]:
+    leading = list(result.token_ids.shape[:-1])
+    k = result.token_ids.shape[-1]
+    ids = result.token_ids.reshape(-1, k)
+    values = result.logits.reshape(-1, k)
+    logprobs = None if result.logprobs is None else result.logprobs.reshape(-1, k)
+    results = []
+    sampled = result.sampled
+    drawn = None if sampled is None else sampled.token_ids.reshape(-1).tolist()
+    for row, row_ids in enumerate(ids.tolist()):  # one tolist for the batch: 3x cheaper
+        item: dict[str, Any] = {"token_ids": row_ids, "logits": values[row]}
+        if logprobs is not None:
+            item["logprobs"] = logprobs[row]
+        if result.tokens is not None:
+            item["tokens"] = result.tokens[row]
+        if sampled is not None and drawn is not None:
+            item["sampled_token_id"] = drawn[row]
+            item["sampled_logprob"] = float(sampled.logprobs.reshape(-1)[row])
+            if sampled.tokens is not None:
+                item["sampled_token"] = sampled.tokens[row]
+        results.append(item)
+    payload = {**_identity(result.head), "k": k, "shape": leading, "results": results}
+    return payload | _shaping(result)
+
+
+def _shaping(result: TopKResult) -> dict[str, Any]:
+    """What a shaped answer says about itself (nothing for a plain top-k)."""
+    extra: dict[str, Any] = {}
+    if result.logprobs_over != "vocabulary":
+        extra["logprobs_over"] = result.logprobs_over
+    if result.sampled is not None:
+        extra["seed"] = result.sampled.seed
+    return extra
+
+
+def _topk_records(result: TopKResult) -> npt.NDArray[Any]:
+    k = result.token_ids.shape[-1]
+    fields: list[tuple[str, Any, tuple[int]]] = [
+        ("token_ids", np.int64, (k,)),
+        ("logits", np.float32, (k,)),
+    ]
+    if result.logprobs is not None:
+        fields.append(("logprobs", np.float32, (k,)))
+    if result.sampled is not None:
+        fields += [("sampled_token_id", np.int64, ()), ("sampled_logprob", np.float32, ())]  # type: ignore[list-item]
+    records = np.empty(result.token_ids.shape[:-1], dtype=np.dtype(fields))
+    records["token_ids"] = result.token_ids
+    records["logits"] = result.logits
+    if result.logprobs is not None:
+        records["logprobs"] = result.logprobs
+    if result.sampled is not None:
+        records["sampled_token_id"] = result.sampled.token_ids
+        records["sampled_logprob"] = result.sampled.logprobs
+    return records
+
+
+def _reply(head: HeadInfo, body: bytes, media_type: str) -> Response:
+    headers = {
+        "x-lmhead-model": head.name,
+        "x-lmhead-version": str(head.version),
+        "x-lmhead-tied": "true" if head.tied else "false",
+    }
+    return Response(body, media_type=media_type, headers=headers)

@@ -1,0 +1,107 @@
+"""V2 parameters: the scalar readers, and the options that shape the distribution.
+
+gRPC parameters are scalars, so the structured ones (``allowed_token_ids``,
+``banned_token_ids``, ``logit_bias``, ``sample``) may also come as a string holding their JSON;
+over REST they may be plain JSON values. Draws come back as the outputs ``sampled_token_ids``
+and ``sampled_logprobs`` (one per row).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy.typing as npt
+import orjson
+
+from service.api.codec.wire import int_array
+from service.errors import InvalidInput, few
+from service.messages import SampleOptions, TopKResult, VocabularyOptions
+
+SAMPLED_OUTPUTS = ("sampled_token_ids", "sampled_logprobs")
+SAMPLE_KEYS = ("temperature", "top_k", "top_p", "min_p", "seed")
+
+
+def vocabulary(parameters: dict[str, Any]) -> VocabularyOptions | None:
+    """The distribution options among the parameters; None when there are none."""
+    allowed = _structured(parameters, "allowed_token_ids", list)
+    banned = _structured(parameters, "banned_token_ids", list)
+    bias = _structured(parameters, "logit_bias", dict)
+    sample = _structured(parameters, "sample", dict)
+    over = parameters.get("logprobs_over")
+    if over is not None and not isinstance(over, str):
+        raise InvalidInput("parameter logprobs_over must be 'candidates' or 'vocabulary'")
+    if allowed is None and banned is None and bias is None and sample is None and over is None:
+        return None
+    return VocabularyOptions(
+        None if allowed is None else int_array(allowed, "allowed_token_ids"),
+        bias,
+        None if banned is None else int_array(banned, "banned_token_ids"),
+        over,
+        None if sample is None else _sample(sample),
+    )
+
+
+def sampled_arrays(topk: TopKResult) -> dict[str, npt.NDArray[Any] | None]:
+    sampled = topk.sampled
+    return {
+        "sampled_token_ids": None if sampled is None else sampled.token_ids,
+        "sampled_logprobs": None if sampled is None else sampled.logprobs,
+    }
+
+
+def _structured(parameters: dict[str, Any], name: str, kind: type) -> Any:
+    value = parameters.get(name)
+    if isinstance(value, str):
+        try:
+            value = orjson.loads(value)
+        except orjson.JSONDecodeError as error:  # not JSON, nested too deep, or 1e400
+            why = str(error).split(":", 1)[0][:80]
+            raise InvalidInput(
+                f"parameter {name} is a string that orjson cannot read as JSON ({why})"
+            ) from None
+    if value is not None and not isinstance(value, kind):
+        shape = "a list (or its JSON text)" if kind is list else "an object (or its JSON text)"
+        raise InvalidInput(f"parameter {name} must be {shape}")
+    return value
+
+
+def _sample(values: dict[str, Any]) -> SampleOptions:
+    unknown = [key for key in values if key not in SAMPLE_KEYS]
+    if unknown:
+        raise InvalidInput(f"parameter sample takes {list(SAMPLE_KEYS)}, not {few(unknown)}")
+    for key, value in values.items():
+        integral = key in ("top_k", "seed")
+        valid = isinstance(value, int) if integral else isinstance(value, int | float)
+        if value is not None and (isinstance(value, bool) or not valid):
+            raise InvalidInput(f"sample.{key} must be {'an integer' if integral else 'a number'}")
+    return SampleOptions(**values)
+
+
+def flag(parameters: dict[str, Any], name: str) -> bool:
+    value = parameters.get(name, False)
+    if not isinstance(value, bool):
+        raise InvalidInput(f"parameter {name} must be true or false")
+    return value
+
+
+def optional_int(parameters: dict[str, Any], name: str) -> int | None:
+    value = parameters.get(name)
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+        raise InvalidInput(f"parameter {name} must be an integer")
+    return value
+
+
+def number(parameters: dict[str, Any], name: str, default: float) -> float:
+    value = parameters.get(name, default)
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise InvalidInput(f"parameter {name} must be a number")
+    return float(value)
+
+
+def mapping(value: Any, where: str) -> dict[str, Any]:
+    """An optional JSON object (``parameters`` of a request, an input or an output)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InvalidInput(f"{where} must be a JSON object")
+    return value

@@ -1,0 +1,1 @@
+"""Thin HTTP front ends: parse, call the plane, encode. No numpy math, no onnxruntime."""

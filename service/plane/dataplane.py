@@ -1,0 +1,405 @@
+"""The data plane: the one API under every front end (native REST, V2 over REST and gRPC).
+
+Front ends decode a request into a typed message (``service.messages``), call one method here
+and encode the result. This module alone owns the inference rules:
+
+* model and version lookup paired with the lease, with no ``await`` between (``_serving``), so
+  a concurrent swap never releases a version a request was given;
+* every limit: rows, k, temperature range, and the bytes of every (rows x vocab) tensor a
+  request materialises (``/logits``, score, compare and shadow alike), via ``Limits``;
+* shadow sampling, and the replay of sampled rows on the shadow head;
+* per-call metrics by model, version, verb and outcome;
+* readiness, metadata and the control API's rules: who may load and unload, and when
+  (``service.plane.control``, inherited);
+* top-k (and V2 infer) calls that differ only in their rows served as one (``topk_group``).
+
+Nothing here knows HTTP: errors are ``ServiceError`` subclasses that each front end maps once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from service.errors import InvalidInput, LogitsOverflow, ServiceError
+from service.limits import LOGIT_BYTES, Limits, MemoryBudget, Reservation, charge, refuse_overflow
+from service.messages import (
+    CandidateScores,
+    CompareRequest,
+    CompareResult,
+    EmbedRequest,
+    EmbedResult,
+    InferRequest,
+    InferResult,
+    LogitsRequest,
+    LogitsResult,
+    ScoreRequest,
+    ScoreResult,
+    Target,
+    TopKRequest,
+    TopKResult,
+    VocabularyOptions,
+)
+from service.metrics import Metrics
+from service.plane import comparison, distribution, grouping, scoring
+from service.plane.control import ControlAPI
+from service.plane.serving import Serving
+from service.plane.shadow import ShadowTraffic
+from service.repository.loaded_version import LoadedVersion
+from service.repository.registry import Registry
+from service.runtime.session import Projection
+from service.settings import Settings
+
+SPEED_ROWS = 64
+SPEED_RUNS = 5
+SHADOW_CLOSE_S = 2.0
+#: Full logits held per answer: the tensor and its encoding (JSON text is ~3x the floats).
+ANSWER_COPIES = 4
+
+
+class DataPlane(ControlAPI):
+    """Inference and control for every front end; see the module docstring."""
+
+    def __init__(self, registry: Registry, settings: Settings, metrics: Metrics) -> None:
+        super().__init__(registry, settings)
+        self._limits = Limits.from_settings(settings)
+        self._budget = MemoryBudget(self._limits.max_inflight_bytes)
+        self._metrics = metrics
+        # Statistics of compare and shadow run here, never on the inference threads.
+        self._stats = ThreadPoolExecutor(1, thread_name_prefix="lmhead-stats")
+        self._shadow = ShadowTraffic(
+            metrics, settings.shadow_max_pending, self._shadow_logits, self._stats
+        )
+
+    async def close(self) -> None:
+        await self._shadow.close(SHADOW_CLOSE_S)
+        self._stats.shutdown(wait=False, cancel_futures=True)
+
+    async def shadow_settled(self) -> None:
+        """Return once the shadow replays started so far have finished (their metrics are in)."""
+        await self._shadow.settle()
+
+    @contextmanager
+    def admit(self, calls: int = 1) -> Iterator[Reservation]:
+        """Front ends: hold a request's memory (body, logits, answer) until answered (or that
+        of ``calls`` requests served together, counted in flight each)."""
+        in_flight = self._metrics.requests_in_flight
+        in_flight.inc(calls)
+        try:
+            with self._budget.request() as held:
+                yield held
+        finally:
+            in_flight.dec(calls)
+
+    def reserve(self) -> AbstractContextManager[Reservation]:
+        """The engine process, per forwarded metadata or control call: the memory it holds
+        (inference calls are ``admit``ted: counted in flight; the front holds the body)."""
+        return self._budget.request()
+
+    # -- inference --------------------------------------------------------------------------
+
+    async def topk(self, request: TopKRequest) -> TopKResult:
+        with self._serving("topk", request.target) as (model,):
+            hidden = self._limits.hidden_states(request.hidden_states, model.d_model)
+            k = self._limits.k(request.k, model.default_k)
+            temperature = self._limits.temperature(request.temperature)
+            if request.vocabulary is not None:
+                shaped = await self._shaped(
+                    model, hidden, k, temperature, request.vocabulary, request.tokens
+                )
+                return shaped if request.logprobs else replace(shaped, logprobs=None)
+            projection = await self._project(model, hidden, k, temperature, full_logits=False)
+            return self._topk_result(model, projection, request.logprobs, request.tokens)
+
+    async def topk_group(
+        self,
+        requests: Sequence[TopKRequest],
+        verb: str = "topk",
+        alone: Callable[[int], Awaitable[Any]] | None = None,
+    ) -> list[Any]:
+        """``topk`` for calls that differ only in their rows, as one (``service.plane.grouping``):
+        one lookup and lease, one projection of every row that passes its checks; each call
+        keeps its own answer or error and metrics. The rules are ``topk``'s, in its order
+        (rows, k, temperature). ``verb`` and ``alone`` (call ``i`` by itself): for V2 infer."""
+        first = requests[0]
+        answers: list[TopKResult | ServiceError | None] = [None] * len(requests)
+        serving = Serving(self._registry, self._metrics, verb, (first.target,), len(requests))
+        try:
+            with serving as (model,):
+                kept, failed = grouping.checked_rows(self._limits, model.d_model, requests)
+                for index, error in failed:
+                    answers[index] = error
+                    serving.record(error.code)
+                serving.calls = len(kept)
+                k = self._limits.k(first.k, model.default_k)
+                temperature = self._limits.temperature(first.temperature)
+                outcomes: list[Any] = []
+                each_alone = len(kept) > 1 and grouping.rows(kept) > model.group_room()
+                if kept and not each_alone:
+                    try:
+                        outcomes = await self._grouped(model, kept, k, temperature, first)
+                    except LogitsOverflow:  # one call's rows: alone, only that call fails
+                        if len(kept) == 1:
+                            raise
+                        each_alone = True
+                if each_alone:
+                    serving.calls = 0  # each call is queued (or refused) and batched alone
+                    by_itself = alone or (lambda index: self.topk(requests[index]))
+                    outcomes = await grouping.one_by_one([by_itself(i) for i, _ in kept])
+                for (index, _), outcome in zip(kept, outcomes, strict=True):
+                    answers[index] = outcome
+        except ServiceError as error:
+            return [error if answer is None else answer for answer in answers]
+        except Exception as error:  # a bug: the calls not yet answered fail, and only they
+            failure = grouping.internal(error)
+            return [failure if answer is None else answer for answer in answers]
+        return [answer for answer in answers if answer is not None]
+
+    async def _grouped(
+        self,
+        model: LoadedVersion,
+        kept: list[grouping.Kept],
+        k: int,
+        temperature: float,
+        options: TopKRequest,
+    ) -> list[TopKResult | ServiceError]:
+        """One projection of the calls' rows together, split back into one result per call.
+        Shadow traffic samples each call, as ``_project`` does one call alone."""
+        shapes = [hidden.shape[:-1] for _, hidden in kept]
+        sampled = [
+            self._shadow.wants(
+                model, self._limits.fits_logits(math.prod(shape), model.vocab_size, 2)
+            )
+            for shape in shapes
+        ]
+        rows = np.concatenate([hidden.reshape(-1, model.d_model) for _, hidden in kept])
+        projection = await model.project(rows, k, temperature=temperature, full_logits=any(sampled))
+        parts = list(grouping.split(projection, shapes))
+        for (_, hidden), part, wanted in zip(kept, parts, sampled, strict=True):
+            if wanted:
+                assert part.logits is not None
+                self._shadow.submit(model, hidden, part.logits, temperature)
+        return [self._topk_result(model, part, options.logprobs, options.tokens) for part in parts]
+
+    async def logits(self, request: LogitsRequest) -> LogitsResult:
+        with self._serving("logits", request.target) as (model,):
+            hidden = self._limits.hidden_states(request.hidden_states, model.d_model)
+            temperature = self._limits.temperature(request.temperature)
+            if request.allowed_token_ids is not None:
+                rows = hidden.reshape(-1, model.d_model)
+                ids = distribution.token_lists(
+                    request.allowed_token_ids,
+                    len(rows),
+                    model.space,
+                    self._limits,
+                    "allowed_token_ids",
+                )
+                logits = await distribution.candidate_logits(model, rows, ids, temperature)
+                columns = np.broadcast_to(ids, logits.shape) if ids.ndim == 1 else ids
+                leading = hidden.shape[:-1]
+                return LogitsResult(
+                    model.info,
+                    logits.reshape(*leading, -1),
+                    model.space.original(np.ascontiguousarray(columns)).reshape(*leading, -1),
+                )
+            projection = await self._project(model, hidden, 1, temperature, full_logits=True)
+            assert projection.logits is not None
+            return LogitsResult(model.info, projection.logits, model.space.kept)
+
+    async def embed(self, request: EmbedRequest) -> EmbedResult:
+        with self._serving("embed", request.target) as (model,):
+            ids = distribution.token_ids(request.input_ids, model.space, self._limits, "input_ids")
+            return EmbedResult(model.info, await model.embed(ids))
+
+    async def infer(self, request: InferRequest) -> InferResult:
+        """Projection and/or embeddings from one version (the V2 protocol's infer)."""
+        with self._serving("infer", request.target) as (model,):
+            ids = request.input_ids
+            if ids is not None:
+                ids = distribution.token_ids(ids, model.space, self._limits, "input_ids")
+            topk, logits = None, None
+            if request.hidden_states is not None:
+                hidden = self._limits.hidden_states(request.hidden_states, model.d_model)
+                k = self._limits.k(request.k, model.default_k)
+                if request.at_least_default_k:
+                    k = max(k, model.default_k)
+                temperature = self._limits.temperature(request.temperature)
+                if request.vocabulary is not None:
+                    if request.full_logits:
+                        raise InvalidInput(
+                            "the logits output cannot be combined with allowed_token_ids, "
+                            "logit_bias, banned_token_ids or sample (use /v1 .../logits)"
+                        )
+                    topk = await self._shaped(
+                        model, hidden, k, temperature, request.vocabulary, request.tokens
+                    )
+                else:
+                    projection = await self._project(
+                        model, hidden, k, temperature, full_logits=request.full_logits
+                    )
+                    topk = self._topk_result(model, projection, True, request.tokens)
+                    logits = projection.logits if request.full_logits else None
+            embeddings = None if ids is None else await model.embed(ids)
+            return InferResult(model.info, topk, logits, embeddings)
+
+    async def score(self, request: ScoreRequest) -> ScoreResult:
+        """Per position the target's logit, log-prob and rank, top-k alternatives; NLL and
+        perplexity; candidates. Runs in chunks (``distribution.score_chunks``): any number of
+        rows within the row limit, never a (rows x vocab) tensor for the whole request."""
+        with self._serving("score", request.target) as (model,):
+            hidden = self._limits.hidden_states(request.hidden_states, model.d_model)
+            targets = distribution.row_targets(
+                request.target_ids, hidden, model.space, self._limits
+            )
+            rows = hidden.reshape(-1, model.d_model)
+            candidates = None
+            if request.candidate_ids is not None:
+                ids = distribution.token_lists(
+                    request.candidate_ids, len(rows), model.space, self._limits, "candidate_ids"
+                )
+                logits = await distribution.candidate_logits(model, rows, ids, 1.0)
+                every = np.broadcast_to(ids, logits.shape) if ids.ndim == 1 else ids
+                candidates = CandidateScores(np.ascontiguousarray(every), logits, logits)
+            if request.logprobs_over == "candidates":
+                if candidates is None:
+                    raise InvalidInput("logprobs_over='candidates' needs candidate_ids")
+                if request.k:  # nothing runs over the vocabulary: there are no alternatives
+                    raise InvalidInput(
+                        "k does not apply with logprobs_over='candidates' (every candidate's "
+                        "log-prob is in the answer); leave k out"
+                    )
+                return scoring.score_within(model.info, candidates, targets, model.space)
+            if request.logprobs_over not in (None, "vocabulary"):
+                raise InvalidInput("logprobs_over must be 'candidates' or 'vocabulary'")
+            k = self._limits.k(request.k, request.k) if request.k else 1
+            scored = await scoring.score_chunks(model, rows, targets, k)
+            return scoring.score_result(model.info, scored, candidates, request.k, model.space)
+
+    async def compare(self, request: CompareRequest) -> CompareResult:
+        """The same rows through two heads: agreement, KL both ways, NLL per head, speed."""
+        first, second = (Target(name) for name in request.models)
+        with self._serving("compare", first, second) as heads:
+            a, b = heads
+            a.check_comparable(b)
+            hidden = self._limits.hidden_states(request.hidden_states, a.d_model)
+            targets = None
+            if request.target_ids is not None:
+                targets = distribution.row_targets(
+                    request.target_ids, hidden, a.space, self._limits
+                )
+            k = self._limits.k(request.k, request.k)
+            full = [await self._full(head, hidden, copies=2) for head in heads]
+            (logits_a, _), (logits_b, _) = full
+            agreement = await self._statistics(comparison.agreement, logits_a, logits_b, k)
+            blocks = ({"name": a.name, **a.describe()}, {"name": b.name, **b.describe()})
+            ties = None
+            if targets is not None:
+                scores = [await self._statistics(comparison.score, *f, targets) for f in full]
+                *wins, ties = comparison.wins(scores[0], scores[1])
+                for block, result, won in zip(blocks, scores, wins, strict=True):
+                    block["nll"], block["perplexity"] = result.nll, result.perplexity
+                    block["wins"] = won
+            if request.measure_speed:
+                for head, block in zip(heads, blocks, strict=True):
+                    block["rows_per_s"] = await head.rows_per_second(hidden, SPEED_ROWS, SPEED_RUNS)
+                    block["speed_rows"] = SPEED_ROWS
+            return CompareResult(agreement, blocks, ties)
+
+    # -- the rules' helpers -----------------------------------------------------------------
+
+    def _serving(self, verb: str, *targets: Target) -> Serving:
+        """Look up and lease each target (no ``await`` between), and record the call."""
+        return Serving(self._registry, self._metrics, verb, targets)
+
+    async def _project(
+        self,
+        model: LoadedVersion,
+        hidden: npt.NDArray[np.float32],
+        k: int,
+        temperature: float,
+        *,
+        full_logits: bool,
+    ) -> Projection:
+        """Run the projection; a request sampled for shadow traffic also fetches its logits."""
+        rows = math.prod(hidden.shape[:-1])
+        if full_logits:
+            self._limits.logits(rows, model.vocab_size)
+            charge(rows * model.vocab_size * LOGIT_BYTES * ANSWER_COPIES)
+        affordable = self._limits.fits_logits(rows, model.vocab_size, copies=2)
+        sampled = self._shadow.wants(model, affordable)
+        projection = await model.project(
+            hidden, k, temperature=temperature, full_logits=full_logits or sampled
+        )
+        if full_logits:  # the answer's (a shadow copes with what it is sent)
+            assert projection.logits is not None
+            refuse_overflow(projection.logsumexp, projection.logits, temperature=temperature)
+        if sampled:
+            assert projection.logits is not None
+            self._shadow.submit(model, hidden, projection.logits, temperature)
+        return projection
+
+    async def _shaped(
+        self,
+        model: LoadedVersion,
+        hidden: npt.NDArray[np.float32],
+        k: int,
+        temperature: float,
+        options: VocabularyOptions,
+        tokens: bool,
+    ) -> TopKResult:
+        """Top-k of the distribution the options shape (never shadowed: not the head's own)."""
+        rows = hidden.reshape(-1, model.d_model)
+        shape, temperature = distribution.shape_of(
+            options, len(rows), model.space, self._limits, temperature
+        )
+        if shape.allowed is not None:
+            k = min(k, shape.allowed.shape[-1])
+        shaped = await distribution.shaped_topk(model, rows, k, temperature, shape)
+        return distribution.topk_result(model, hidden.shape[:-1], shaped, shape, tokens)
+
+    async def _shadow_logits(
+        self, primary: LoadedVersion, name: str, rows: npt.NDArray[np.float32], temperature: float
+    ) -> npt.NDArray[np.float32]:
+        """The shadow's full logits for sampled rows, leased and limited like any request."""
+        with self._serving("shadow", Target(name)) as (shadow,):
+            primary.check_comparable(shadow)
+            self._limits.logits(len(rows), shadow.vocab_size, copies=2)
+            projection = await shadow.project(rows, 1, temperature=temperature, full_logits=True)
+            assert projection.logits is not None
+            return projection.logits
+
+    async def _full(
+        self, model: LoadedVersion, hidden: npt.NDArray[np.float32], copies: int
+    ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
+        """Full (rows, vocab) logits and log-sum-exp, within the logits byte limit."""
+        rows = hidden.reshape(-1, model.d_model)
+        self._limits.logits(len(rows), model.vocab_size, copies)
+        charge(len(rows) * model.vocab_size * LOGIT_BYTES)
+        projection = await model.project(rows, 1, full_logits=True)
+        assert projection.logits is not None
+        refuse_overflow(projection.logsumexp, projection.logits)
+        return projection.logits, projection.logsumexp
+
+    async def _statistics(self, function: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._stats, function, *args)
+
+    def _topk_result(
+        self, model: LoadedVersion, projection: Projection, logprobs: bool, tokens: bool
+    ) -> TopKResult:
+        ids = projection.topk_token_ids
+        return TopKResult(
+            model.info,
+            model.space.original(ids),
+            projection.topk_logits,
+            projection.logsumexp,
+            projection.topk_logprobs if logprobs else None,
+            model.tokens(ids) if tokens else None,
+        )

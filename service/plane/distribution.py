@@ -1,0 +1,383 @@
+"""A head's next-token distribution, shaped by the request: allowed tokens, bias, sampling,
+and scoring of long prompts; the data plane's helpers for those options
+(``service.runtime.vocabulary`` holds the numpy, this module decides what to fetch from the head).
+
+Costs, by construction:
+
+* allowed tokens: their rows of W (n x d_model) and a small matmul; a full run only when the
+  log-probs must be over the whole vocabulary (its log-sum-exp); a quantized head's logits
+  always come from a full run (its graph's numbers; ``layout.candidate_logits`` says why);
+* bias or banned tokens: one run for the top-(k + |B|) and |B| rows of W;
+* sampling: the same run with a wider top (``SAMPLE_PREFIX``); only a row whose kept set may
+  reach past it is run again with full logits (a flat distribution, no filter).
+
+Scoring long prompts is ``service.plane.scoring``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import secrets
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from service.errors import InvalidInput
+from service.limits import LOGIT_BYTES, Limits, charge, refuse_overflow
+from service.messages import (
+    Sampled,
+    SampleOptions,
+    TopKResult,
+    VocabularyOptions,
+)
+from service.repository.loaded_version import LoadedVersion
+from service.runtime.vocabulary import (
+    Bias,
+    Floats,
+    Ids,
+    SampleSpec,
+    TokenSpace,
+    apply_bias,
+    biased_topk,
+    logsumexp,
+    sample_sorted,
+    swap_lse,
+    top_sorted,
+)
+
+#: Tokens fetched per row for sampling: the kept set of a peaked distribution fits in it.
+SAMPLE_PREFIX = 64
+TOKEN_KEY = re.compile(r"0|[1-9][0-9]{0,17}")
+Over = Literal["candidates", "vocabulary"]
+OVERS: dict[str, Over] = {"candidates": "candidates", "vocabulary": "vocabulary"}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Validated options (the data plane checks ids and ranges before building one)."""
+
+    allowed: Ids | None = None
+    """(n,) for every row or (rows, n) per row; sorted by nothing."""
+    bias: Bias | None = None
+    over: Over = "vocabulary"
+    sample: SampleSpec | None = None
+
+
+@dataclass(frozen=True)
+class Shaped:
+    """Top-k of the shaped distribution (rows x k), its log-sum-exp, and the draws."""
+
+    values: Floats
+    ids: Ids
+    lse: Floats
+    sampled: Ids | None = None
+    sampled_logprobs: Floats | None = None
+
+
+def shape_of(
+    options: VocabularyOptions, rows: int, space: TokenSpace, limits: Limits, temperature: float
+) -> tuple[Shape, float]:
+    """Checked options, in the head's columns, and the temperature of the run (the sampling
+    one, when given)."""
+    vocab = len(space.kept) if space.kept is not None else space.size
+    allowed = None
+    if options.allowed_token_ids is not None:
+        allowed = token_lists(options.allowed_token_ids, rows, space, limits, "allowed_token_ids")
+    banned = options.banned_token_ids
+    if banned is not None:
+        banned = token_ids(banned, space, limits, "banned_token_ids").reshape(-1)
+    bias = Bias.of(_bias_table(options.logit_bias, space, limits), banned)
+    if bias is not None and allowed is None and bias.banned >= vocab:
+        raise InvalidInput(f"banned_token_ids bans all {vocab} tokens; leave at least one")
+    if bias is not None and allowed is not None:
+        allowed_banned = np.isin(allowed, bias.ids[np.isneginf(bias.values)])
+        if allowed_banned.all(axis=-1).any():
+            raise InvalidInput("every allowed token of a row is banned; leave at least one")
+    name = options.logprobs_over or ("candidates" if allowed is not None else "vocabulary")
+    over = OVERS.get(name)
+    if over is None:
+        raise InvalidInput(f"logprobs_over must be 'candidates' or 'vocabulary', got {name!r}")
+    if over == "candidates" and allowed is None:
+        raise InvalidInput("logprobs_over='candidates' needs allowed_token_ids")
+    sample = None
+    if options.sample is not None:
+        sample, temperature = _sample_spec(options.sample, vocab, limits, temperature)
+    if bias is not None:  # added to the logits before temperature, as in transformers and
+        bias = bias.at(temperature)  # vLLM: the run's logits are already divided by it
+    return Shape(allowed, bias, over, sample), temperature
+
+
+def token_ids(raw: npt.NDArray[Any], space: TokenSpace, limits: Limits, field: str) -> Ids:
+    """Ids a request names, checked (``Limits.token_ids``) and turned into the head's columns
+    (the same numbers unless the head is trimmed)."""
+    return space.local(limits.token_ids(raw, space.size, field), field)
+
+
+def row_targets(
+    raw: npt.NDArray[Any], hidden: npt.NDArray[Any], space: TokenSpace, limits: Limits
+) -> Ids:
+    """``target_ids``: one id per row of ``hidden``, checked, as columns (flat)."""
+    if raw.shape != hidden.shape[:-1]:
+        raise InvalidInput(
+            f"target_ids must have shape {list(hidden.shape[:-1])} (one per row), "
+            f"got {list(raw.shape)[:8]}"
+        )
+    return token_ids(raw, space, limits, "target_ids").reshape(-1)
+
+
+def token_lists(raw: Ids, rows: int, space: TokenSpace, limits: Limits, field: str) -> Ids:
+    """One list of ids for every row (n,), or one list per row (rows, n), as columns."""
+    if raw.ndim not in (1, 2) or raw.shape[-1] > space.size:
+        raise InvalidInput(
+            f"{field} must be one list of ids for every row, or one list per row, "
+            f"of at most {space.size} ids"
+        )
+    ids = token_ids(raw, space, limits, field)
+    if ids.ndim == 2 and ids.shape[0] != rows:
+        raise InvalidInput(
+            f"{field} must be one list for all rows or one per row ({rows}), "
+            f"got {ids.shape[0]} lists"
+        )
+    _refuse_repeats(raw, field)
+    return ids
+
+
+def _refuse_repeats(raw: npt.NDArray[Any], field: str) -> None:
+    """A token named twice in one list would count twice in the candidates' softmax (its
+    log-prob and rank, and its odds of being drawn, all off), so a list names each once."""
+    ordered = np.sort(np.atleast_2d(raw), axis=-1)
+    repeated = ordered[:, 1:] == ordered[:, :-1]
+    if repeated.any():
+        row, column = np.argwhere(repeated)[0]
+        raise InvalidInput(f"{field} names token {int(ordered[row, column])} twice; once each")
+
+
+def _bias_table(
+    raw: dict[object, object] | None, space: TokenSpace, limits: Limits
+) -> dict[int, float]:
+    """Bias per column: keys are original token ids, values numbers in the bias range."""
+    if not raw:
+        return {}
+    limits.logit_bias(len(raw))
+    table: dict[int, float] = {}
+    for key, value in raw.items():
+        token = _integer(key)
+        if token is None or not 0 <= token < space.size:
+            raise InvalidInput(f"logit_bias keys must be token ids in [0, {space.size})")
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise InvalidInput("logit_bias values must be numbers")
+        table[token] = limits.bias(float(value))
+    columns = space.local(np.fromiter(table, np.int64, len(table)), "logit_bias")
+    return dict(zip(columns.tolist(), table.values(), strict=True))
+
+
+def _integer(key: object) -> int | None:
+    """A logit_bias key: an int, or a token id written as JSON object keys are ("50256"):
+    ASCII digits without sign, spaces or leading zeros, so two keys never name one token."""
+    if isinstance(key, int) and not isinstance(key, bool):
+        return key
+    if isinstance(key, str) and TOKEN_KEY.fullmatch(key):
+        return int(key)
+    return None
+
+
+def _sample_spec(
+    options: SampleOptions, vocab: int, limits: Limits, temperature: float
+) -> tuple[SampleSpec, float]:
+    sampling = options.temperature
+    if sampling is not None and temperature != 1.0 and sampling != temperature:
+        raise InvalidInput("give the temperature once: sample.temperature or temperature")
+    if sampling is not None and sampling != 0:
+        temperature = limits.temperature(sampling, "sample.temperature (or 0: greedy)")
+    if options.top_k is not None:
+        limits.k(options.top_k, options.top_k, "sample.top_k")
+    if options.top_p is not None and not 0.0 < options.top_p <= 1.0:
+        raise InvalidInput(f"sample.top_p must be in (0, 1], got {options.top_p}")
+    if options.min_p is not None and not 0.0 <= options.min_p <= 1.0:
+        raise InvalidInput(f"sample.min_p must be in [0, 1], got {options.min_p}")
+    seed = options.seed if options.seed is not None else secrets.randbits(63)
+    if not 0 <= seed < 2**63:
+        raise InvalidInput(f"sample.seed must be in [0, 2**63), got {seed}")
+    spec = SampleSpec(
+        0.0 if sampling == 0 else temperature, options.top_k, options.top_p, options.min_p, seed
+    )
+    return spec, temperature
+
+
+async def candidate_logits(
+    model: LoadedVersion, rows: Floats, ids: Ids, temperature: float
+) -> Floats:
+    """(rows, n) logits of ``ids`` from their rows of W (full logits when the head's layout
+    has no row source)."""
+    per_row = np.full(len(rows), temperature, np.float32)
+    candidates = model.session.candidates
+    if candidates is not None:
+        found = await model.run_alone(len(rows), candidates, rows, ids, per_row)
+        refuse_overflow(found, found, temperature=temperature)
+        return found
+    every = np.broadcast_to(ids, (len(rows), ids.shape[-1])) if ids.ndim == 1 else ids
+    step = model.rows_per_run  # one run's full logits at a time, never (rows x vocab)
+    charge(min(len(rows), step) * model.vocab_size * LOGIT_BYTES)
+    parts = []
+    for start in range(0, len(rows), step):
+        part = slice(start, start + step)
+        logits = await model.project(rows[part], 1, temperature=temperature, full_logits=True)
+        assert logits.logits is not None
+        parts.append(np.take_along_axis(logits.logits, every[part], axis=1))
+    found = np.concatenate(parts) if parts else np.zeros(every.shape, np.float32)
+    refuse_overflow(found, found, temperature=temperature)
+    return found
+
+
+async def full_logits(model: LoadedVersion, rows: Floats, temperature: float) -> Floats:
+    """Full logits of a few rows (the exact fallback), charged to the request."""
+    charge(len(rows) * model.vocab_size * LOGIT_BYTES)
+    projection = await model.project(rows, 1, temperature=temperature, full_logits=True)
+    assert projection.logits is not None
+    refuse_overflow(projection.logsumexp, projection.logits, temperature=temperature)
+    return projection.logits
+
+
+async def shaped_topk(
+    model: LoadedVersion, rows: Floats, k: int, temperature: float, shape: Shape
+) -> Shaped:
+    if shape.allowed is not None:
+        return await _restricted(model, rows, k, temperature, shape, shape.allowed)
+    return await _whole(model, rows, k, temperature, shape)
+
+
+async def _restricted(
+    model: LoadedVersion, rows: Floats, k: int, temperature: float, shape: Shape, allowed: Ids
+) -> Shaped:
+    logits = await candidate_logits(model, rows, allowed, temperature)
+    if shape.bias is not None:
+        logits = apply_bias(logits, allowed, shape.bias)
+    ordered, order_ids = top_sorted(logits, allowed, logits.shape[1])
+    k = min(k, int((~np.isneginf(logits)).sum(axis=1).min()))  # banned tokens are never listed
+    lse = logsumexp(logits)
+    sampled = drawn = None
+    if shape.sample is not None:
+        draws = shape.sample.uniforms(len(rows))
+        index, _ = sample_sorted(ordered, lse, shape.sample, draws, 0)
+        sampled = order_ids[np.arange(len(rows)), index]
+        drawn = ordered[np.arange(len(rows)), index]
+    if shape.over == "vocabulary":
+        lse = await _vocabulary_lse(model, rows, temperature, shape.bias)
+    logprobs = None if drawn is None else drawn - lse
+    return Shaped(ordered[:, :k], order_ids[:, :k], lse, sampled, logprobs)
+
+
+async def _vocabulary_lse(
+    model: LoadedVersion, rows: Floats, temperature: float, bias: Bias | None
+) -> Floats:
+    """The whole vocabulary's log-sum-exp, biased when asked (one run, k=1)."""
+    lse = (await model.project(rows, 1, temperature=temperature)).logsumexp
+    if bias is None:
+        return lse
+    raw = await candidate_logits(model, rows, bias.ids, temperature)
+    swapped, trusted = swap_lse(lse, raw, bias)
+    async for part, _, part_lse in _exact_rows(model, rows, ~trusted, temperature, bias):
+        swapped[part] = part_lse
+    return swapped
+
+
+async def _whole(
+    model: LoadedVersion, rows: Floats, k: int, temperature: float, shape: Shape
+) -> Shaped:
+    vocab, bias, spec = model.vocab_size, shape.bias, shape.sample
+    if bias is not None:
+        k = min(k, vocab - bias.banned)  # banned tokens are never listed
+    width = max(k, SAMPLE_PREFIX, spec.top_k or 0) if spec is not None else k
+    extra = 0 if bias is None else len(bias.ids)
+    projection = await model.project(rows, min(vocab, width + extra), temperature=temperature)
+    values, ids, lse = projection.topk_logits, projection.topk_token_ids, projection.logsumexp
+    redo = np.zeros(len(rows), np.bool_)
+    if bias is not None:
+        raw = await candidate_logits(model, rows, bias.ids, temperature)
+        values, ids = biased_topk(values, ids, raw, bias, width)
+        lse, trusted = swap_lse(lse, raw, bias)
+        redo |= ~trusted
+    sampled = drawn = None
+    if spec is not None:
+        index, inside = sample_sorted(values, lse, spec, spec.uniforms(len(rows)), vocab)
+        picked = np.arange(len(rows)), index
+        sampled, drawn = ids[picked], values[picked]
+        redo |= ~inside
+    values, ids = values[:, :k].copy(), ids[:, :k].copy()
+    draws = None if spec is None else spec.uniforms(len(rows))  # row i's u, as in the batch
+
+    def redo_rows(part: npt.NDArray[np.intp], logits: Floats, part_lse: Floats) -> None:
+        for offset, row in enumerate(part.tolist()):
+            lse[row] = part_lse[offset]
+            row_logits = logits[offset : offset + 1]
+            order = np.argsort(-row_logits[0], kind="stable")  # the whole row, descending
+            values[row], ids[row] = row_logits[0, order[:k]], order[:k]
+            if spec is not None and draws is not None and sampled is not None and drawn is not None:
+                u, row_lse = draws[row : row + 1], part_lse[offset : offset + 1]
+                (chosen,), _ = sample_sorted(row_logits[:, order], row_lse, spec, u, vocab)
+                sampled[row], drawn[row] = order[chosen], row_logits[0, order[chosen]]
+
+    async for part, logits, part_lse in _exact_rows(model, rows, redo, temperature, bias):
+        # A sort of the whole vocabulary per row (~3-4 ms at 32k tokens): 1,048 such rows held
+        # the event loop, health checks included, for 4.6 s. A thread does it.
+        await asyncio.to_thread(redo_rows, part, logits, part_lse)
+    logprobs = None if drawn is None else drawn - lse
+    return Shaped(values, ids, lse, sampled, logprobs)
+
+
+async def _exact_rows(
+    model: LoadedVersion,
+    rows: Floats,
+    chosen: npt.NDArray[np.bool_],
+    temperature: float,
+    bias: Bias | None,
+) -> AsyncIterator[tuple[npt.NDArray[np.intp], Floats, Floats]]:
+    """(positions, their biased full logits (n, vocab), their log-sum-exp) of the chosen rows:
+    the exact fallback, one run per ``rows_per_run`` of them (not one per row: each run reads
+    W); the bias and log-sum-exp of a chunk are computed off the event loop."""
+    positions = np.flatnonzero(chosen)
+    step = model.rows_per_run
+    for start in range(0, len(positions), step):
+        part = positions[start : start + step]
+        logits = await full_logits(model, rows[part], temperature)
+        logits, lse = await asyncio.to_thread(_biased_lse, logits, bias)
+        yield part, logits, lse
+
+
+def _biased_lse(logits: Floats, bias: Bias | None) -> tuple[Floats, Floats]:
+    if bias is not None:
+        logits = apply_bias(logits, None, bias)
+    return logits, logsumexp(logits)
+
+
+def topk_result(
+    model: LoadedVersion, leading: tuple[int, ...], shaped: Shaped, shape: Shape, tokens: bool
+) -> TopKResult:
+    """The answer, leading dims as sent (with log-probs; the data plane drops them unless asked)."""
+    values, ids = shaped.values.reshape(*leading, -1), shaped.ids.reshape(*leading, -1)
+    lse = shaped.lse.reshape(leading)
+    sampled = None
+    space = model.space
+    if shape.sample is not None and shaped.sampled is not None:
+        assert shaped.sampled_logprobs is not None
+        labels = model.tokens(shaped.sampled[:, None]) if tokens else None
+        sampled = Sampled(
+            space.original(shaped.sampled).reshape(leading),
+            shaped.sampled_logprobs.reshape(leading),
+            shape.sample.seed,
+            None if labels is None else [row[0] for row in labels],
+        )
+    return TopKResult(
+        model.info,
+        space.original(ids),
+        values,
+        lse,
+        values - lse[..., None],
+        model.tokens(ids) if tokens else None,
+        shape.over,
+        sampled,
+    )

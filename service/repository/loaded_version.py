@@ -1,0 +1,388 @@
+"""A loaded model version: its session, what the inspector found, labels, and its batcher.
+
+``load_version`` is synchronous and runs in the loader thread: inspect the file, open the
+session with the memory mode that fits (tied or not), read labels, and warm the session with
+one real run whose output shapes are checked. Requests hold a reference to a
+``LoadedVersion``, never a name, so a request always finishes on the version it started on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from time import perf_counter
+from typing import Any, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from service.allocator import trim_heap
+from service.errors import InvalidInput
+from service.heads import MODEL_FILE
+from service.heads.inspector import HeadReport, inspect_head
+from service.limits import Limits, refuse_overflow
+from service.messages import HeadInfo
+from service.repository.disk import ModelConfig, ModelSource, Signature, read_labels, read_space
+from service.repository.labels import LabelTable, TokenStrings
+from service.repository.staging import private_copy
+from service.runtime.batcher import Batcher, BatchLimits
+from service.runtime.layout import Placement, open_head
+from service.runtime.pending import BatchStats
+from service.runtime.session import HeadSession, Projection
+from service.runtime.vocabulary import TokenSpace
+from service.settings import MemoryMode
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    memory_mode: MemoryMode
+    intra_op_threads: int
+    default_k: int
+    limits: Limits
+    repository: Path
+    providers: tuple[str, ...] = ("CPUExecutionProvider",)
+    scratch: Path | None = None
+    tf32: bool = False
+    """Where private copies of versions are made while loading (the system's temp dir)."""
+
+    @property
+    def placement(self) -> Placement:
+        return Placement(self.memory_mode, self.intra_op_threads, self.providers, self.tf32)
+
+
+T = TypeVar("T")
+
+
+@dataclass
+class LoadedVersion:
+    """One servable version of a model."""
+
+    name: str
+    version: int
+    session: HeadSession
+    report: HeadReport
+    config: ModelConfig
+    labels: list[str] | None
+    default_k: int
+    signature: Signature = ()
+    rows_per_run: int = 1 << 30
+    token_space: TokenSpace | None = None
+    """A trimmed head's original ids (``service.tools.trim``); None: columns are token ids."""
+    batcher: Batcher | None = field(default=None, repr=False)
+    executor: Executor | None = field(default=None, repr=False)
+    on_run: Callable[[BatchStats], None] | None = field(default=None, repr=False)
+    _inflight: int = field(default=0, repr=False)
+    _idle: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+
+    def __post_init__(self) -> None:
+        self._idle.set()
+        self._label_table: LabelTable | None = None
+        if self.labels is not None:
+            self._label_table = LabelTable.of(self.labels, self.report.vocab_size)
+
+    def acquire(self) -> None:
+        """Take a lease for one request: ``retire`` waits until every lease is released.
+
+        Take it right after ``Registry.get`` with no ``await`` between, so a swap can never
+        release a version that a request has already been given (the data plane does).
+        """
+        self._inflight += 1
+        self._idle.clear()
+
+    def release(self) -> None:
+        self._inflight -= 1
+        if self._inflight == 0:
+            self._idle.set()
+
+    async def retire(self, timeout_s: float) -> bool:
+        """Let admitted requests finish (up to ``timeout_s``), then release the session.
+
+        Returns whether it drained in time; after the timeout the remaining requests fail
+        with 503 rather than hold the old weights forever.
+        """
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            drained = True
+        except TimeoutError:
+            drained = False
+        await self.close()
+        self.session.close()
+        return drained
+
+    @cached_property
+    def info(self) -> HeadInfo:
+        """Who answered, as results carry it (computed once: a version never changes)."""
+        report = self.report
+        quantization = report.quantization or {}
+        return HeadInfo(
+            self.name,
+            self.version,
+            report.tied,
+            report.vocab_size,
+            report.d_model,
+            report.dtype,
+            quantization.get("block_size"),
+            bool(quantization.get("table")),
+        )
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}/{self.version}"
+
+    @property
+    def tied(self) -> bool:
+        return self.report.tied
+
+    @property
+    def d_model(self) -> int:
+        return self.session.d_model
+
+    @property
+    def vocab_size(self) -> int:
+        return self.session.vocab_size
+
+    @property
+    def space(self) -> TokenSpace:
+        """The ids requests name and answers return (``TokenSpace``)."""
+        return self.token_space or TokenSpace(self.vocab_size)
+
+    def start(
+        self,
+        executor: Executor,
+        limits: BatchLimits,
+        rows_per_run: int,
+        on_batch: Callable[[BatchStats], None],
+        on_reject: Callable[[], None],
+    ) -> None:
+        """Serve: runs of at most ``rows_per_run`` rows (and the batch caps) from now on."""
+        self.rows_per_run = rows_per_run
+        caps = (limits.max_batch_rows, self.config.max_batch_rows or rows_per_run, rows_per_run)
+        limits = BatchLimits(limits.merge, min(caps), limits.max_wait_s, limits.max_queue_rows)
+        self.executor = executor
+        self.on_run = on_batch
+        self.batcher = Batcher(
+            self._run, executor, limits, label=self.label, on_batch=on_batch, on_reject=on_reject
+        )
+        self.batcher.start()
+
+    async def close(self) -> None:
+        if self.batcher is not None:
+            await self.batcher.close()
+
+    def group_room(self) -> int:
+        """Rows calls served as one may hold (``DataPlane.topk_group``): what the queue takes
+        now, and half a batch (``Batcher.room``)."""
+        assert self.batcher is not None, "start() the version before serving it"
+        return self.batcher.room
+
+    async def project(
+        self,
+        hidden: npt.NDArray[np.float32],
+        k: int,
+        *,
+        temperature: float = 1.0,
+        full_logits: bool = False,
+    ) -> Projection:
+        """Project (..., d_model) float32 hidden states through the batcher.
+
+        More rows than one run may take go in chunks, one after another: each run's logits
+        stay within the byte limit, and other requests (other models too) run in between.
+        """
+        assert self.batcher is not None, "start() the version before serving it"
+        leading = hidden.shape[:-1]
+        rows = hidden.reshape(-1, self.d_model)
+        step = self.rows_per_run
+        if len(rows) <= step:
+            flat = await self.batcher.submit(rows, k, full_logits, temperature)
+        else:
+            parts = [
+                await self.batcher.submit(rows[i : i + step], k, full_logits, temperature)
+                for i in range(0, len(rows), step)
+            ]
+            flat = _concatenate(parts)
+        refuse_overflow(flat.logsumexp, flat.topk_logits, temperature=temperature)
+        return Projection(
+            flat.topk_logits.reshape(*leading, -1),
+            flat.topk_token_ids.reshape(*leading, -1),
+            flat.logsumexp.reshape(leading),
+            None if flat.logits is None else flat.logits.reshape(*leading, -1),
+        )
+
+    def check_comparable(self, other: LoadedVersion) -> None:
+        """Logits that line up column by column with ``other``'s (compare, shadow), or 422."""
+        if self.d_model != other.d_model:
+            raise InvalidInput(
+                f"d_model differs: {self.name} has {self.d_model}, {other.name} has {other.d_model}"
+            )
+        if self.vocab_size != other.vocab_size or not self.space.same_tokens(other.space):
+            raise InvalidInput(
+                f"{self.name} and {other.name} do not name the same tokens (vocab sizes "
+                f"{self.vocab_size} and {other.vocab_size}, or trimmed to other ids): comparing "
+                "them needs a token mapping, which is not supported"
+            )
+
+    async def embed(self, ids: npt.NDArray[np.int64]) -> npt.NDArray[np.float32]:
+        """Rows of the input embedding (the Gather side), in the inference executor."""
+        return await self.run_alone(ids.size, self.session.embed, ids)
+
+    async def run_alone(self, rows: int, function: Callable[..., T], *args: Any) -> T:
+        """A run outside the batcher (scoring, embedding rows, candidates' rows of W) in the
+        inference executor, in the run metrics as a batch of one request."""
+
+        def timed() -> tuple[T, float]:
+            started = perf_counter()
+            try:
+                return function(*args), perf_counter() - started
+            except Exception:
+                self._observe(BatchStats(rows, 1, [], perf_counter() - started, failed=True))
+                raise
+
+        result, seconds = await asyncio.get_running_loop().run_in_executor(self.executor, timed)
+        self._observe(BatchStats(rows, 1, [], seconds, failed=False))
+        return result
+
+    def _observe(self, stats: BatchStats) -> None:
+        if self.on_run is not None:
+            self.on_run(stats)
+
+    async def rows_per_second(self, hidden: npt.NDArray[np.float32], rows: int, runs: int) -> float:
+        """Rows/s of the bare session on a fixed batch tiled from ``hidden`` (no batcher)."""
+        batch = np.resize(hidden.reshape(-1, self.d_model), (rows, self.d_model))
+
+        def measure() -> float:
+            self.session.project(batch, 10)
+            start = perf_counter()
+            for _ in range(runs):
+                self.session.project(batch, 10)
+            return rows * runs / (perf_counter() - start)
+
+        return await asyncio.get_running_loop().run_in_executor(self.executor, measure)
+
+    def tokens(self, ids: npt.NDArray[np.int64]) -> TokenStrings | None:
+        """Token strings for (..., k) column ids, a list per flattened row, looked up when
+        first read (``service.repository.labels``); None when the head has no labels."""
+        if self._label_table is None:
+            return None
+        return TokenStrings(self._label_table, ids)
+
+    def describe(self) -> dict[str, Any]:
+        report = self.report
+        return {
+            "version": self.version,
+            "tied": report.tied,
+            "vocab_size": report.vocab_size,
+            "d_model": report.d_model,
+            "dtype": report.dtype,
+            "parameters": report.parameters,
+            "weight_bytes": report.weight_bytes,
+            "file_bytes": report.file_bytes,
+            "embedding_initializer": report.embedding_initializer,
+            "projection_initializer": report.projection_initializer,
+            "duplicate": report.duplicate,
+            "transforms": report.transforms,
+            "quantization": _shown(report.quantization),
+            "memory_mode": self.session.memory_mode,
+            "layout": "split" if self.session.rows is not None else "one session",
+            "compute_dtype": self.session.compute_dtype,
+            "providers": self.session.providers,
+            "labels": self.labels is not None,
+            "default_k": self.default_k,
+            "trimmed_from": None if self.token_space is None else self.token_space.size,
+        }
+
+    def _run(
+        self,
+        rows: npt.NDArray[np.float32],
+        k: int,
+        full_logits: bool,
+        temperature: npt.NDArray[np.float32],
+    ) -> Projection:
+        return self.session.project(rows, k, temperature=temperature, full_logits=full_logits)
+
+
+def load_version(source: ModelSource, version: int, options: LoadOptions) -> LoadedVersion:
+    """Inspect, open, label and warm one version (blocking; run it off the event loop).
+
+    Everything is read from a private copy of the version (``private_copy``): what is served
+    is what was inspected, whatever happens to the repository's files afterwards.
+    """
+    root = options.repository.resolve()
+    directory, config = source.versions[version], source.config
+    with private_copy(directory, source.files[version], root, options.scratch) as private:
+        try:
+            report = inspect_head(private / MODEL_FILE)
+            session = open_head(
+                private / MODEL_FILE, options.placement, report=report, scratch=private
+            )
+            labels = read_labels(private, config.labels, report.vocab_size)
+            space = read_space(private, report.vocab_size)
+        except Exception as error:  # say where, not the private copy's temporary path
+            text = str(error).replace(str(private), f"{source.name}/{version}")
+            raise VersionLoadError(f"{type(error).__name__}: {text}") from None
+    if (session.vocab_size, session.d_model) != (report.vocab_size, report.d_model):
+        raise ValueError(
+            f"graph outputs say vocab {session.vocab_size} x d_model {session.d_model} but the "
+            f"weights are {report.vocab_size} x {report.d_model}"
+        )
+    if config.d_model is not None and report.d_model != config.d_model:
+        raise ValueError(
+            f"head has d_model {report.d_model} but config.json requires {config.d_model}"
+        )
+    default_k = config.default_k or options.default_k
+    options.limits.check_default_k(default_k)
+    _warm(session)
+    trim_heap()  # the file's bytes passed through the heap on the way in
+    return LoadedVersion(
+        name=source.name,
+        version=version,
+        session=session,
+        report=report,
+        config=config,
+        labels=labels,
+        default_k=default_k,
+        signature=source.signature(version),
+        token_space=space if space.kept is not None else None,
+    )
+
+
+def _shown(quantization: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The inspector's quantization facts without tensor names (not a client's business)."""
+    if quantization is None:
+        return None
+    names = ("table_tensors", "projection_tensors")
+    return {key: value for key, value in quantization.items() if key not in names}
+
+
+def _concatenate(parts: list[Projection]) -> Projection:
+    logits = [part.logits for part in parts if part.logits is not None]
+    return Projection(
+        np.concatenate([part.topk_logits for part in parts]),
+        np.concatenate([part.topk_token_ids for part in parts]),
+        np.concatenate([part.logsumexp for part in parts]),
+        np.concatenate(logits) if logits else None,
+    )
+
+
+class VersionLoadError(ValueError):
+    """A version could not be opened; the message names the model and version, not a path."""
+
+
+def _warm(session: HeadSession) -> None:
+    """One real run of each side; a head that cannot answer is not published."""
+    k = min(5, session.vocab_size)
+    result = session.project(np.zeros((1, session.d_model), np.float32), k, full_logits=True)
+    if result.topk_token_ids.shape != (1, k) or result.logsumexp.shape != (1,):
+        raise ValueError(f"warm-up returned shapes {result.topk_token_ids.shape}")
+    assert result.logits is not None
+    if not np.isfinite(result.logits).all():  # 0 x NaN (or Inf) is NaN: any such weight
+        raise ValueError(
+            "the head's logits for a zero hidden state are not all finite: its weights hold "
+            "NaN/Inf, or its output bias masks tokens with -inf (lmhead takes finite biases, "
+            "as its import does; drop padded rows with lmhead trim)"
+        )
+    if session.embed(np.zeros(1, np.int64)).shape != (1, session.d_model):
+        raise ValueError("warm-up embedding has the wrong shape")

@@ -1,0 +1,154 @@
+"""Directories in use, locked while they are, so that what a killed process left behind can
+be swept by the next one: the private copies a version loads from (``private_copy``), the
+staging directories new versions are written in (``write_whole``), and a split
+service's private directory, which all its processes hold (``split.supervisor``).
+
+The lock is an ``flock`` on a file inside the directory, named only once held: a directory
+whose lock file can be opened and locked is nobody's, whatever process or container made it.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import BinaryIO
+
+from service.repository.disk import RepositoryError, Signature, check_regular, signature
+
+LOCK_FILE = ".lmhead-lock"
+#: A new version's directory while it is written (hidden from the service and the poller).
+STAGING_PREFIX = ".writing-"
+#: A version's private copy, locked by its loader while it loads from it.
+COPY_PREFIX = "lmhead-version-"
+
+
+def hold(directory: Path, shared: bool = False) -> BinaryIO:
+    """Lock ``directory`` as in use until the returned file is closed; ``shared``: others of
+    the same service may hold it too (``join``)."""
+    lock = (directory / f"{LOCK_FILE}.new").open("wb")
+    fcntl.flock(lock, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+    os.rename(directory / f"{LOCK_FILE}.new", directory / LOCK_FILE)  # once held, never before
+    return lock
+
+
+def join(directory: Path) -> BinaryIO | None:
+    """Hold ``directory`` (locked ``shared``) as in use too, until the returned file closes:
+    the engine and fronts of a supervisor killed outright still use its directory while they
+    drain. None if it is gone already."""
+    try:
+        lock = (directory / LOCK_FILE).open("rb")
+    except OSError:
+        return None
+    fcntl.flock(lock, fcntl.LOCK_SH)
+    return lock
+
+
+def release(directory: Path, lock: BinaryIO) -> None:
+    """Unlock a directory that stays (a version about to be published): the lock file goes
+    first, while held, so no sweeper can take it and remove the directory."""
+    (directory / LOCK_FILE).unlink(missing_ok=True)
+    lock.close()
+
+
+def write_whole(target: Path, write: Callable[[Path], None], replace: bool = False) -> None:
+    """``write`` fills a directory beside ``target``, locked while written (the next call
+    sweeps those a killed command left), renamed into place once whole: the poller never
+    sees half of it, and a full disk leaves no half head that would count as present.
+    ``replace``: an existing ``target`` goes then; else one there is a ``FileExistsError``.
+    A parent made here and left empty by a failure goes too (the service would list an
+    empty model directory as a failed model)."""
+    parent = target.parent
+    made = not parent.exists()
+    parent.mkdir(parents=True, exist_ok=True)
+    try:
+        sweep(parent, STAGING_PREFIX)
+        with tempfile.TemporaryDirectory(prefix=STAGING_PREFIX, dir=parent) as scratch:
+            written = Path(scratch)
+            lock = hold(written)
+            try:
+                write(written)
+                os.chmod(written, 0o755)  # mkdtemp made it private
+                release(written, lock)
+                if replace and target.exists():
+                    shutil.rmtree(target)
+                _rename(written, target)
+            finally:
+                lock.close()
+            written.mkdir()  # for the context manager to remove
+    except BaseException:
+        if made and not any(parent.iterdir()):
+            parent.rmdir()
+        raise
+
+
+def _rename(written: Path, target: Path) -> None:
+    try:
+        os.rename(written, target)
+    except OSError as error:  # another command wrote it meanwhile
+        if target.exists():
+            raise FileExistsError(
+                errno.EEXIST, f"{target.name} was written meanwhile", str(target)
+            ) from None
+        raise error
+
+
+def sweep(parent: Path, prefix: str) -> list[str]:
+    """Remove the directories named ``prefix*`` in ``parent`` that nobody holds; their names.
+    One without a lock file is left (being made, or released to be published)."""
+    removed = []
+    for entry in parent.glob(f"{prefix}*"):
+        if entry.is_symlink() or not entry.is_dir():
+            continue
+        try:
+            with (entry / LOCK_FILE).open("rb") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when closed
+                if os.fstat(lock.fileno()).st_ino != (entry / LOCK_FILE).stat().st_ino:
+                    continue  # released meanwhile (``release``): no longer stale
+                shutil.rmtree(entry, ignore_errors=True)
+                removed.append(entry.name)
+        except OSError:  # held (BlockingIOError), not ours to open, or no lock: in use
+            continue
+    return removed
+
+
+@contextmanager
+def private_copy(
+    version_dir: Path, expected: Signature, root: Path, into: Path | None = None
+) -> Iterator[Path]:
+    """The version's files copied where nobody else can write them; removed on exit.
+
+    Load from the copy, then let it go: onnxruntime keeps what it mapped (an unlinked file
+    stays readable while mapped), and no later write to the repository reaches it. Only
+    regular files inside the repository are copied (a FIFO would block the loader, a link out
+    of the repository would serve files nobody put there); files that differ from ``expected``
+    (``ModelSource.files`` as scanned) after the copy fail the load: never a mix of two versions.
+    """
+    target = Path(tempfile.mkdtemp(prefix=COPY_PREFIX, dir=into))
+    lock = hold(target)  # in use: ``sweep_stale_copies`` leaves it
+    try:
+        for path in sorted(version_dir.iterdir()):
+            if path.is_dir():
+                continue
+            check_regular(path, root)
+            shutil.copyfile(path, target / path.name)
+        if signature(version_dir) != expected:
+            raise RepositoryError(
+                f"the files of {version_dir.parent.name}/{version_dir.name} changed while "
+                "being loaded; publish a version by renaming a complete directory into place"
+            )
+        yield target
+    finally:
+        shutil.rmtree(target, ignore_errors=True)
+        lock.close()
+
+
+def sweep_stale_copies(into: Path | None) -> list[str]:
+    """Remove the version copies left by processes killed mid-load (no ``finally`` ran; each
+    holds a whole head): a copy in use is locked."""
+    return sweep(into or Path(tempfile.gettempdir()), COPY_PREFIX)

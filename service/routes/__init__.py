@@ -1,1 +1,0 @@
-"""Thin HTTP front ends: parse, call the registry, encode. No numpy math, no onnxruntime."""

@@ -1,0 +1,87 @@
+"""What one dynamic batch is: the callers' pending requests, their rows merged into one run's
+inputs, and the run's result split back to each caller (``service.runtime.batcher`` decides which
+requests make a batch, and when and where it runs)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from service.errors import InferenceFailed
+from service.runtime.session import Projection
+
+
+@dataclass(frozen=True)
+class BatchStats:
+    """What one run did, for metrics."""
+
+    rows: int
+    requests: int
+    queue_seconds: list[float]
+    run_seconds: float
+    failed: bool
+
+
+@dataclass
+class Pending:
+    """One caller's rows and options, waiting for a run."""
+
+    rows: npt.NDArray[np.float32]
+    k: int
+    full_logits: bool
+    future: asyncio.Future[Projection]
+    temperature: float = 1.0
+    enqueued: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class Started:
+    """A batch handed to the inference executor, its rows merged into one run's inputs."""
+
+    batch: list[Pending]
+    rows: npt.NDArray[np.float32]
+    temperature: npt.NDArray[np.float32]
+    k: int
+    full_logits: bool
+    at: float = field(default_factory=time.monotonic)
+
+    @classmethod
+    def merge(cls, batch: list[Pending]) -> Started:
+        rows = batch[0].rows if len(batch) == 1 else np.concatenate([p.rows for p in batch])
+        temperature = np.repeat(
+            np.array([item.temperature for item in batch], np.float32),
+            [len(item.rows) for item in batch],
+        )
+        k = max(item.k for item in batch)
+        return cls(batch, rows, temperature, k, any(item.full_logits for item in batch))
+
+
+def fail(batch: list[Pending], label: str) -> None:
+    """Every caller still waiting gets ``InferenceFailed``."""
+    for item in batch:
+        if not item.future.done():
+            item.future.set_exception(
+                InferenceFailed(f"inference failed for {label}; see the server log")
+            )
+
+
+def deliver(batch: list[Pending], result: Projection) -> None:
+    """Each caller gets its own rows of the run, and its own first k columns."""
+    offset = 0
+    for item in batch:
+        end = offset + len(item.rows)
+        if not item.future.done():  # a caller that went away has a cancelled future
+            logits = result.logits
+            item.future.set_result(
+                Projection(
+                    topk_logits=result.topk_logits[offset:end, : item.k],
+                    topk_token_ids=result.topk_token_ids[offset:end, : item.k],
+                    logsumexp=result.logsumexp[offset:end],
+                    logits=logits[offset:end] if item.full_logits and logits is not None else None,
+                )
+            )
+        offset = end
