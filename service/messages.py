@@ -9,7 +9,7 @@ boundary as they are. Arrays arrive as decoded, unchecked: the data plane judges
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -220,3 +220,85 @@ class CompareResult:
     agreement: dict[str, Any]
     models: tuple[dict[str, Any], dict[str, Any]]
     ties: float | None = None
+
+
+# -- what the control calls return ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VersionDetails:
+    """One loaded version as a client sees it: its wiring, sizes and how it runs."""
+
+    version: int
+    tied: bool
+    vocab_size: int
+    d_model: int
+    dtype: str
+    parameters: int
+    weight_bytes: int
+    file_bytes: int
+    embedding_initializer: str
+    projection_initializer: str
+    duplicate: str | None
+    """``identical`` or ``transposed``: an untied head whose two matrices are one (a broken
+    tie the inspector found)."""
+    transforms: dict[str, Any]
+    quantization: dict[str, Any] | None
+    memory_mode: str
+    layout: str
+    """``one session`` or ``split`` (rows of W read apart from the projection's session)."""
+    compute_dtype: str
+    providers: tuple[str, ...]
+    labels: bool
+    """Whether token strings come with answers (a ``vocab.txt`` beside the head)."""
+    default_k: int
+    trimmed_from: int | None
+    """The vocabulary a trimmed head was cut from (ids in and out are that one's)."""
+
+
+@dataclass(frozen=True)
+class ModelStatus:
+    """One model as the registry publishes it: state, versions and the served one's details."""
+
+    name: str
+    state: str
+    """LOADING, READY, FAILED or UNAVAILABLE."""
+    reason: str = ""
+    versions: tuple[int, ...] = ()
+    served_version: int | None = None
+    pinned_version: int | None = None
+    failed_versions: dict[int, str] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+    served: VersionDetails | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The wire's model description: these fields, then the served version's details."""
+        details = {} if self.served is None else asdict(self.served)
+        details.pop("version", None)
+        if "providers" in details:
+            details["providers"] = list(details["providers"])
+        return {
+            "name": self.name,
+            "state": self.state,
+            "reason": self.reason,
+            "versions": list(self.versions),
+            "served_version": self.served_version,
+            "pinned_version": self.pinned_version,
+            "failed_versions": {str(v): why for v, why in sorted(self.failed_versions.items())},
+            "notes": list(self.notes),
+            **details,
+        }
+
+
+@dataclass(frozen=True)
+class IndexEntry:
+    """One row of the repository index (Triton's): a version, or a model with none."""
+
+    name: str
+    version: str
+    """The version number as text, empty for a model without a loaded or failed version."""
+    state: str
+    reason: str = ""
+
+    def to_json(self) -> dict[str, str]:
+        return asdict(self)

@@ -155,17 +155,12 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: 
     async def RepositoryIndex(self, request: Any, context: Any) -> Any:
         async def index() -> Any:
             self._authorize(context)
-            rows = await self._plane.index()
-            if request.ready:
-                rows = [row for row in rows if row["state"] == "READY"]
             models = [
                 pb.RepositoryIndexResponse.ModelIndex(
-                    name=row["name"],
-                    version="" if row.get("version") is None else str(row["version"]),
-                    state=row["state"],
-                    reason=row.get("reason") or "",
+                    name=row.name, version=row.version, state=row.state, reason=row.reason
                 )
-                for row in rows
+                for row in await self._plane.index()
+                if row.state == "READY" or not request.ready
             ]
             return pb.RepositoryIndexResponse(models=models)
 

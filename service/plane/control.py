@@ -4,10 +4,8 @@ index, load and unload, with the control API's rules (who may load and unload, a
 
 from __future__ import annotations
 
-from typing import Any
-
 from service.errors import Forbidden, ModelLoadFailed, ModelNotReady
-from service.messages import HeadInfo, Target
+from service.messages import HeadInfo, IndexEntry, ModelStatus, Target
 from service.plane.protocol import check_token
 from service.repository.records import ModelRecord, ModelState
 from service.repository.registry import Registry
@@ -39,11 +37,11 @@ class ControlAPI:
             reasons = "; ".join(f"{r.name}: {r.reason}" for r in records[:5])
             raise ModelNotReady(f"no model could be loaded ({reasons[:800]})")
 
-    async def models(self) -> list[dict[str, Any]]:
-        return [record.describe() for record in self._registry.records()]
+    async def models(self) -> list[ModelStatus]:
+        return [record.status() for record in self._registry.records()]
 
-    async def model(self, name: str) -> dict[str, Any]:
-        return self._registry.record(name).describe()
+    async def model(self, name: str) -> ModelStatus:
+        return self._registry.record(name).status()
 
     async def head(self, target: Target) -> HeadInfo:
         """The version a target resolves to (404 unknown, 503 not ready)."""
@@ -58,10 +56,10 @@ class ControlAPI:
         token = self._settings.admin_token
         check_token(None if token is None else token.get_secret_value(), presented)
 
-    async def index(self) -> list[dict[str, Any]]:
+    async def index(self) -> list[IndexEntry]:
         return self._registry.index()
 
-    async def load(self, name: str, version: int | None = None) -> dict[str, Any]:
+    async def load(self, name: str, version: int | None = None) -> ModelStatus:
         """(Re)load a model, or pin one version; the old version serves until the new one is
         published, and keeps serving if the load fails (then ``ModelLoadFailed``)."""
         self._check_writable()
@@ -71,12 +69,12 @@ class ControlAPI:
                 f"loading {name!r} failed: {record.reason}"
                 + ("; the previous version keeps serving" if record.versions else "")
             )
-        return record.describe()
+        return record.status()
 
-    async def unload(self, name: str) -> dict[str, Any]:
+    async def unload(self, name: str) -> ModelStatus:
         self._check_writable()
         record: ModelRecord = await self._registry.unload(name)
-        return record.describe()
+        return record.status()
 
     def _check_writable(self) -> None:
         if self._settings.read_only:

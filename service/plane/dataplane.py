@@ -23,7 +23,7 @@ import math
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Any
 
 import numpy as np
@@ -299,7 +299,7 @@ class DataPlane(ControlAPI):
             full = [await self._full(head, hidden, copies=2) for head in heads]
             (logits_a, _), (logits_b, _) = full
             agreement = await self._statistics(comparison.agreement, logits_a, logits_b, k)
-            blocks = ({"name": a.name, **a.describe()}, {"name": b.name, **b.describe()})
+            blocks = (_block(a), _block(b))
             ties = None
             if targets is not None:
                 scores = [await self._statistics(comparison.score, *f, targets) for f in full]
@@ -403,3 +403,8 @@ class DataPlane(ControlAPI):
             projection.topk_logprobs if logprobs else None,
             model.tokens(ids) if tokens else None,
         )
+
+
+def _block(head: LoadedVersion) -> dict[str, Any]:
+    """A head's block in compare's answer: its name and details, filled in by ``compare``."""
+    return {"name": head.name, **asdict(head.details())}

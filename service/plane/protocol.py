@@ -1,15 +1,21 @@
-"""What a front end may call: the ``Plane`` protocol, met by the in-process ``DataPlane`` and by
-``service.hosting.split.remote_plane.RemotePlane`` (the same calls, answered by the engine process).
+"""What a front end may call: the ``Plane`` protocol, declared here once.
 
 Front ends (REST routes, gRPC) depend on this protocol only, so a request enters the same
-data plane whichever process holds it.
+data plane whichever process holds it. Two planes meet it: ``service.plane.dataplane``'s
+``DataPlane``, which answers every verb in this process, and the split mode's
+``RemotePlane`` (``service.hosting.split.remote_plane``), which forwards them to the engine
+process. Neither lists the verbs again: the verbs are the protocol's ``async`` methods
+(``VERBS``), the split mode's call table and the remote plane's methods are made from them, and
+whether a verb runs inference (counted in flight) is which protocol declares it.
 """
 
 from __future__ import annotations
 
+import inspect
 import secrets
+from collections.abc import Awaitable, Callable
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from service.errors import Unauthorized
 from service.limits import Reservation
@@ -19,10 +25,12 @@ from service.messages import (
     EmbedRequest,
     EmbedResult,
     HeadInfo,
+    IndexEntry,
     InferRequest,
     InferResult,
     LogitsRequest,
     LogitsResult,
+    ModelStatus,
     ScoreRequest,
     ScoreResult,
     Target,
@@ -31,24 +39,8 @@ from service.messages import (
 )
 
 
-class Plane(Protocol):
-    """Inference, metadata and control for every front end (see ``service.plane.dataplane``)."""
-
-    def admit(self) -> AbstractContextManager[Reservation]: ...
-
-    def authorize(self, presented: str | None) -> None: ...
-
-    async def check_ready(self) -> None: ...
-
-    async def models(self) -> list[dict[str, Any]]: ...
-
-    async def model(self, name: str) -> dict[str, Any]: ...
-
-    async def head(self, target: Target) -> HeadInfo: ...
-
-    async def versions(self, name: str) -> list[int]: ...
-
-    async def index(self) -> list[dict[str, Any]]: ...
+class InferencePlane(Protocol):
+    """The inference verbs: each runs a head (counted in ``lmhead_requests_in_flight``)."""
 
     async def topk(self, request: TopKRequest) -> TopKResult: ...
 
@@ -62,30 +54,72 @@ class Plane(Protocol):
 
     async def compare(self, request: CompareRequest) -> CompareResult: ...
 
-    async def load(self, name: str, version: int | None = None) -> dict[str, Any]: ...
 
-    async def unload(self, name: str) -> dict[str, Any]: ...
+class ControlPlane(Protocol):
+    """Readiness, metadata and the control API's verbs (no head runs)."""
+
+    async def check_ready(self) -> None: ...
+
+    async def models(self) -> list[ModelStatus]: ...
+
+    async def model(self, name: str) -> ModelStatus: ...
+
+    async def head(self, target: Target) -> HeadInfo: ...
+
+    async def versions(self, name: str) -> list[int]: ...
+
+    async def index(self) -> list[IndexEntry]: ...
+
+    async def load(self, name: str, version: int | None = None) -> ModelStatus: ...
+
+    async def unload(self, name: str) -> ModelStatus: ...
 
 
-#: The calls a front may forward to the engine process (the protocol's async methods).
-REMOTE_CALLS = frozenset(
-    {
-        "check_ready",
-        "models",
-        "model",
-        "head",
-        "versions",
-        "index",
-        "topk",
-        "logits",
-        "embed",
-        "infer",
-        "score",
-        "compare",
-        "load",
-        "unload",
-    }
-)
+class Plane(InferencePlane, ControlPlane, Protocol):
+    """Inference, metadata and control for every front end (see ``service.plane.dataplane``).
+
+    ``admit`` and ``authorize`` are answered where the request is (they hold its memory and
+    check its token); every ``async`` verb may be answered in another process."""
+
+    def admit(self) -> AbstractContextManager[Reservation]: ...
+
+    def authorize(self, presented: str | None) -> None: ...
+
+
+def _verbs(protocol: type) -> frozenset[str]:
+    return frozenset(
+        name
+        for name, member in vars(protocol).items()
+        if not name.startswith("_") and inspect.iscoroutinefunction(member)
+    )
+
+
+#: Verbs that run a head, and the others: read from the protocols above, never listed.
+INFERENCE_VERBS = _verbs(InferencePlane)
+CONTROL_VERBS = _verbs(ControlPlane)
+#: Every verb a front may forward to the engine process (and the only calls it answers).
+VERBS = INFERENCE_VERBS | CONTROL_VERBS
+
+Forwarder = TypeVar("Forwarder", bound=type)
+
+
+def forwarding(cls: Forwarder) -> Forwarder:
+    """Give ``cls`` every verb it does not define itself, as a call of its ``forward(verb,
+    arguments)``: a plane that answers elsewhere (the split mode's ``RemotePlane``) is made
+    from the protocol, so a new verb needs no second list. Declare the class a ``Plane``
+    subclass so type checkers take the protocol's signatures for the verbs."""
+    for verb in sorted(VERBS - set(vars(cls))):
+        setattr(cls, verb, _forwarder(verb))
+    return cls
+
+
+def _forwarder(verb: str) -> Callable[..., Awaitable[Any]]:
+    async def forwarded(self: Any, *arguments: Any) -> Any:
+        return await self.forward(verb, arguments)
+
+    forwarded.__name__ = forwarded.__qualname__ = verb
+    forwarded.__doc__ = f"``{verb}``, answered where ``forward`` sends it."
+    return forwarded
 
 
 def check_token(expected: str | None, presented: str | None) -> None:

@@ -25,7 +25,7 @@ from service.errors import InvalidInput
 from service.heads import MODEL_FILE
 from service.heads.inspector import HeadReport, inspect_head
 from service.limits import Limits, refuse_overflow
-from service.messages import HeadInfo
+from service.messages import HeadInfo, VersionDetails
 from service.repository.disk import ModelConfig, ModelSource, Signature, read_labels, read_space
 from service.repository.labels import LabelTable, TokenStrings
 from service.repository.staging import private_copy
@@ -269,30 +269,31 @@ class LoadedVersion:
             return None
         return TokenStrings(self._label_table, ids)
 
-    def describe(self) -> dict[str, Any]:
+    def details(self) -> VersionDetails:
+        """What a client sees of this version (model descriptions, compare's blocks)."""
         report = self.report
-        return {
-            "version": self.version,
-            "tied": report.tied,
-            "vocab_size": report.vocab_size,
-            "d_model": report.d_model,
-            "dtype": report.dtype,
-            "parameters": report.parameters,
-            "weight_bytes": report.weight_bytes,
-            "file_bytes": report.file_bytes,
-            "embedding_initializer": report.embedding_initializer,
-            "projection_initializer": report.projection_initializer,
-            "duplicate": report.duplicate,
-            "transforms": report.transforms,
-            "quantization": _shown(report.quantization),
-            "memory_mode": self.session.memory_mode,
-            "layout": "split" if self.session.rows is not None else "one session",
-            "compute_dtype": self.session.compute_dtype,
-            "providers": self.session.providers,
-            "labels": self.labels is not None,
-            "default_k": self.default_k,
-            "trimmed_from": None if self.token_space is None else self.token_space.size,
-        }
+        return VersionDetails(
+            version=self.version,
+            tied=report.tied,
+            vocab_size=report.vocab_size,
+            d_model=report.d_model,
+            dtype=report.dtype,
+            parameters=report.parameters,
+            weight_bytes=report.weight_bytes,
+            file_bytes=report.file_bytes,
+            embedding_initializer=report.embedding_initializer,
+            projection_initializer=report.projection_initializer,
+            duplicate=report.duplicate,
+            transforms=report.transforms,
+            quantization=_shown(report.quantization),
+            memory_mode=self.session.memory_mode,
+            layout="split" if self.session.rows is not None else "one session",
+            compute_dtype=self.session.compute_dtype,
+            providers=tuple(self.session.providers),
+            labels=self.labels is not None,
+            default_k=self.default_k,
+            trimmed_from=None if self.token_space is None else self.token_space.size,
+        )
 
     def _run(
         self,

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import cached_property
-from typing import Any
 
+from service.messages import IndexEntry, ModelStatus
 from service.repository.loaded_version import LoadedVersion
 
 
@@ -36,37 +36,31 @@ class ModelRecord:
             return self.versions[self.pinned]
         return self.versions[max(self.versions)] if self.versions else None
 
-    def describe(self) -> dict[str, Any]:
+    def status(self) -> ModelStatus:
+        """The model as the control calls answer it."""
         latest = self.latest
-        details = latest.describe() if latest else {}
-        details.pop("version", None)
-        return {
-            "name": self.name,
-            "state": self.state.value,
-            "reason": self.reason,
-            "versions": sorted(self.versions),
-            "served_version": latest.version if latest else None,
-            "pinned_version": self.pinned,
-            "failed_versions": {str(v): reason for v, reason in sorted(self.failed.items())},
-            "notes": list(self.notes),
-            **details,
-        }
+        return ModelStatus(
+            name=self.name,
+            state=self.state.value,
+            reason=self.reason,
+            versions=tuple(sorted(self.versions)),
+            served_version=latest.version if latest else None,
+            pinned_version=self.pinned,
+            failed_versions=dict(sorted(self.failed.items())),
+            notes=self.notes,
+            served=latest.details() if latest else None,
+        )
 
-    def index_rows(self) -> list[dict[str, Any]]:
+    def index_rows(self) -> list[IndexEntry]:
         """Triton's repository index: one row per version (or one for the model). A served
         version's row carries the model's reason, if its last load failed (a roll-out that
         did not happen shows in the index, not only in the model's description)."""
-        rows = [
-            {"name": self.name, "version": str(v), "state": "READY", "reason": self.reason}
-            for v in sorted(self.versions)
-        ]
+        rows = [IndexEntry(self.name, str(v), "READY", self.reason) for v in sorted(self.versions)]
         rows += [
-            {"name": self.name, "version": str(v), "state": "FAILED", "reason": reason}
+            IndexEntry(self.name, str(v), "FAILED", reason)
             for v, reason in sorted(self.failed.items())
             if v not in self.versions
         ]
         if not rows:
-            rows.append(
-                {"name": self.name, "version": "", "state": self.state.value, "reason": self.reason}
-            )
+            rows.append(IndexEntry(self.name, "", self.state.value, self.reason))
         return rows

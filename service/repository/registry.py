@@ -16,10 +16,10 @@ import logging
 import time
 from concurrent.futures import Executor
 from pathlib import Path
-from typing import Any
 
 from service.allocator import trim_heap
 from service.errors import InvalidModelName, ModelNotFound, ModelNotReady, VersionNotFound
+from service.messages import IndexEntry
 from service.metrics import Metrics
 from service.repository.disk import (
     RepositoryError,
@@ -230,11 +230,11 @@ class Registry:
             await asyncio.gather(*(self._retire(v) for v in previous.versions.values()))
             return record
 
-    def index(self) -> list[dict[str, Any]]:
+    def index(self) -> list[IndexEntry]:
         """Every model in memory or on disk, one row per version, with state and reason."""
         on_disk = model_names(self._settings.repository, self._settings.model_name)
         names = set(self._records) | set(on_disk)
-        rows = []
+        rows: list[IndexEntry] = []
         for name in sorted(names):
             record = self._records.get(name, ModelRecord(name, ModelState.UNAVAILABLE))
             rows += record.index_rows()

@@ -46,6 +46,7 @@ from service.messages import (
     EmbedRequest,
     InferRequest,
     LogitsRequest,
+    ModelStatus,
     ScoreRequest,
     Target,
     TopKRequest,
@@ -304,7 +305,7 @@ def test_a_version_whose_files_change_is_loaded_again_never_served_stale(
     """Same version number, new files: the next load serves the new weights, with a note."""
     hidden = _hidden(2, seed=5)
 
-    async def scenario(plane: DataPlane, _: Metrics) -> tuple[Any, Any, dict[str, Any]]:
+    async def scenario(plane: DataPlane, _: Metrics) -> tuple[Any, Any, ModelStatus]:
         before = (await plane.topk(TopKRequest(TIED, hidden))).token_ids
         staged = save_head(HeadWeights.from_arrays(output_weight), repository / "staged")
         shutil.copy(staged, repository / "tied" / "1" / "model.onnx")  # edited in place
@@ -318,7 +319,7 @@ def test_a_version_whose_files_change_is_loaded_again_never_served_stale(
     expected = top_k(reference_logits(repository / "tied" / "1", hidden), 4)[1]
     np.testing.assert_array_equal(after, expected)
     assert not np.array_equal(before, after)
-    assert "version 1's files changed on disk: loaded again" in described["notes"]
+    assert "version 1's files changed on disk: loaded again" in described.notes
 
 
 def test_a_version_loaded_again_under_its_number_stays_in_the_loaded_gauge(
@@ -403,7 +404,7 @@ def test_loads_meeting_an_unreadable_entry_fail_with_its_reason(repository: Path
                 await plane.load("stray", pin)
         with pytest.raises(ModelLoadFailed, match="version '2' cannot be read") as kept:
             await plane.load("tied")  # the policy's choice (2) failed: 1 serves on
-        return [failed.value, (await plane.model("fresh"))["state"], kept.value]
+        return [failed.value, (await plane.model("fresh")).state, kept.value]
 
     failed, state, kept = _run(_settings(repository), scenario)
     assert "File name too long" in failed.message
@@ -446,7 +447,7 @@ def test_start_up_removes_the_version_copies_nobody_loads_from(
         (copy / LOCK_FILE).touch()
 
     async def scenario(plane: DataPlane, _: Metrics) -> None:
-        assert (await plane.model("tied"))["state"] == "READY"
+        assert (await plane.model("tied")).state == "READY"
 
     with (live / LOCK_FILE).open("rb") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
@@ -467,12 +468,12 @@ def test_a_head_whose_bias_masks_tokens_with_minus_inf_is_refused_at_load(
     tensor.CopyFrom(numpy_helper.from_array(bias, OUTPUT_BIAS))
     onnx.save(model, str(path))
 
-    async def scenario(plane: DataPlane, _: Metrics) -> dict[str, Any]:
+    async def scenario(plane: DataPlane, _: Metrics) -> ModelStatus:
         return await plane.model("masked")
 
     described = _run(_settings(repository), scenario)
-    assert described["state"] == "FAILED"
-    assert "output bias masks tokens with -inf" in described["reason"]
+    assert described.state == "FAILED"
+    assert "output bias masks tokens with -inf" in described.reason
 
 
 def test_a_call_its_client_cancelled_is_recorded_as_cancelled(repository: Path) -> None:

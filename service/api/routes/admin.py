@@ -92,7 +92,7 @@ async def index(request: Request, plane: PlaneDep) -> list[dict[str, Any]]:
     ``{"ready": true}`` (Triton's), only the versions ready to serve."""
     asked: IndexRequest = await _body(request, IndexRequest)
     rows = await plane.index()
-    return [row for row in rows if row["state"] == "READY"] if asked.ready else rows
+    return [row.to_json() for row in rows if row.state == "READY" or not asked.ready]
 
 
 def _control(action: str, v2: bool) -> dict[str, Any]:
@@ -114,7 +114,8 @@ def _control(action: str, v2: bool) -> dict[str, Any]:
 async def load(request: Request, plane: PlaneDep) -> dict[str, Any]:
     """Load or reload a model from the repository; body ``{"version": N}`` pins a version."""
     pin: LoadRequest = await _body(request, LoadRequest)
-    return await plane.load(request.path_params["name"], pin.version)
+    status = await plane.load(request.path_params["name"], pin.version)
+    return status.to_json()
 
 
 def _no_query(request: Request) -> None:
@@ -133,7 +134,8 @@ def _no_query(request: Request) -> None:
 async def unload(request: Request, plane: PlaneDep) -> dict[str, Any]:
     """Stop serving a model; answers once its versions are drained and released."""
     await _body(request, UnloadRequest)
-    return await plane.unload(request.path_params["name"])
+    status = await plane.unload(request.path_params["name"])
+    return status.to_json()
 
 
 async def _body(request: Request, schema: type[BaseModel]) -> Any:

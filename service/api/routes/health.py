@@ -27,7 +27,7 @@ async def ready(plane: PlaneDep) -> dict[str, object]:
     """200 once every model found at start-up was loaded and warmed (or failed), unless every
     one failed; 503 before, and then."""
     await plane.check_ready()
-    models = {m["name"]: m["state"] for m in await plane.models()}
+    models = {status.name: status.state for status in await plane.models()}
     if not models:  # ready (models may be added), but say it: nothing is served yet
         return {"status": "ready", "models": models, "warning": "the repository has no models"}
     return {"status": "ready", "models": models}

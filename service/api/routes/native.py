@@ -73,7 +73,7 @@ def _inference(
 @router.get("/models", response_model=ModelList)
 async def list_models(plane: PlaneDep) -> dict[str, Any]:
     """Every model: state (READY/FAILED with a reason), versions, tie, sizes, provider."""
-    return {"models": await plane.models()}
+    return {"models": [status.to_json() for status in await plane.models()]}
 
 
 @router.get(
@@ -84,7 +84,8 @@ async def list_models(plane: PlaneDep) -> dict[str, Any]:
 )
 async def get_model(request: Request) -> dict[str, Any]:
     """One model, as in the list."""
-    return await plane_of(request).model(request.path_params["name"])
+    status = await plane_of(request).model(request.path_params["name"])
+    return status.to_json()
 
 
 @_inference(

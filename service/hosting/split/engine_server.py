@@ -38,14 +38,12 @@ from service.hosting.split.processes import become, ignore_group_signals
 from service.metrics import Metrics
 from service.plane.dataplane import DataPlane
 from service.plane.grouping import group_key, infer_group
-from service.plane.protocol import REMOTE_CALLS
+from service.plane.protocol import INFERENCE_VERBS, VERBS
 from service.repository import staging
 from service.repository.journal import ControlJournal
 from service.settings import Settings
 
 logger = logging.getLogger("lmhead")
-#: Calls counted in ``lmhead_requests_in_flight`` (metadata and control calls are not).
-INFERENCE_CALLS = frozenset({"topk", "logits", "embed", "infer", "score", "compare"})
 #: The outcome of a call that raised something other than a ``ServiceError`` (a bug).
 FAILED = object()
 INTERNAL: tuple[str, str, dict[str, str]] = (
@@ -105,9 +103,10 @@ class FrontConnection(FrameProtocol):
     async def _answer(self, call_id: int, method: str, arguments: tuple[Any, ...]) -> None:
         outcome: Any
         try:
-            if method not in REMOTE_CALLS:
+            if method not in VERBS:
                 raise ServiceError(f"the engine has no call {method!r}")
-            hold = self._plane.admit if method in INFERENCE_CALLS else self._plane.reserve
+            # inference verbs are counted in flight (``admit``); metadata and control are not
+            hold = self._plane.admit if method in INFERENCE_VERBS else self._plane.reserve
             with hold():
                 outcome = await getattr(self._plane, method)(*arguments)
         except ServiceError as error:

@@ -31,23 +31,7 @@ from service.errors import ModelNotReady, ServiceError, by_code
 from service.hosting.split.arena import Arena, attach
 from service.hosting.split.channel import HANDSHAKE_S, HELLO_BYTES, FrameProtocol, arena_bytes
 from service.limits import MemoryBudget, Reservation
-from service.messages import (
-    CompareRequest,
-    CompareResult,
-    EmbedRequest,
-    EmbedResult,
-    HeadInfo,
-    InferRequest,
-    InferResult,
-    LogitsRequest,
-    LogitsResult,
-    ScoreRequest,
-    ScoreResult,
-    Target,
-    TopKRequest,
-    TopKResult,
-)
-from service.plane.protocol import check_token
+from service.plane.protocol import Plane, check_token, forwarding
 from service.settings import Settings
 
 logger = logging.getLogger("lmhead")
@@ -195,8 +179,10 @@ class EngineLink(FrameProtocol):
             self.flush_soon()
 
 
-class RemotePlane:
-    """The ``Plane`` of a front process (see the module docstring)."""
+@forwarding
+class RemotePlane(Plane):
+    """The ``Plane`` of a front process (see the module docstring): ``admit`` and ``authorize``
+    here, ``check_ready`` with a deadline, every other verb forwarded as it is declared."""
 
     def __init__(self, path: str, settings: Settings) -> None:
         self._path = path
@@ -244,70 +230,19 @@ class RemotePlane:
         """Ready only if the engine says so within ``ENGINE_SILENT_S``: a frozen engine (a
         stopped process, a stuck event loop) is alive to the supervisor, not ready."""
         try:
-            await asyncio.wait_for(self._call("check_ready"), ENGINE_SILENT_S)
+            await asyncio.wait_for(self.forward("check_ready", ()), ENGINE_SILENT_S)
         except TimeoutError:
             raise ModelNotReady(
                 f"the engine process has not answered in {ENGINE_SILENT_S:g} s",
                 headers={"Retry-After": "1"},
             ) from None
 
-    async def models(self) -> list[dict[str, Any]]:
-        result: list[dict[str, Any]] = await self._call("models")
-        return result
-
-    async def model(self, name: str) -> dict[str, Any]:
-        result: dict[str, Any] = await self._call("model", name)
-        return result
-
-    async def head(self, target: Target) -> HeadInfo:
-        result: HeadInfo = await self._call("head", target)
-        return result
-
-    async def versions(self, name: str) -> list[int]:
-        result: list[int] = await self._call("versions", name)
-        return result
-
-    async def index(self) -> list[dict[str, Any]]:
-        result: list[dict[str, Any]] = await self._call("index")
-        return result
-
-    async def topk(self, request: TopKRequest) -> TopKResult:
-        result: TopKResult = await self._call("topk", request)
-        return result
-
-    async def logits(self, request: LogitsRequest) -> LogitsResult:
-        result: LogitsResult = await self._call("logits", request)
-        return result
-
-    async def embed(self, request: EmbedRequest) -> EmbedResult:
-        result: EmbedResult = await self._call("embed", request)
-        return result
-
-    async def infer(self, request: InferRequest) -> InferResult:
-        result: InferResult = await self._call("infer", request)
-        return result
-
-    async def score(self, request: ScoreRequest) -> ScoreResult:
-        result: ScoreResult = await self._call("score", request)
-        return result
-
-    async def compare(self, request: CompareRequest) -> CompareResult:
-        result: CompareResult = await self._call("compare", request)
-        return result
-
-    async def load(self, name: str, version: int | None = None) -> dict[str, Any]:
-        result: dict[str, Any] = await self._call("load", name, version)
-        return result
-
-    async def unload(self, name: str) -> dict[str, Any]:
-        result: dict[str, Any] = await self._call("unload", name)
-        return result
-
-    async def _call(self, method: str, *arguments: Any) -> Any:
+    async def forward(self, verb: str, arguments: tuple[Any, ...]) -> Any:
+        """Every other verb of the ``Plane`` (``forwarding`` makes them): the engine answers."""
         link = self._link
         if link is None:
             raise ModelNotReady(NOT_CONNECTED, headers={"Retry-After": "1"})
-        return await link.call(method, arguments)
+        return await link.call(verb, arguments)
 
     async def _keep_connected(self) -> None:
         pause = RECONNECT_S[0]
@@ -360,7 +295,7 @@ class RemotePlane:
 @asynccontextmanager
 async def connected_plane(path: str, settings: Settings) -> AsyncIterator[RemotePlane]:
     """A started ``RemotePlane`` (it connects in the background), closed on exit."""
-    plane = RemotePlane(path, settings)
+    plane = RemotePlane(path, settings)  # type: ignore[abstract]  # verbs: ``forwarding``
     await plane.start(CONNECT_S)
     try:
         yield plane
