@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from service.errors import InvalidInput, LogitsOverflow, ServiceError
+from service.errors import LogitsOverflow, ServiceError
 from service.limits import LOGIT_BYTES, Limits, MemoryBudget, Reservation, charge, refuse_overflow
 from service.messages import (
     CandidateScores,
@@ -46,16 +46,16 @@ from service.messages import (
     Target,
     TopKRequest,
     TopKResult,
-    VocabularyOptions,
 )
 from service.metrics import Metrics
-from service.plane import comparison, distribution, grouping, scoring
+from service.plane import comparison, distribution, grouping, options, scoring
 from service.plane.control import ControlAPI
 from service.plane.serving import Serving
 from service.plane.shadow import ShadowTraffic
 from service.repository.loaded_version import LoadedVersion
 from service.repository.registry import Registry
 from service.runtime.session import Projection
+from service.runtime.vocabulary import Shape
 from service.settings import Settings
 
 SPEED_ROWS = 64
@@ -108,15 +108,11 @@ class DataPlane(ControlAPI):
 
     async def topk(self, request: TopKRequest) -> TopKResult:
         with self._serving("topk", request.target) as (model,):
-            hidden = self._limits.hidden_states(request.hidden_states, model.d_model)
-            k = self._limits.k(request.k, model.default_k)
-            temperature = self._limits.temperature(request.temperature)
-            if request.vocabulary is not None:
-                shaped = await self._shaped(
-                    model, hidden, k, temperature, request.vocabulary, request.tokens
-                )
+            checked = options.topk(request, model, self._limits)
+            if checked.shape is not None:
+                shaped = await self._shaped(model, checked, checked.shape, request.tokens)
                 return shaped if request.logprobs else replace(shaped, logprobs=None)
-            projection = await self._project(model, hidden, k, temperature, full_logits=False)
+            projection = await self._project(model, checked, full_logits=False)
             return self._topk_result(model, projection, request.logprobs, request.tokens)
 
     async def topk_group(
@@ -134,13 +130,12 @@ class DataPlane(ControlAPI):
         serving = Serving(self._registry, self._metrics, verb, (first.target,), len(requests))
         try:
             with serving as (model,):
-                kept, failed = grouping.checked_rows(self._limits, model.d_model, requests)
+                kept, failed = options.group_rows(requests, model, self._limits)
                 for index, error in failed:
                     answers[index] = error
                     serving.record(error.code)
                 serving.calls = len(kept)
-                k = self._limits.k(first.k, model.default_k)
-                temperature = self._limits.temperature(first.temperature)
+                k, temperature = options.group_options(first, model, self._limits)
                 outcomes: list[Any] = []
                 each_alone = len(kept) > 1 and grouping.rows(kept) > model.group_room()
                 if kept and not each_alone:
@@ -162,6 +157,12 @@ class DataPlane(ControlAPI):
             failure = grouping.internal(error)
             return [failure if answer is None else answer for answer in answers]
         return [answer for answer in answers if answer is not None]
+
+    async def infer_group(self, requests: Sequence[InferRequest]) -> list[Any]:
+        """V2 ``infer`` calls that ask only the top-k of their rows, served as one."""
+        calls = [grouping.as_topk(request) for request in requests]
+        outcomes = await self.topk_group(calls, "infer", lambda i: self.infer(requests[i]))
+        return [InferResult(o.head, o) if isinstance(o, TopKResult) else o for o in outcomes]
 
     async def _grouped(
         self,
@@ -191,17 +192,10 @@ class DataPlane(ControlAPI):
 
     async def logits(self, request: LogitsRequest) -> LogitsResult:
         with self._serving("logits", request.target) as (model,):
-            hidden = self._limits.hidden_states(request.hidden_states, model.d_model)
-            temperature = self._limits.temperature(request.temperature)
-            if request.allowed_token_ids is not None:
+            checked = options.logits(request, model, self._limits)
+            hidden, ids, temperature = checked.hidden, checked.allowed, checked.temperature
+            if ids is not None:
                 rows = hidden.reshape(-1, model.d_model)
-                ids = distribution.token_lists(
-                    request.allowed_token_ids,
-                    len(rows),
-                    model.space,
-                    self._limits,
-                    "allowed_token_ids",
-                )
                 logits = await distribution.candidate_logits(model, rows, ids, temperature)
                 columns = np.broadcast_to(ids, logits.shape) if ids.ndim == 1 else ids
                 leading = hidden.shape[:-1]
@@ -210,43 +204,29 @@ class DataPlane(ControlAPI):
                     logits.reshape(*leading, -1),
                     model.space.original(np.ascontiguousarray(columns)).reshape(*leading, -1),
                 )
-            projection = await self._project(model, hidden, 1, temperature, full_logits=True)
+            whole = options.CheckedTopK(hidden, 1, temperature)
+            projection = await self._project(model, whole, full_logits=True)
             assert projection.logits is not None
             return LogitsResult(model.info, projection.logits, model.space.kept)
 
     async def embed(self, request: EmbedRequest) -> EmbedResult:
         with self._serving("embed", request.target) as (model,):
-            ids = distribution.token_ids(request.input_ids, model.space, self._limits, "input_ids")
+            ids = options.embed(request.input_ids, model, self._limits)
             return EmbedResult(model.info, await model.embed(ids))
 
     async def infer(self, request: InferRequest) -> InferResult:
         """Projection and/or embeddings from one version (the V2 protocol's infer)."""
         with self._serving("infer", request.target) as (model,):
-            ids = request.input_ids
-            if ids is not None:
-                ids = distribution.token_ids(ids, model.space, self._limits, "input_ids")
+            checked = options.infer(request, model, self._limits)
             topk, logits = None, None
-            if request.hidden_states is not None:
-                hidden = self._limits.hidden_states(request.hidden_states, model.d_model)
-                k = self._limits.k(request.k, model.default_k)
-                if request.at_least_default_k:
-                    k = max(k, model.default_k)
-                temperature = self._limits.temperature(request.temperature)
-                if request.vocabulary is not None:
-                    if request.full_logits:
-                        raise InvalidInput(
-                            "the logits output cannot be combined with allowed_token_ids, "
-                            "logit_bias, banned_token_ids or sample (use /v1 .../logits)"
-                        )
-                    topk = await self._shaped(
-                        model, hidden, k, temperature, request.vocabulary, request.tokens
-                    )
-                else:
-                    projection = await self._project(
-                        model, hidden, k, temperature, full_logits=request.full_logits
-                    )
-                    topk = self._topk_result(model, projection, True, request.tokens)
-                    logits = projection.logits if request.full_logits else None
+            if checked.topk is not None and checked.topk.shape is not None:
+                topk = await self._shaped(model, checked.topk, checked.topk.shape, request.tokens)
+            elif checked.topk is not None:
+                full = checked.full_logits
+                projection = await self._project(model, checked.topk, full_logits=full)
+                topk = self._topk_result(model, projection, True, request.tokens)
+                logits = projection.logits if full else None
+            ids = checked.input_ids
             embeddings = None if ids is None else await model.embed(ids)
             return InferResult(model.info, topk, logits, embeddings)
 
@@ -255,48 +235,27 @@ class DataPlane(ControlAPI):
         perplexity; candidates. Runs in chunks (``distribution.score_chunks``): any number of
         rows within the row limit, never a (rows x vocab) tensor for the whole request."""
         with self._serving("score", request.target) as (model,):
-            hidden = self._limits.hidden_states(request.hidden_states, model.d_model)
-            targets = distribution.row_targets(
-                request.target_ids, hidden, model.space, self._limits
-            )
-            rows = hidden.reshape(-1, model.d_model)
+            checked = options.score(request, model, self._limits)
+            rows, ids = checked.rows, checked.candidates
             candidates = None
-            if request.candidate_ids is not None:
-                ids = distribution.token_lists(
-                    request.candidate_ids, len(rows), model.space, self._limits, "candidate_ids"
-                )
+            if ids is not None:
                 logits = await distribution.candidate_logits(model, rows, ids, 1.0)
                 every = np.broadcast_to(ids, logits.shape) if ids.ndim == 1 else ids
                 candidates = CandidateScores(np.ascontiguousarray(every), logits, logits)
-            if request.logprobs_over == "candidates":
-                if candidates is None:
-                    raise InvalidInput("logprobs_over='candidates' needs candidate_ids")
-                if request.k:  # nothing runs over the vocabulary: there are no alternatives
-                    raise InvalidInput(
-                        "k does not apply with logprobs_over='candidates' (every candidate's "
-                        "log-prob is in the answer); leave k out"
-                    )
-                return scoring.score_within(model.info, candidates, targets, model.space)
-            if request.logprobs_over not in (None, "vocabulary"):
-                raise InvalidInput("logprobs_over must be 'candidates' or 'vocabulary'")
-            k = self._limits.k(request.k, request.k) if request.k else 1
-            scored = await scoring.score_chunks(model, rows, targets, k)
-            return scoring.score_result(model.info, scored, candidates, request.k, model.space)
+            if checked.within:
+                assert candidates is not None
+                return scoring.score_within(model.info, candidates, checked.targets, model.space)
+            scored = await scoring.score_chunks(model, rows, checked.targets, checked.run_k)
+            return scoring.score_result(model.info, scored, candidates, checked.k, model.space)
 
     async def compare(self, request: CompareRequest) -> CompareResult:
         """The same rows through two heads: agreement, KL both ways, NLL per head, speed."""
         first, second = (Target(name) for name in request.models)
         with self._serving("compare", first, second) as heads:
             a, b = heads
-            a.check_comparable(b)
-            hidden = self._limits.hidden_states(request.hidden_states, a.d_model)
-            targets = None
-            if request.target_ids is not None:
-                targets = distribution.row_targets(
-                    request.target_ids, hidden, a.space, self._limits
-                )
-            k = self._limits.k(request.k, request.k)
-            full = [await self._full(head, hidden, copies=2) for head in heads]
+            checked = options.compare(request, (a, b), self._limits)
+            hidden, targets, k = checked.hidden, checked.targets, checked.k
+            full = [await self._full(head, hidden) for head in heads]
             (logits_a, _), (logits_b, _) = full
             agreement = await self._statistics(comparison.agreement, logits_a, logits_b, k)
             blocks = (_block(a), _block(b))
@@ -320,18 +279,13 @@ class DataPlane(ControlAPI):
         return Serving(self._registry, self._metrics, verb, targets)
 
     async def _project(
-        self,
-        model: LoadedVersion,
-        hidden: npt.NDArray[np.float32],
-        k: int,
-        temperature: float,
-        *,
-        full_logits: bool,
+        self, model: LoadedVersion, checked: options.CheckedTopK, *, full_logits: bool
     ) -> Projection:
-        """Run the projection; a request sampled for shadow traffic also fetches its logits."""
+        """Run the projection; a request sampled for shadow traffic also fetches its logits
+        (full logits asked by the request were checked against the byte limit already)."""
+        hidden, k, temperature = checked.hidden, checked.k, checked.temperature
         rows = math.prod(hidden.shape[:-1])
         if full_logits:
-            self._limits.logits(rows, model.vocab_size)
             charge(rows * model.vocab_size * LOGIT_BYTES * ANSWER_COPIES)
         affordable = self._limits.fits_logits(rows, model.vocab_size, copies=2)
         sampled = self._shadow.wants(model, affordable)
@@ -347,22 +301,12 @@ class DataPlane(ControlAPI):
         return projection
 
     async def _shaped(
-        self,
-        model: LoadedVersion,
-        hidden: npt.NDArray[np.float32],
-        k: int,
-        temperature: float,
-        options: VocabularyOptions,
-        tokens: bool,
+        self, model: LoadedVersion, checked: options.CheckedTopK, shape: Shape, tokens: bool
     ) -> TopKResult:
         """Top-k of the distribution the options shape (never shadowed: not the head's own)."""
+        hidden = checked.hidden
         rows = hidden.reshape(-1, model.d_model)
-        shape, temperature = distribution.shape_of(
-            options, len(rows), model.space, self._limits, temperature
-        )
-        if shape.allowed is not None:
-            k = min(k, shape.allowed.shape[-1])
-        shaped = await distribution.shaped_topk(model, rows, k, temperature, shape)
+        shaped = await distribution.shaped_topk(model, rows, checked.k, checked.temperature, shape)
         return distribution.topk_result(model, hidden.shape[:-1], shaped, shape, tokens)
 
     async def _shadow_logits(
@@ -377,11 +321,10 @@ class DataPlane(ControlAPI):
             return projection.logits
 
     async def _full(
-        self, model: LoadedVersion, hidden: npt.NDArray[np.float32], copies: int
+        self, model: LoadedVersion, hidden: npt.NDArray[np.float32]
     ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
-        """Full (rows, vocab) logits and log-sum-exp, within the logits byte limit."""
+        """Full (rows, vocab) logits and log-sum-exp (``options.compare`` checked their bytes)."""
         rows = hidden.reshape(-1, model.d_model)
-        self._limits.logits(len(rows), model.vocab_size, copies)
         charge(len(rows) * model.vocab_size * LOGIT_BYTES)
         projection = await model.project(rows, 1, full_logits=True)
         assert projection.logits is not None

@@ -1,6 +1,8 @@
-"""A head's next-token distribution, shaped by the request: allowed tokens, bias, sampling,
-and scoring of long prompts; the data plane's helpers for those options
-(``service.runtime.vocabulary`` holds the numpy, this module decides what to fetch from the head).
+"""A head's next-token distribution, shaped as a request asks: allowed tokens, bias, sampling.
+
+The options arrive checked, as a ``Shape`` (``service.plane.options`` checks them, before any
+of this runs); ``service.runtime.vocabulary`` holds the numpy, this module decides what to
+fetch from the head.
 
 Costs, by construction:
 
@@ -17,30 +19,20 @@ Scoring long prompts is ``service.plane.scoring``.
 from __future__ import annotations
 
 import asyncio
-import re
-import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
 
-from service.errors import InvalidInput
-from service.limits import LOGIT_BYTES, Limits, charge, refuse_overflow
-from service.messages import (
-    Sampled,
-    SampleOptions,
-    TopKResult,
-    VocabularyOptions,
-)
+from service.limits import LOGIT_BYTES, charge, refuse_overflow
+from service.messages import Sampled, TopKResult
 from service.repository.loaded_version import LoadedVersion
 from service.runtime.vocabulary import (
     Bias,
     Floats,
     Ids,
-    SampleSpec,
-    TokenSpace,
+    Shape,
     apply_bias,
     biased_topk,
     logsumexp,
@@ -51,20 +43,6 @@ from service.runtime.vocabulary import (
 
 #: Tokens fetched per row for sampling: the kept set of a peaked distribution fits in it.
 SAMPLE_PREFIX = 64
-TOKEN_KEY = re.compile(r"0|[1-9][0-9]{0,17}")
-Over = Literal["candidates", "vocabulary"]
-OVERS: dict[str, Over] = {"candidates": "candidates", "vocabulary": "vocabulary"}
-
-
-@dataclass(frozen=True)
-class Shape:
-    """Validated options (the data plane checks ids and ranges before building one)."""
-
-    allowed: Ids | None = None
-    """(n,) for every row or (rows, n) per row; sorted by nothing."""
-    bias: Bias | None = None
-    over: Over = "vocabulary"
-    sample: SampleSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -76,136 +54,6 @@ class Shaped:
     lse: Floats
     sampled: Ids | None = None
     sampled_logprobs: Floats | None = None
-
-
-def shape_of(
-    options: VocabularyOptions, rows: int, space: TokenSpace, limits: Limits, temperature: float
-) -> tuple[Shape, float]:
-    """Checked options, in the head's columns, and the temperature of the run (the sampling
-    one, when given)."""
-    vocab = len(space.kept) if space.kept is not None else space.size
-    allowed = None
-    if options.allowed_token_ids is not None:
-        allowed = token_lists(options.allowed_token_ids, rows, space, limits, "allowed_token_ids")
-    banned = options.banned_token_ids
-    if banned is not None:
-        banned = token_ids(banned, space, limits, "banned_token_ids").reshape(-1)
-    bias = Bias.of(_bias_table(options.logit_bias, space, limits), banned)
-    if bias is not None and allowed is None and bias.banned >= vocab:
-        raise InvalidInput(f"banned_token_ids bans all {vocab} tokens; leave at least one")
-    if bias is not None and allowed is not None:
-        allowed_banned = np.isin(allowed, bias.ids[np.isneginf(bias.values)])
-        if allowed_banned.all(axis=-1).any():
-            raise InvalidInput("every allowed token of a row is banned; leave at least one")
-    name = options.logprobs_over or ("candidates" if allowed is not None else "vocabulary")
-    over = OVERS.get(name)
-    if over is None:
-        raise InvalidInput(f"logprobs_over must be 'candidates' or 'vocabulary', got {name!r}")
-    if over == "candidates" and allowed is None:
-        raise InvalidInput("logprobs_over='candidates' needs allowed_token_ids")
-    sample = None
-    if options.sample is not None:
-        sample, temperature = _sample_spec(options.sample, vocab, limits, temperature)
-    if bias is not None:  # added to the logits before temperature, as in transformers and
-        bias = bias.at(temperature)  # vLLM: the run's logits are already divided by it
-    return Shape(allowed, bias, over, sample), temperature
-
-
-def token_ids(raw: npt.NDArray[Any], space: TokenSpace, limits: Limits, field: str) -> Ids:
-    """Ids a request names, checked (``Limits.token_ids``) and turned into the head's columns
-    (the same numbers unless the head is trimmed)."""
-    return space.local(limits.token_ids(raw, space.size, field), field)
-
-
-def row_targets(
-    raw: npt.NDArray[Any], hidden: npt.NDArray[Any], space: TokenSpace, limits: Limits
-) -> Ids:
-    """``target_ids``: one id per row of ``hidden``, checked, as columns (flat)."""
-    if raw.shape != hidden.shape[:-1]:
-        raise InvalidInput(
-            f"target_ids must have shape {list(hidden.shape[:-1])} (one per row), "
-            f"got {list(raw.shape)[:8]}"
-        )
-    return token_ids(raw, space, limits, "target_ids").reshape(-1)
-
-
-def token_lists(raw: Ids, rows: int, space: TokenSpace, limits: Limits, field: str) -> Ids:
-    """One list of ids for every row (n,), or one list per row (rows, n), as columns."""
-    if raw.ndim not in (1, 2) or raw.shape[-1] > space.size:
-        raise InvalidInput(
-            f"{field} must be one list of ids for every row, or one list per row, "
-            f"of at most {space.size} ids"
-        )
-    ids = token_ids(raw, space, limits, field)
-    if ids.ndim == 2 and ids.shape[0] != rows:
-        raise InvalidInput(
-            f"{field} must be one list for all rows or one per row ({rows}), "
-            f"got {ids.shape[0]} lists"
-        )
-    _refuse_repeats(raw, field)
-    return ids
-
-
-def _refuse_repeats(raw: npt.NDArray[Any], field: str) -> None:
-    """A token named twice in one list would count twice in the candidates' softmax (its
-    log-prob and rank, and its odds of being drawn, all off), so a list names each once."""
-    ordered = np.sort(np.atleast_2d(raw), axis=-1)
-    repeated = ordered[:, 1:] == ordered[:, :-1]
-    if repeated.any():
-        row, column = np.argwhere(repeated)[0]
-        raise InvalidInput(f"{field} names token {int(ordered[row, column])} twice; once each")
-
-
-def _bias_table(
-    raw: dict[object, object] | None, space: TokenSpace, limits: Limits
-) -> dict[int, float]:
-    """Bias per column: keys are original token ids, values numbers in the bias range."""
-    if not raw:
-        return {}
-    limits.logit_bias(len(raw))
-    table: dict[int, float] = {}
-    for key, value in raw.items():
-        token = _integer(key)
-        if token is None or not 0 <= token < space.size:
-            raise InvalidInput(f"logit_bias keys must be token ids in [0, {space.size})")
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise InvalidInput("logit_bias values must be numbers")
-        table[token] = limits.bias(float(value))
-    columns = space.local(np.fromiter(table, np.int64, len(table)), "logit_bias")
-    return dict(zip(columns.tolist(), table.values(), strict=True))
-
-
-def _integer(key: object) -> int | None:
-    """A logit_bias key: an int, or a token id written as JSON object keys are ("50256"):
-    ASCII digits without sign, spaces or leading zeros, so two keys never name one token."""
-    if isinstance(key, int) and not isinstance(key, bool):
-        return key
-    if isinstance(key, str) and TOKEN_KEY.fullmatch(key):
-        return int(key)
-    return None
-
-
-def _sample_spec(
-    options: SampleOptions, vocab: int, limits: Limits, temperature: float
-) -> tuple[SampleSpec, float]:
-    sampling = options.temperature
-    if sampling is not None and temperature != 1.0 and sampling != temperature:
-        raise InvalidInput("give the temperature once: sample.temperature or temperature")
-    if sampling is not None and sampling != 0:
-        temperature = limits.temperature(sampling, "sample.temperature (or 0: greedy)")
-    if options.top_k is not None:
-        limits.k(options.top_k, options.top_k, "sample.top_k")
-    if options.top_p is not None and not 0.0 < options.top_p <= 1.0:
-        raise InvalidInput(f"sample.top_p must be in (0, 1], got {options.top_p}")
-    if options.min_p is not None and not 0.0 <= options.min_p <= 1.0:
-        raise InvalidInput(f"sample.min_p must be in [0, 1], got {options.min_p}")
-    seed = options.seed if options.seed is not None else secrets.randbits(63)
-    if not 0 <= seed < 2**63:
-        raise InvalidInput(f"sample.seed must be in [0, 2**63), got {seed}")
-    spec = SampleSpec(
-        0.0 if sampling == 0 else temperature, options.top_k, options.top_p, options.min_p, seed
-    )
-    return spec, temperature
 
 
 async def candidate_logits(

@@ -17,15 +17,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Awaitable, Callable, Hashable, Iterator, Sequence
-from typing import Any, Protocol, TypeVar
+from collections.abc import Awaitable, Hashable, Iterator
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
 from service.errors import ServiceError
-from service.limits import Limits
-from service.messages import InferRequest, InferResult, TopKRequest, TopKResult
+from service.messages import InferRequest, TopKRequest
 from service.runtime.session import Projection
 
 logger = logging.getLogger("lmhead")
@@ -71,19 +70,6 @@ def as_topk(request: InferRequest) -> TopKRequest:
     )
 
 
-def checked_rows(
-    limits: Limits, d_model: int, requests: Sequence[TopKRequest]
-) -> tuple[list[Kept], list[tuple[int, ServiceError]]]:
-    """Each call's hidden states, checked alone: the calls kept, and each bad one's error."""
-    kept, failed = [], []
-    for index, request in enumerate(requests):
-        try:
-            kept.append((index, limits.hidden_states(request.hidden_states, d_model)))
-        except ServiceError as error:
-            failed.append((index, error))
-    return kept, failed
-
-
 def rows(kept: list[Kept]) -> int:
     """The rows of the kept calls together."""
     return sum(math.prod(hidden.shape[:-1]) for _, hidden in kept)
@@ -122,23 +108,3 @@ def internal(error: BaseException) -> ServiceError:
     """The answer to a call that failed on a bug (logged with its traceback)."""
     logger.error("a top-k call failed", exc_info=error)
     return ServiceError("the service failed on this call; see its log")
-
-
-class Plane(Protocol):
-    """What ``infer_group`` needs of the data plane (named here: the data plane imports us)."""
-
-    async def topk_group(
-        self,
-        requests: Sequence[TopKRequest],
-        verb: str = ...,
-        alone: Callable[[int], Awaitable[Any]] | None = ...,
-    ) -> list[Any]: ...
-
-    async def infer(self, request: InferRequest) -> InferResult: ...
-
-
-async def infer_group(plane: Plane, requests: Sequence[InferRequest]) -> list[Any]:
-    """V2 ``infer`` calls that ask only the top-k of their rows, served as one."""
-    calls = [as_topk(request) for request in requests]
-    outcomes = await plane.topk_group(calls, "infer", lambda i: plane.infer(requests[i]))
-    return [InferResult(o.head, o) if isinstance(o, TopKResult) else o for o in outcomes]

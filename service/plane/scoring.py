@@ -14,7 +14,6 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from service.errors import InvalidInput
 from service.limits import LOGIT_BYTES, refuse_overflow
 from service.messages import CandidateScores, HeadInfo, ScoreResult
 from service.plane.comparison import perplexity
@@ -58,12 +57,9 @@ def _fields(parts: list[Scored]) -> list[tuple[npt.NDArray[np.generic], ...]]:
 def score_within(
     head: HeadInfo, candidates: CandidateScores, targets: Ids, space: TokenSpace
 ) -> ScoreResult:
-    """Score each row's target among its candidates only (classification with an LM)."""
+    """Score each row's target among its candidates only (classification with an LM); each
+    target is one of its row's candidates (``service.plane.options.score`` checked it)."""
     found = candidates.ids == targets[:, None]
-    if not found.any(axis=1).all():
-        raise InvalidInput(
-            "with logprobs_over='candidates' each target_id must be among its row's candidate_ids"
-        )
     logits = candidates.logits
     lse = logsumexp(logits)
     target = logits[np.arange(len(targets)), found.argmax(axis=1)]

@@ -22,7 +22,7 @@ rows of W and which graph outputs to fetch. Three facts keep it exact without a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -40,6 +40,9 @@ Ids = npt.NDArray[np.int64]
 LOGIT_RTOL = 1e-5
 #: The swapped log-sum-exp is trusted when its error bound is below this (absolute).
 LSE_TOLERANCE = 1e-4
+#: Which distribution log-probs are over: the allowed tokens only, or the whole vocabulary.
+Over = Literal["candidates", "vocabulary"]
+OVERS: dict[str, Over] = {"candidates": "candidates", "vocabulary": "vocabulary"}
 
 
 @dataclass(frozen=True)
@@ -257,3 +260,15 @@ def sample_sorted(
     last_kept = width - 1 - np.argmax(kept[:, ::-1], axis=1)  # u at the very top, rounded
     index = np.where(kept[np.arange(len(values)), index], index, last_kept)
     return index.astype(np.intp), inside
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The distribution a request asks for, checked (``service.plane.options`` builds it):
+    allowed columns, bias and bans, which distribution log-probs are over, and sampling."""
+
+    allowed: Ids | None = None
+    """(n,) for every row or (rows, n) per row; sorted by nothing."""
+    bias: Bias | None = None
+    over: Over = "vocabulary"
+    sample: SampleSpec | None = None

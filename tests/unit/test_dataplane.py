@@ -793,7 +793,7 @@ def test_v2_infer_calls_served_as_one_answer_as_infer_alone(repository: Path) ->
     requests = [InferRequest(UNTIED, h, k=4, temperature=0.8, tokens=False) for h in hiddens]
 
     async def scenario(plane: DataPlane, metrics: Metrics) -> list[Any]:
-        grouped = await grouping.infer_group(plane, requests)
+        grouped = await plane.infer_group(requests)
         labels = {"model": "untied", "version": "1", "verb": "infer"}
         for outcome, calls in (("ok", 2), ("invalid_input", 1)):
             assert (

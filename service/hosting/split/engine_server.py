@@ -37,7 +37,7 @@ from service.hosting.split.channel import (
 from service.hosting.split.processes import become, ignore_group_signals
 from service.metrics import Metrics
 from service.plane.dataplane import DataPlane
-from service.plane.grouping import group_key, infer_group
+from service.plane.grouping import group_key
 from service.plane.protocol import INFERENCE_VERBS, VERBS
 from service.repository import staging
 from service.repository.journal import ControlJournal
@@ -93,7 +93,7 @@ class FrontConnection(FrameProtocol):
                 if method == "topk":
                     outcomes = await self._plane.topk_group(requests)
                 else:
-                    outcomes = await infer_group(self._plane, requests)
+                    outcomes = await self._plane.infer_group(requests)
         except Exception:
             logger.exception("engine call %s failed for %d grouped calls", method, len(members))
             outcomes = [FAILED] * len(members)
