@@ -68,8 +68,12 @@ pytest: install $(if $(OLDEST_PYTHON),$(OLDEST)/.installed) $(DEPLOY)/.installed
 	LMHEAD_OLDEST_PYTHON=$(if $(OLDEST_PYTHON),$(OLDEST)/bin/python) \
 	LMHEAD_KSERVE_PYTHON=$(DEPLOY)/bin/python $(BIN)/pytest
 
-## Everything CI checks: install, lint, type-check, the whole test suite.
+## Everything CI checks: install, lint, the layer order, type-check, the whole test suite.
 test: lint layers typecheck pytest
+
+## The unit tests alone (tests/unit/<layer>/...: in-process, no servers), in seconds.
+test-fast: install
+	$(BIN)/pytest tests/unit
 
 ## The whole test suite with every runtime dependency at the lowest version pyproject allows
 ## (.ci/floors.py pins them), in its own environment: CI runs it after `make test`.

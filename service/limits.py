@@ -1,9 +1,11 @@
-"""Every limit and range check on inference input, in one place; the data plane calls it.
+"""Every numeric limit on inference input, and the memory budget of requests in flight.
 
 Front ends decode the wire into numpy arrays and plain values without judging them; what a
 model can take (shape, dtype, finite values, ids in range), how much a request may ask for
 (rows, k, bytes of full logits) and which temperatures are safe is decided here, with messages
-that name the field, the expected and the actual value, and never echo data.
+that name the field, the expected and the actual value, and never echo data. A request's
+options are checked through these, once, before any math (``service.plane.options``); the
+codecs and the math only charge the memory they hold (``charge``, ``hold``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from service.errors import InvalidInput, LogitsOverflow, PayloadTooLarge, ServerBusy
+from service.errors import InvalidInput, PayloadTooLarge, ServerBusy
 from service.settings import Settings
 
 #: Temperatures outside this range overflow or underflow float32 logits (1e-45 made them inf).
@@ -40,33 +42,6 @@ JSON_ARRAY_BYTES = 80
 CHUNK_BYTES = 4 * 2**20
 #: What the statistics hold at most.
 STATISTICS_BYTES = 10 * CHUNK_BYTES
-
-
-def refuse_overflow(
-    ceiling: npt.NDArray[np.floating],
-    *floors: npt.NDArray[np.floating],
-    temperature: float = 1.0,
-) -> None:
-    """Raise ``LogitsOverflow`` unless a run's outputs are all finite. Finite hidden states
-    can still make logits past float32's range (1e36 times a unit row of W): Inf logits, then
-    NaN log-probs and KL, sent as JSON null. Each array is (rows, ...); ``ceiling`` bounds
-    every output of its row from above (the log-sum-exp bounds every logit), so its largest
-    value and the others' smallest being finite makes them all finite: a few reductions per
-    answer, not a mask."""
-    spread = float(ceiling.max())
-    for floor in floors:
-        spread -= float(floor.min())  # NaN and Inf carry through
-    if math.isfinite(spread):
-        return
-    finite = np.isfinite(ceiling.reshape(len(ceiling), -1)).all(axis=1)
-    for floor in floors:
-        finite &= np.isfinite(floor.reshape(len(floor), -1)).all(axis=1)
-    at = "" if temperature == 1.0 else f" at temperature {temperature:g}"
-    raise LogitsOverflow(
-        f"hidden_states row {int(np.argmin(finite))} makes logits overflow{at} (|logit| past "
-        "float32's 3.4e38, or float16's 65504 for a half-precision head on a GPU); send final, "
-        "post-norm hidden states"
-    )
 
 
 @dataclass(frozen=True)

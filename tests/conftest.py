@@ -31,9 +31,10 @@ collect_ignore += [] if os.environ.get("LMHEAD_RAY_TESTS") else ["ray"]
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """tests/unit -> unit, tests/integration -> integration: markers by folder."""
+    """tests/unit/... -> unit, tests/integration -> integration: markers by top folder."""
+    tests = Path(__file__).parent
     for item in items:
-        folder = Path(str(item.fspath)).parent.name
+        folder = Path(str(item.fspath)).relative_to(tests).parts[0]
         if folder in {"unit", "integration", "docker", "ray"}:
             item.add_marker(getattr(pytest.mark, folder))
 

@@ -30,7 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from service.errors import LogitsOverflow, ServiceError
-from service.limits import LOGIT_BYTES, Limits, MemoryBudget, Reservation, charge, refuse_overflow
+from service.limits import LOGIT_BYTES, Limits, MemoryBudget, Reservation, charge
 from service.messages import (
     CandidateScores,
     CompareRequest,
@@ -55,7 +55,7 @@ from service.plane.shadow import ShadowTraffic
 from service.repository.loaded_version import LoadedVersion
 from service.repository.registry import Registry
 from service.runtime.session import Projection
-from service.runtime.vocabulary import Shape
+from service.runtime.vocabulary import Shape, refuse_overflow
 from service.settings import Settings
 
 SPEED_ROWS = 64

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from service.limits import LOGIT_BYTES, charge, refuse_overflow
+from service.limits import LOGIT_BYTES, charge
 from service.messages import Sampled, TopKResult
 from service.repository.loaded_version import LoadedVersion
 from service.runtime.vocabulary import (
@@ -36,6 +36,7 @@ from service.runtime.vocabulary import (
     apply_bias,
     biased_topk,
     logsumexp,
+    refuse_overflow,
     sample_sorted,
     swap_lse,
     top_sorted,

@@ -14,12 +14,12 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from service.limits import LOGIT_BYTES, refuse_overflow
+from service.limits import LOGIT_BYTES
 from service.messages import CandidateScores, HeadInfo, ScoreResult
 from service.plane.comparison import perplexity
 from service.repository.loaded_version import LoadedVersion
 from service.runtime.session import Scored
-from service.runtime.vocabulary import Floats, Ids, TokenSpace, logsumexp
+from service.runtime.vocabulary import Floats, Ids, TokenSpace, logsumexp, refuse_overflow
 
 #: The rows x vocab float32 tensors of one scoring run.
 SCORE_BYTES = 48 * 2**20

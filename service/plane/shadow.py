@@ -21,10 +21,10 @@ from concurrent.futures import Executor
 import numpy as np
 import numpy.typing as npt
 
-from service.limits import refuse_overflow
 from service.metrics import Metrics
 from service.plane import comparison
 from service.repository.loaded_version import LoadedVersion
+from service.runtime.vocabulary import refuse_overflow
 
 logger = logging.getLogger("lmhead")
 

@@ -24,7 +24,7 @@ from service.allocator import trim_heap
 from service.errors import InvalidInput
 from service.heads import MODEL_FILE
 from service.heads.inspector import HeadReport, inspect_head
-from service.limits import Limits, refuse_overflow
+from service.limits import Limits
 from service.messages import HeadInfo, VersionDetails
 from service.repository.disk import ModelConfig, ModelSource, Signature, read_labels, read_space
 from service.repository.labels import LabelTable, TokenStrings
@@ -33,7 +33,7 @@ from service.runtime.batcher import Batcher, BatchLimits
 from service.runtime.layout import Placement, open_head
 from service.runtime.pending import BatchStats
 from service.runtime.session import HeadSession, Projection
-from service.runtime.vocabulary import TokenSpace
+from service.runtime.vocabulary import TokenSpace, refuse_overflow
 from service.settings import MemoryMode
 
 

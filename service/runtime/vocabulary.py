@@ -21,13 +21,14 @@ rows of W and which graph outputs to fetch. Three facts keep it exact without a
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import numpy.typing as npt
 
-from service.errors import InvalidInput
+from service.errors import InvalidInput, LogitsOverflow
 from service.runtime.gemm import matmul_transposed
 
 if TYPE_CHECKING:  # onnx stays out of the processes that only name the type (the fronts)
@@ -140,6 +141,33 @@ class Bias:
     @property
     def banned(self) -> int:
         return int(np.isneginf(self.values).sum())
+
+
+def refuse_overflow(
+    ceiling: npt.NDArray[np.floating],
+    *floors: npt.NDArray[np.floating],
+    temperature: float = 1.0,
+) -> None:
+    """Raise ``LogitsOverflow`` unless a run's outputs are all finite. Finite hidden states
+    can still make logits past float32's range (1e36 times a unit row of W): Inf logits, then
+    NaN log-probs and KL, sent as JSON null. Each array is (rows, ...); ``ceiling`` bounds
+    every output of its row from above (the log-sum-exp bounds every logit), so its largest
+    value and the others' smallest being finite makes them all finite: a few reductions per
+    answer, not a mask."""
+    spread = float(ceiling.max())
+    for floor in floors:
+        spread -= float(floor.min())  # NaN and Inf carry through
+    if math.isfinite(spread):
+        return
+    finite = np.isfinite(ceiling.reshape(len(ceiling), -1)).all(axis=1)
+    for floor in floors:
+        finite &= np.isfinite(floor.reshape(len(floor), -1)).all(axis=1)
+    at = "" if temperature == 1.0 else f" at temperature {temperature:g}"
+    raise LogitsOverflow(
+        f"hidden_states row {int(np.argmin(finite))} makes logits overflow{at} (|logit| past "
+        "float32's 3.4e38, or float16's 65504 for a half-precision head on a GPU); send final, "
+        "post-norm hidden states"
+    )
 
 
 def logsumexp(logits: Floats) -> Floats:

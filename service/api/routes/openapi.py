@@ -4,7 +4,7 @@ The inference handlers take the bare ``Request`` (the codec parses bodies severa
 than FastAPI's machinery, and the app serves them ahead of it), so FastAPI sees no parameters
 and no body. ``operation`` declares them: every ``{param}`` of the path, the query parameters,
 the JSON body (schema and example, ``.npy`` as an alternative where accepted) and every answer,
-errors included in their real shape. ``tests/unit/test_openapi.py`` validates the document.
+errors included in their real shape. ``tests/integration/test_openapi.py`` validates the document.
 """
 
 from __future__ import annotations

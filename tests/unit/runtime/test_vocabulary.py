@@ -189,3 +189,16 @@ def test_score_counts_ranks_and_targets_like_the_reference(untied_path: Path) ->
     np.testing.assert_allclose(scored.target_logit, target, rtol=RTOL, atol=ATOL)
     np.testing.assert_array_equal(scored.rank, (logits > target[:, None]).sum(axis=1))
     np.testing.assert_array_equal(scored.topk_token_ids, np.argsort(-logits, axis=1)[:, :4])
+
+
+def test_top_sorted_breaks_ties_toward_the_lower_id_whatever_the_column_order() -> None:
+    """Equal logits come out in id order, as the graph's TopK gives them: a biased token, or
+    an allowed list's order, must not decide a tie."""
+    logits = np.array([[1.0, 2.0, 2.0, 1.0, 2.0], [3.0, 3.0, 0.0, 3.0, 1.0]], np.float32)
+    shared = np.array([9, 7, 3, 1, 5], np.int64)
+    values, ids = top_sorted(logits, shared, 4)
+    assert ids.tolist() == [[3, 5, 7, 1], [1, 7, 9, 5]]
+    assert values.tolist() == [[2.0, 2.0, 2.0, 1.0], [3.0, 3.0, 3.0, 1.0]]
+    per_row = np.array([[4, 2, 8, 0, 6], [5, 3, 1, 0, 2]], np.int64)
+    _, ids = top_sorted(logits, per_row, 5)
+    assert ids.tolist() == [[2, 6, 8, 0, 4], [0, 3, 5, 2, 1]]

@@ -21,7 +21,7 @@ from service.hosting.app import create_app
 from service.limits import worst_case_extra_bytes
 from service.settings import PlaceSettings, Settings
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DOCKERFILE = (ROOT / "Dockerfile").read_text(encoding="utf-8")
 #: The demo repository in one server, measured (README, deploy/kubernetes/lmhead.yaml).
 DEMO_RESIDENT_BYTES = 342 * 10**6

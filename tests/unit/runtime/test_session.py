@@ -90,6 +90,21 @@ def test_ties_are_broken_toward_the_lower_token_id(tmp_path: Path) -> None:
     assert result.topk_token_ids.tolist() == [[2, 5, 9, 7, 11]]
 
 
+def test_score_ranks_count_higher_logits_and_equal_ones_of_lower_ids(tmp_path: Path) -> None:
+    """A target's rank: tokens scoring strictly higher, plus tied tokens with a lower id (the
+    order top-k lists them in), so the rank is the target's place in the top-k list."""
+    table = np.zeros((12, 4), np.float32)
+    table[[2, 5, 9]] = [1.0, 0.0, 0.0, 0.0]  # three tokens with the same, highest logit
+    table[[7, 11]] = [0.5, 0.0, 0.0, 0.0]  # then two; the other seven tie at 0
+    session = HeadSession(save_head(HeadWeights.from_arrays(table), tmp_path), tied=True)
+    targets = np.array([2, 5, 9, 7, 11, 0, 10])
+    rows = np.tile(np.array([[1.0, 0.0, 0.0, 0.0]], np.float32), (len(targets), 1))
+    scored = session.score(rows, targets, 5)
+    assert scored.rank.tolist() == [0, 1, 2, 3, 4, 5, 11]
+    listed = session.project(rows[:1], 12).topk_token_ids[0].tolist()
+    assert [listed.index(t) for t in targets.tolist()] == scored.rank.tolist()
+
+
 def test_embeddings_are_rows_of_the_gather_table(
     head_path: Path, table: npt.NDArray[np.float32]
 ) -> None:

@@ -15,7 +15,7 @@ from service.heads.files import HeadWeights, save_head
 from service.heads.inspector import HeadInspectionError, inspect_head
 from service.tools.retie import retie
 from tests.conftest import D_MODEL, VOCAB
-from tests.unit.test_inspect import _exported_style_head
+from tests.unit.heads.test_inspector import _exported_style_head
 
 
 def _outputs(path: Path, hidden: npt.NDArray[np.float32]) -> list[npt.NDArray[np.float32]]:

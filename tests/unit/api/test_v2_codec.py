@@ -1,0 +1,74 @@
+"""The V2 codec on its own: requests decoded into the data plane's messages, answers encoded
+as the Open Inference Protocol and its binary extension define them."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from service.api.codec.v2 import HEADER_LENGTH, decode, encode
+from service.api.codec.v2outputs import OutputPlan, OutputRequest
+from service.messages import HeadInfo, InferResult, Target, TopKResult
+
+HEAD = HeadInfo("m", 3, True, 100, 4, "float32")
+
+
+def _result(rows: int = 2, k: int = 3) -> InferResult:
+    rng = np.random.default_rng(0)
+    logits = -np.sort(rng.random((rows, k), dtype=np.float32), axis=1)
+    ids = rng.integers(0, 100, (rows, k))
+    lse = np.full(rows, 1.5, np.float32)
+    return InferResult(HEAD, TopKResult(HEAD, ids, logits, lse, logits - lse[:, None]))
+
+
+def test_the_header_length_counts_the_json_header_alone() -> None:
+    """``Inference-Header-Content-Length`` is the JSON part's bytes: the binary tensors follow
+    it, each ``binary_data_size`` long, in the order of the outputs."""
+    result = _result()
+    assert result.topk is not None
+    plan = OutputPlan(
+        "r1",
+        [OutputRequest("topk_token_ids", binary=True), OutputRequest("topk_logits", binary=True)],
+    )
+    body, headers = encode(result, plan)
+    length = int(headers[HEADER_LENGTH])
+    header = json.loads(body[:length])
+    sizes = [output["parameters"]["binary_data_size"] for output in header["outputs"]]
+    assert length + sum(sizes) == len(body)
+    ids_bytes, logits_bytes = body[length : length + sizes[0]], body[length + sizes[0] :]
+    np.testing.assert_array_equal(
+        np.frombuffer(ids_bytes, np.int64).reshape(2, 3), result.topk.token_ids
+    )
+    np.testing.assert_array_equal(
+        np.frombuffer(logits_bytes, np.float32).reshape(2, 3), result.topk.logits
+    )
+    assert header["id"] == "r1"
+    assert header["model_version"] == "3"
+
+
+def test_an_answer_without_binary_outputs_is_plain_json() -> None:
+    body, headers = encode(_result(), OutputPlan(None, [OutputRequest("logsumexp", False)]))
+    assert HEADER_LENGTH not in headers
+    assert headers["content-type"] == "application/json"
+    assert json.loads(body)["outputs"][0]["data"] == [1.5, 1.5]
+
+
+def test_a_binary_request_is_split_at_its_header_length() -> None:
+    """The request side of the same rule: the header's bytes, then the tensors' bytes."""
+    hidden = np.arange(8, dtype=np.float32).reshape(2, 4)
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "hidden_states",
+                    "datatype": "FP32",
+                    "shape": [2, 4],
+                    "parameters": {"binary_data_size": hidden.nbytes},
+                }
+            ]
+        }
+    ).encode()
+    request, _ = decode(header + hidden.tobytes(), str(len(header)), Target("m"))
+    assert request.hidden_states is not None
+    np.testing.assert_array_equal(request.hidden_states, hidden)

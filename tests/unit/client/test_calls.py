@@ -1,0 +1,62 @@
+"""The client's reading of answers, on answers built by hand: errors raised as their class,
+Retry-After honoured within bounds, and bodies that are not the call's answer named."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from service.client.calls import UnreadableAnswer, checked, read_json, retry_after
+from service.errors import InvalidInput, ModelNotFound, ServiceError
+
+REQUEST = httpx.Request("POST", "http://127.0.0.1:8000/v1/models/m/topk")
+
+
+def _answer(status: int, **kwargs: object) -> httpx.Response:
+    return httpx.Response(status, request=REQUEST, **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_service_error_is_raised_as_its_class_with_the_message() -> None:
+    body = {"error": {"code": "invalid_input", "message": "k must be between 1 and 100"}}
+    with pytest.raises(InvalidInput, match="k must be between") as raised:
+        checked(_answer(422, json=body))
+    assert raised.value.status == 422
+
+
+def test_a_v2_error_string_is_raised_by_its_status() -> None:
+    """V2 errors carry no code: the status picks the class where it names one."""
+    with pytest.raises(ModelNotFound, match="no model 'm'"):
+        checked(_answer(404, json={"error": "no model 'm'"}))
+    with pytest.raises(ServiceError, match="queue is full") as raised:  # 503: several kinds
+        checked(_answer(503, json={"error": "the queue is full"}))
+    assert raised.value.status == 503
+
+
+def test_an_error_page_that_is_not_json_keeps_its_status_and_text() -> None:
+    with pytest.raises(ServiceError, match="Bad Gateway") as raised:
+        checked(_answer(599, text="<html>Bad Gateway</html>"))
+    assert raised.value.status == 599
+
+
+def test_a_success_is_returned_as_it_is() -> None:
+    answer = _answer(200, json={"models": []})
+    assert checked(answer) is answer
+
+
+@pytest.mark.parametrize(
+    ("header", "expected"),
+    [("3", 3.0), ("0", 0.5), ("600", 5.0), ("nan", 0.5), ("soon", 0.5), (None, 0.5)],
+)
+def test_retry_after_is_honoured_between_the_backoff_and_ten_times_it(
+    header: str | None, expected: float
+) -> None:
+    headers = {} if header is None else {"retry-after": header}
+    assert retry_after(_answer(503, headers=headers), 0.5) == expected
+
+
+def test_a_body_without_the_answer_is_an_unreadable_answer() -> None:
+    answer = _answer(200, text="<html>a proxy's page</html>", headers={"content-type": "text/html"})
+    with pytest.raises(UnreadableAnswer, match="not what the call returns") as raised:
+        read_json(answer, has="models")
+    assert raised.value.status == 502
+    assert read_json(_answer(200, json={"models": [1]}), "models") == [1]
