@@ -144,6 +144,14 @@ def _what_came(value: Any) -> str:
     return ""
 
 
+class HostNotAllowed(ServiceError):
+    """400: the request's ``Host`` is not a name this service answers to
+    (``LMHEAD_ALLOWED_HOSTS``): a web page whose name was made to resolve to this machine."""
+
+    status = 400
+    code = "host_not_allowed"
+
+
 class InvalidModelName(ServiceError):
     """400: a model name that could address something outside the repository."""
 

@@ -19,6 +19,8 @@ ControlMode = Literal["none", "explicit", "poll"]
 MemoryMode = Literal["shared", "fast"]
 ProviderChoice = Literal["auto", "cpu", "cuda"]
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+#: The Host names of a loopback service: its names, and an IPv6 literal as Host writes it.
+LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
 HOUR_S = 3600.0
 DAY_S = 86400.0
 
@@ -69,6 +71,10 @@ class Settings(PlaceSettings):
 
     host: str = "127.0.0.1"
     """Address to bind (all it resolves to; empty: every interface); 0.0.0.0 in a container."""
+    allowed_hosts: str | None = None
+    """Host names the HTTP API answers to, comma-separated (`*.example.com`; `*`: any). Unset:
+    on a loopback bind the loopback names (a web page whose name is made to resolve to
+    127.0.0.1 is refused: DNS rebinding); elsewhere any (a token guards the control API)."""
     grpc_port: int | None = Field(default=None, ge=0, le=65535)
     """Also serve the V2 protocol over gRPC on this port (the image uses 8001); off if unset."""
     workers: int = Field(default=1, ge=1, le=64)
@@ -143,13 +149,27 @@ class Settings(PlaceSettings):
     """How long admitted requests may finish: of a replaced or unloaded version before it is
     released, and of the whole service when it stops (SIGTERM; 10 s at least)."""
 
-    @field_validator("admin_token", "scratch_dir", "grpc_port", mode="before")
+    @field_validator("admin_token", "scratch_dir", "grpc_port", "allowed_hosts", mode="before")
     @classmethod
     def _empty_is_unset(cls, value: object) -> object:
         """`LMHEAD_ADMIN_TOKEN=` (compose's default substitution) means no token, never "";
         `LMHEAD_SCRATCH_DIR=` the system's temp directory, never the working directory;
-        `LMHEAD_GRPC_PORT=` no gRPC (the image sets 8001)."""
+        `LMHEAD_GRPC_PORT=` no gRPC (the image sets 8001); `LMHEAD_ALLOWED_HOSTS=` the default."""
         return None if value in ("", None) else value
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _host_patterns(cls, value: str | None) -> str | None:
+        """Names, `*.domain` or `*`, as Starlette's TrustedHostMiddleware takes them."""
+        if value is None:
+            return None
+        for pattern in _patterns(value):
+            wildcard = pattern.startswith("*.") and "*" not in pattern[1:]
+            if not pattern or ("*" in pattern and pattern != "*" and not wildcard):
+                raise ValueError(
+                    f"{pattern[:64]!r} is no host pattern: a name, '*.example.com' or '*'"
+                )
+        return value
 
     @field_validator("scratch_dir")
     @classmethod
@@ -186,8 +206,21 @@ class Settings(PlaceSettings):
         return self.host in LOOPBACK_HOSTS
 
     @property
+    def trusted_hosts(self) -> list[str]:
+        """The Host names requests may carry (``allowed_hosts``, or its default)."""
+        if self.allowed_hosts is not None:
+            return _patterns(self.allowed_hosts)
+        if not self.loopback:
+            return ["*"]
+        return sorted(LOOPBACK_NAMES)
+
+    @property
     def admin_api_writable(self) -> bool:
         return self.control_mode != "none" and not self.read_only
+
+
+def _patterns(value: str) -> list[str]:
+    return [pattern.strip().lower() for pattern in value.split(",")]
 
 
 def settings_table() -> str:

@@ -25,15 +25,18 @@ from typing import Any
 
 from fastapi import APIRouter, FastAPI
 from fastapi.routing import APIRoute
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Match
 from starlette.types import Message, Receive, Scope, Send
 
 from service import __version__
+from service.api.codec.wire import header
 from service.api.routes import admin, health, native, v2
 from service.api.routes.error_handlers import error_response, install_error_handlers
 from service.api.routes.openapi import body_components
+from service.errors import HostNotAllowed
 from service.metrics import Metrics
 from service.plane.protocol import Plane
 from service.settings import Settings
@@ -81,6 +84,7 @@ def create_app(
 
     app = LMHeadApp(
         metrics,
+        settings.trusted_hosts,
         title="lmhead",
         version=__version__,
         summary="Serve language-model heads, tied and untied.",
@@ -109,9 +113,15 @@ async def _serve_grpc(plane: Plane, settings: Settings, metrics: Metrics) -> Any
 class LMHeadApp(FastAPI):
     """FastAPI with one entry for every request: HTTP metrics, and raw routes served directly."""
 
-    def __init__(self, metrics: Metrics, **kwargs: Any) -> None:
+    def __init__(self, metrics: Metrics, trusted_hosts: list[str], **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.metrics = metrics
+        #: Starlette's check of the Host header, ahead of everything (the raw routes too).
+        self._any_host = "*" in trusted_hosts
+        self._trusted = trusted_hosts
+        self._host_check = TrustedHostMiddleware(
+            self._trusted_host, allowed_hosts=trusted_hosts, www_redirect=False
+        )
         self._routers: list[APIRouter] = []
         self._raw_routes: list[APIRoute] | None = None
         self._matched: dict[str, tuple[APIRoute | None, dict[str, Any]]] = {}
@@ -127,6 +137,33 @@ class LMHeadApp(FastAPI):
         self._matched.clear()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or self._any_host:
+            await self._dispatch(scope, receive, send)
+            return
+        scope["lmhead.send"] = send  # the answer's way out once the Host is trusted
+        await self._host_check(scope, receive, self._refuse_host(scope, send))
+
+    async def _trusted_host(self, scope: Scope, receive: Receive, _: Send) -> None:
+        await self._dispatch(scope, receive, scope["lmhead.send"])
+
+    def _refuse_host(self, scope: Scope, send: Send) -> Send:
+        """Starlette's refusal of an untrusted Host, answered as lmhead's JSON error instead
+        of its plain text (its own answer is swallowed)."""
+
+        async def refuse(message: Message) -> None:
+            if message["type"] != "http.response.start":
+                return
+            host = (header(Request(scope), b"host") or "")[:64]
+            self.metrics.refused(HostNotAllowed.code)
+            error = HostNotAllowed(
+                f"Host {host!r} is not a name this service answers to; expected one of "
+                f"{', '.join(self._trusted)} (LMHEAD_ALLOWED_HOSTS adds names)"
+            )
+            await error_response(Request(scope), error)(scope, _no_body, send)
+
+        return refuse
+
+    async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await super().__call__(scope, receive, send)
             return
@@ -230,6 +267,11 @@ class LMHeadApp(FastAPI):
             if match is Match.FULL:
                 return route, dict(child)
         return None, {}
+
+
+async def _no_body() -> Message:
+    """``receive`` for an answer sent without reading the request (nothing is read)."""
+    return {"type": "http.disconnect"}
 
 
 def _takes_only_request(route: APIRoute) -> bool:

@@ -117,7 +117,9 @@ LMHead: Any = serve.deployment(max_ongoing_requests=32, graceful_shutdown_timeou
 
 #: A control-API call through Serve's proxy reaches one replica, not all: unless told otherwise
 #: (args or ``LMHEAD_*``), replicas follow the shared repository and refuse load/unload (403).
-REPLICA_DEFAULTS = {"control_mode": "poll", "read_only": True}
+#: A replica binds nothing itself: requests carry the Host clients gave Serve's proxy, so any
+#: name is answered (with load/unload refused, a rebound page could only run inference).
+REPLICA_DEFAULTS = {"control_mode": "poll", "read_only": True, "allowed_hosts": "*"}
 
 
 def _replica_settings(given: dict[str, Any]) -> Settings:

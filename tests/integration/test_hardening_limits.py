@@ -204,7 +204,7 @@ def test_oversized_headers_are_431_and_the_connection_closed(url: str) -> None:
         return float(found.group(1)) if found else 0.0
 
     before = refused()
-    raw = b"GET /health/live HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 8000 + b"\r\n\r\n"
+    raw = b"GET /health/live HTTP/1.1\r\nHost: localhost\r\nX-Pad: " + b"a" * 8000 + b"\r\n\r\n"
     for _ in range(2):
         status, body, closed = _exchange(url, raw)
         assert (status, closed) == (431, True)
@@ -213,9 +213,11 @@ def test_oversized_headers_are_431_and_the_connection_closed(url: str) -> None:
 
 
 def test_a_head_or_body_that_never_completes_is_408(url: str) -> None:
-    status, _, closed = _exchange(url, b"POST /v1/models/tied/topk HTTP/1.1\r\nHost: x\r\n")
+    status, _, closed = _exchange(url, b"POST /v1/models/tied/topk HTTP/1.1\r\nHost: localhost\r\n")
     assert (status, closed) == (408, True)
-    stalled = b"POST /v1/models/tied/topk HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{"
+    stalled = (
+        b"POST /v1/models/tied/topk HTTP/1.1\r\nHost: localhost\r\nContent-Length: 1000\r\n\r\n{"
+    )
     status, _, closed = _exchange(url, stalled)
     assert (status, closed) == (408, True)
 
@@ -249,7 +251,7 @@ def test_a_connection_stays_usable_after_error_answers(url: str) -> None:
     ):
         for body, expected in ((bad, 422), (b"{", 400), (good, 200)):
             head = (
-                b"POST /v1/models/twin/topk HTTP/1.1\r\nHost: x\r\n"
+                b"POST /v1/models/twin/topk HTTP/1.1\r\nHost: localhost\r\n"
                 b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
             )
             sock.sendall(head + body)
@@ -303,8 +305,8 @@ def test_a_pipelining_flood_is_cut_off_and_others_are_served(url: str) -> None:
     """uvicorn queued every pipelined request it read (one client: 129k queued, +600 MB in
     10 s); past 32 waiting, the requests read are answered, then a 503, and the connection
     closes; other clients are served."""
-    one = b"GET /health/live HTTP/1.1\r\nHost: x\r\n\r\n"
-    last = b"GET /health/live HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    one = b"GET /health/live HTTP/1.1\r\nHost: localhost\r\n\r\n"
+    last = b"GET /health/live HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
     statuses = _answers(url, one * 400 + last)
     assert len(statuses) <= 35  # the one running, 33 read ahead, the refusal
     assert set(statuses[:-1]) == {200}
@@ -318,15 +320,21 @@ def test_a_refusal_is_never_read_as_an_earlier_requests_answer(url: str) -> None
     head that stalls is a 408 (it was closed without one). A request httptools cannot parse
     behind a valid one: the valid one's answer, then a JSON 400 (uvicorn wrote a text 400 at
     once, and the valid answer was lost)."""
-    first = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
-    oversized = b"GET /health/live HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 8000 + b"\r\n\r\n"
+    first = b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n\r\n"
+    oversized = (
+        b"GET /health/live HTTP/1.1\r\nHost: localhost\r\nX-Pad: " + b"a" * 8000 + b"\r\n\r\n"
+    )
     assert _answers(url, first + oversized) == [200, 431]
     broken = (
-        b"POST /v1/models/tied/topk HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"
+        b"POST /v1/models/tied/topk HTTP/1.1\r\nHost: localhost\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\nzz\r\n"
     )
     assert _answers(url, first + broken) == [200, 400]
     assert _answers(url, first + b"BROKEN LINE\r\n\r\n") == [200, 400]
-    assert _answers(url, b"GET /health/live HTTP/1.1\r\nHost: x\r\n\r\nGET /he") == [200, 408]
+    assert _answers(url, b"GET /health/live HTTP/1.1\r\nHost: localhost\r\n\r\nGET /he") == [
+        200,
+        408,
+    ]
 
 
 def test_http_framing_refusals_are_json_and_keep_no_stale_state(url: str) -> None:
@@ -336,12 +344,14 @@ def test_http_framing_refusals_are_json_and_keep_no_stale_state(url: str) -> Non
     waiting for ``100 Continue`` kept the connection open, so its next request was read as
     the refused body (now closed, and said so in ``connection: close``)."""
     one = b"\r\nContent-Type: application/json\r\n"
-    gzip = b"POST /v1/models/tied/topk HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip, chunked"
+    gzip = (
+        b"POST /v1/models/tied/topk HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: gzip, chunked"
+    )
     status, body, closed = _exchange(url, gzip + one + b"\r\n0\r\n\r\n")
     assert (status, orjson.loads(body)["error"]["code"], closed) == (501, "not_implemented", True)
     status, body, closed = _exchange(url, b"GET /health/live HTTP/1.1\r\n\r\n")
     assert (status, orjson.loads(body)["error"]["code"], closed) == (400, "malformed_request", True)
-    status, body, closed = _exchange(url, b"BREW / HTTP/1.1\r\nHost: x\r\n\r\n")
+    status, body, closed = _exchange(url, b"BREW / HTTP/1.1\r\nHost: localhost\r\n\r\n")
     assert status == 400
     assert orjson.loads(body)["error"]["message"].startswith("malformed HTTP request")
     head = httpx.head(f"{url}/v1/models")
@@ -351,7 +361,8 @@ def test_http_framing_refusals_are_json_and_keep_no_stale_state(url: str) -> Non
     assert (slash.status_code, slash.json()["error"]["code"]) == (404, "not_found")
     assert httpx.get(f"{url}/v1/models/tied%0a").status_code == 400
     expecting = (
-        b"POST /v1/models/tied/topk HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/models/tied/topk HTTP/1.1\r\nHost: localhost\r\n"
+        b"Content-Type: application/json\r\n"
         b"Content-Length: %d\r\nExpect: 100-continue\r\n\r\n" % (64 * 2**20)
     )
     raw_head, body, closed = _exchange_head(url, expecting)
@@ -371,7 +382,8 @@ def test_a_body_refused_after_100_continue_keeps_the_connection(url: str) -> Non
     host, port = url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as sock:
         sock.sendall(
-            b"POST /v1/models/tied/topk HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+            b"POST /v1/models/tied/topk HTTP/1.1\r\nHost: localhost\r\n"
+            b"Content-Type: application/json"
             b"\r\nTransfer-Encoding: chunked\r\nExpect: 100-continue\r\n\r\n"
         )
         assert sock.recv(64).startswith(b"HTTP/1.1 100 Continue")
@@ -383,7 +395,7 @@ def test_a_body_refused_after_100_continue_keeps_the_connection(url: str) -> Non
         head = buffered.partition(b"\r\n\r\n")[0].lower()
         assert head.startswith(b"http/1.1 413")
         assert b"connection: close" not in head
-        sock.sendall(b"0\r\n\r\nGET /health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+        sock.sendall(b"0\r\n\r\nGET /health/live HTTP/1.1\r\nHost: localhost\r\n\r\n")
         while buffered.count(b"HTTP/1.1 ") < 2 or not buffered.endswith(b"}"):
             chunk = sock.recv(65536)
             assert chunk, "the connection was closed"
@@ -413,7 +425,8 @@ def test_an_answer_never_read_keeps_its_budget_until_the_client_is_dropped(
     }
     body = _npy(_rows(8000, seed=5))
     head = (
-        b"POST /v1/models/tied/logits HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-npy\r\n"
+        b"POST /v1/models/tied/logits HTTP/1.1\r\nHost: localhost\r\n"
+        b"Content-Type: application/x-npy\r\n"
         b"Content-Length: %d\r\n\r\n" % len(body)
     )
     with running_server(repository, **settings) as url, socket.socket() as stalled:
@@ -444,7 +457,8 @@ def test_a_body_trickling_in_is_408(url: str) -> None:
     host, port = url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=30) as sock:
         sock.sendall(
-            b"POST /v1/models/tied/topk HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"POST /v1/models/tied/topk HTTP/1.1\r\nHost: localhost\r\n"
+            b"Content-Type: application/json\r\n"
             b"Content-Length: 100000\r\n\r\n"
         )
         data, deadline = b"", time.monotonic() + 10  # the timeout is 1 s
@@ -463,7 +477,8 @@ def test_pipelined_posts_past_the_limit_are_answered_then_refused(url: str) -> N
     task hung for good once the requests before it were answered."""
     body = orjson.dumps({"hidden_states": _rows(1).tolist()})
     one = (
-        b"POST /v1/models/tied/topk HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/models/tied/topk HTTP/1.1\r\nHost: localhost\r\n"
+        b"Content-Type: application/json\r\n"
         b"Content-Length: %d\r\n\r\n" % len(body)
     ) + body
     statuses = _answers(url, one * 40)
@@ -475,9 +490,9 @@ def test_an_upgrade_request_ends_the_connection_after_its_answer(url: str) -> No
     """httptools stops at an Upgrade request's head: its body was then read as a next request
     (a request smuggled behind a proxy that reuses connections), or the request served without
     it; one with a body is refused, one without is answered and the connection closed."""
-    smuggled = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+    smuggled = b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n\r\n"
     upgrade = (
-        b"POST /v1/models/tied/topk HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\n"
+        b"POST /v1/models/tied/topk HTTP/1.1\r\nHost: localhost\r\nConnection: Upgrade\r\n"
         b"Upgrade: foo\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
         % len(smuggled)
     )
@@ -485,7 +500,9 @@ def test_an_upgrade_request_ends_the_connection_after_its_answer(url: str) -> No
     status, refused, closed = _exchange(url, upgrade + smuggled)
     assert (status, closed) == (400, True)
     assert "without Upgrade" in orjson.loads(refused)["error"]["message"]
-    gzip = b"POST /v1/models/tied/topk HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n"
+    gzip = (
+        b"POST /v1/models/tied/topk HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: gzip\r\n\r\n"
+    )
     assert _answers(url, gzip) == [501]  # httptools' own refusal of it came first (400)
 
 
@@ -495,7 +512,8 @@ def test_a_refusal_behind_a_long_answer_waits_for_all_of_it(repository: Path) ->
     settings = {**LIMITS, "max_logits_bytes": str(2**25), "max_body_bytes": str(2**20)}
     body = _npy(_rows(2048, seed=6))
     valid = (
-        b"POST /v1/models/tied/logits HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-npy\r\n"
+        b"POST /v1/models/tied/logits HTTP/1.1\r\nHost: localhost\r\n"
+        b"Content-Type: application/x-npy\r\n"
         b"Content-Length: %d\r\n\r\n" % len(body)
     ) + body
     expected = 2048 * VOCAB * 4

@@ -249,7 +249,7 @@ def _open_in_turn(url: str, count: int) -> list[int] | None:
     try:
         for _ in range(count):
             opened.append(socket.create_connection((host, int(port)), timeout=10))
-            opened[-1].sendall(b"GET /health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+            opened[-1].sendall(b"GET /health/live HTTP/1.1\r\nHost: localhost\r\n\r\n")
             statuses.append(int(opened[-1].recv(65536).split(b" ", 2)[1]))
             if len(statuses) <= 4 and statuses[-1] != 200:
                 return None

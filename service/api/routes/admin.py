@@ -13,7 +13,14 @@ from urllib.parse import parse_qsl, urlsplit
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from service.api.codec.wire import header, options, parse_json_object, read_body
+from service.api.codec.wire import (
+    JSON,
+    content_type,
+    header,
+    options,
+    parse_json_object,
+    read_body,
+)
 from service.api.routes.deps import PlaneDep, plane_of
 from service.api.routes.openapi import errors, operation
 from service.api.schemas import ModelDescription, RepositoryIndexRow
@@ -37,8 +44,8 @@ async def _authorized(request: Request) -> None:
 
 router = APIRouter(tags=["repository"], dependencies=[Depends(_authorized)])
 #: V2 paths answer the protocol's error shape, with 400 for every bad request.
-NATIVE_ERRORS = errors(400, 401, 403, 404, 422)
-V2_ERRORS = errors(400, 401, 403, 404, v2=True)
+NATIVE_ERRORS = errors(400, 401, 403, 404, 415, 422)
+V2_ERRORS = errors(400, 401, 403, 404, 415, v2=True)
 
 
 class LoadRequest(BaseModel):
@@ -139,7 +146,10 @@ async def unload(request: Request, plane: PlaneDep) -> dict[str, Any]:
 
 
 async def _body(request: Request, schema: type[BaseModel]) -> Any:
-    """The optional JSON body of a control call, checked (an empty body: the defaults)."""
+    """The optional JSON body of a control call, checked (an empty body: the defaults). Only
+    ``application/json`` (or no Content-Type): a page's ``text/plain`` or form POST, which a
+    browser sends across sites without asking, is refused before it is read (415)."""
     _no_query(request)
+    content_type(request, (JSON,))
     body = await read_body(request, LOAD_BODY_LIMIT, "the control API's own limit")
     return options(schema, parse_json_object(body) if body.strip() else {})

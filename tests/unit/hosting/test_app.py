@@ -34,7 +34,7 @@ async def serving(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
     async with app.router.lifespan_context(app):
         await app.state.loading
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
             yield client
 
 
@@ -53,7 +53,9 @@ def test_ready_is_503_until_the_repository_is_loaded(repository: Path) -> None:
             registry = Registry(settings, executor, Metrics())
             app.state.plane = DataPlane(registry, settings, Metrics())
             transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
+            async with httpx.AsyncClient(
+                transport=transport, base_url="http://localhost"
+            ) as client:
                 before = await client.get("/health/ready")
                 live = await client.get("/health/live")
                 body = {"hidden_states": [[0.5] * D_MODEL]}

@@ -1,0 +1,32 @@
+"""Settings that guard the service: which Host names it answers to, by default and as set."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from service.settings import Settings
+
+
+def test_a_loopback_service_answers_to_loopback_names_only() -> None:
+    assert Settings().trusted_hosts == ["127.0.0.1", "::1", "[::1]", "localhost"]
+    assert Settings(host="::1").trusted_hosts == Settings(host="localhost").trusted_hosts
+
+
+def test_a_service_bound_elsewhere_answers_to_any_name() -> None:
+    """A non-loopback bind needs a token (or a read-only control API), which guards the
+    control API: probes and Services reach pods under names the service cannot know."""
+    assert Settings(host="0.0.0.0", admin_token="secret").trusted_hosts == ["*"]
+    assert Settings(host="0.0.0.0", read_only=True).trusted_hosts == ["*"]
+
+
+def test_allowed_hosts_replaces_the_default() -> None:
+    settings = Settings(allowed_hosts=" Lmhead.Internal, *.example.com ,127.0.0.1")
+    assert settings.trusted_hosts == ["lmhead.internal", "*.example.com", "127.0.0.1"]
+    assert Settings(allowed_hosts="").trusted_hosts == Settings().trusted_hosts
+
+
+@pytest.mark.parametrize("patterns", ["a.*.example", "exa*mple.com", "a,,b", "*example.com"])
+def test_host_patterns_starlette_cannot_take_are_refused(patterns: str) -> None:
+    with pytest.raises(ValidationError, match="no host pattern"):
+        Settings(allowed_hosts=patterns)
