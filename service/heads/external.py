@@ -8,6 +8,7 @@ from elsewhere on the machine).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +85,37 @@ def _stored_bytes(tensor: TensorProto) -> int:
         raise ValueError(
             f"initializer {tensor.name[:64]!r} has unknown type {tensor.data_type}"
         ) from None
+
+
+def external_extents(model: onnx.ModelProto) -> dict[str, int | None]:
+    """The files a head's external data lives in, each with the bytes its tensors reach
+    (offset + length): what a loader must copy of each, and no more. Locations are checked
+    (``check_location``); a tensor that cannot be sized makes it the whole file (None)."""
+    extents: dict[str, int | None] = {}
+    for tensor in stored_tensors(model.graph):
+        if tensor.data_location != TensorProto.EXTERNAL:
+            continue
+        check_location(tensor)
+        info = {entry.key: entry.value for entry in tensor.external_data}
+        location = info.get("location", "")
+        offset = decimal(info.get("offset", "0"))
+        try:
+            end = None if offset is None else offset + _stored_bytes(tensor)
+        except ValueError:  # the inspector says what is wrong with it
+            end = None
+        reached = extents.get(location, 0)
+        extents[location] = None if end is None or reached is None else max(reached, end)
+    return extents
+
+
+def stored_tensors(graph: onnx.GraphProto) -> Iterator[TensorProto]:
+    """Every tensor a graph stores: initializers, and constants held by node attributes."""
+    yield from graph.initializer
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.HasField("t"):
+                yield attribute.t
+            yield from attribute.tensors
 
 
 def check_location(tensor: TensorProto) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -23,7 +23,7 @@ import onnx
 
 from service.digits import decimal
 from service.heads import MODEL_FILE
-from service.heads.external import check_location, external_source, stored_array
+from service.heads.external import check_location, external_source, stored_array, stored_tensors
 from service.heads.graph import HIDDEN_STATES, UNTIED_ON_PURPOSE, HeadTransforms
 
 PROJECTION_OPS = frozenset({"Gemm", "MatMul", "FusedMatMul"})
@@ -92,18 +92,25 @@ def resolve_model_path(path: str | Path) -> Path:
     return candidate
 
 
-def inspect_head(path: str | Path) -> HeadReport:
-    """Inspect the head at ``path`` (a file or a version directory)."""
-    model_path = resolve_model_path(path)
+def read_model(path: Path) -> onnx.ModelProto:
+    """The ONNX graph at ``path``, its external data not read."""
     try:
-        model = onnx.load(str(model_path), load_external_data=False)
+        return onnx.load(str(path), load_external_data=False)
     except Exception as error:  # onnx raises DecodeError or OSError subclasses
-        raise HeadInspectionError(f"{model_path} is not a readable ONNX model: {error}") from None
+        raise HeadInspectionError(f"{path} is not a readable ONNX model: {error}") from None
+
+
+def inspect_head(path: str | Path, model: onnx.ModelProto | None = None) -> HeadReport:
+    """Inspect the head at ``path`` (a file or a version directory); ``model``: its graph,
+    when the caller has read it already (``read_model``)."""
+    model_path = resolve_model_path(path)
+    if model is None:
+        model = read_model(model_path)
     graph = model.graph
     initializers = {tensor.name: tensor for tensor in graph.initializer}
     inputs = {value.name for value in graph.input}
     weights = {name: t for name, t in initializers.items() if t.dims and name not in inputs}
-    _check_external(_all_tensors(graph), model_path.parent)
+    _check_external(stored_tensors(graph), model_path.parent)
     producers = {out: node for node in graph.node for out in node.output}
     gather = _find_gather(graph, producers, weights)
     vocab_size, d_model = _table_shape(graph, gather, weights)
@@ -348,16 +355,6 @@ def _transforms(text: str) -> dict[str, Any]:
 
 def _finite_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _all_tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
-    """Initializers and the tensors inside Constant nodes (either may use external data)."""
-    yield from graph.initializer
-    for node in graph.node:
-        for attribute in node.attribute:
-            if attribute.HasField("t"):
-                yield attribute.t
-            yield from attribute.tensors
 
 
 def _check_external(tensors: Iterable[onnx.TensorProto], base_dir: Path) -> None:

@@ -24,12 +24,14 @@ served version changes nothing it answers, and a change is seen as a change (a n
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import re
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import BinaryIO, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -281,13 +283,33 @@ def file_signature(path: Path) -> Signature:
     return ((path.name, status.st_size, status.st_mtime_ns, status.st_ino, status.st_mode),)
 
 
-def check_regular(path: Path, root: Path) -> None:
-    """A regular file, itself or behind a link that stays inside the repository."""
-    where = f"{path.parent.parent.name}/{path.parent.name}/{path.name}"
-    if not path.resolve().is_relative_to(root):
-        raise RepositoryError(f"{where} resolves outside the repository")
-    if not stat.S_ISREG(path.stat().st_mode):
+def open_regular(
+    directory: Path, name: str, root: Path, where: str, dir_fd: int | None = None
+) -> BinaryIO | None:
+    """``name`` in ``directory`` (or in the directory open as ``dir_fd``), opened once without
+    following a link and checked through the open file: a regular file, to be read from this
+    file object only (a name checked, then opened again, could be swapped for a link to any
+    file on the machine in between). None when there is no such file. ``where``: the name the
+    errors give it (reasons reach clients: no machine paths)."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # a FIFO opens at once
+    try:
+        fd = os.open(name if dir_fd is not None else directory / name, flags, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    except OSError as error:
+        if error.errno == errno.ELOOP:  # the name is a link
+            outside = not (directory / name).resolve().is_relative_to(root)
+            raise RepositoryError(
+                f"{where} is a link{' that resolves outside the repository' if outside else ''}"
+                ": lmhead reads only regular files (copy the file in)"
+            ) from None
+        raise RepositoryError(f"{where} cannot be opened ({cannot_read(error)})") from None
+    opened = os.fdopen(fd, "rb")
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        opened.close()
         raise RepositoryError(f"{where} is not a regular file")
+    os.set_blocking(fd, True)
+    return opened
 
 
 def _check_inside(path: Path, root: Path) -> None:
@@ -296,15 +318,15 @@ def _check_inside(path: Path, root: Path) -> None:
 
 
 def read_config(directory: Path, root: Path) -> ModelConfig:
-    path = directory / CONFIG_FILE
-    if not path.exists():
-        return ModelConfig()
     where = f"{directory.name}/{CONFIG_FILE}"
-    check_regular(path, root)
-    if path.stat().st_size > MAX_CONFIG_BYTES:
-        raise RepositoryError(f"{where} is over {MAX_CONFIG_BYTES} bytes")
+    opened = open_regular(directory, CONFIG_FILE, root, where)
+    if opened is None:
+        return ModelConfig()
     try:
-        return ModelConfig.model_validate_json(path.read_bytes())
+        with opened:
+            if os.fstat(opened.fileno()).st_size > MAX_CONFIG_BYTES:
+                raise RepositoryError(f"{where} is over {MAX_CONFIG_BYTES} bytes")
+            return ModelConfig.model_validate_json(opened.read())
     except ValidationError as error:
         raise RepositoryError(f"{where}: {describe_validation_errors(error.errors())}") from None
     except OSError as error:

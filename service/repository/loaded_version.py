@@ -13,46 +13,21 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from functools import cached_property
-from pathlib import Path
 from time import perf_counter
 from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
-from service.allocator import trim_heap
 from service.errors import InvalidInput
-from service.heads import MODEL_FILE
-from service.heads.inspector import HeadReport, inspect_head
-from service.limits import Limits
+from service.heads.inspector import HeadReport
 from service.messages import HeadInfo, VersionDetails
-from service.repository.disk import ModelConfig, ModelSource, Signature, read_labels, read_space
+from service.repository.disk import ModelConfig, Signature
 from service.repository.labels import LabelTable, TokenStrings
-from service.repository.staging import private_copy
 from service.runtime.batcher import Batcher, BatchLimits
-from service.runtime.layout import Placement, open_head
 from service.runtime.pending import BatchStats
 from service.runtime.session import HeadSession, Projection
 from service.runtime.vocabulary import TokenSpace, refuse_overflow
-from service.settings import MemoryMode
-
-
-@dataclass(frozen=True)
-class LoadOptions:
-    memory_mode: MemoryMode
-    intra_op_threads: int
-    default_k: int
-    limits: Limits
-    repository: Path
-    providers: tuple[str, ...] = ("CPUExecutionProvider",)
-    scratch: Path | None = None
-    tf32: bool = False
-    """Where private copies of versions are made while loading (the system's temp dir)."""
-
-    @property
-    def placement(self) -> Placement:
-        return Placement(self.memory_mode, self.intra_op_threads, self.providers, self.tf32)
-
 
 T = TypeVar("T")
 
@@ -305,51 +280,6 @@ class LoadedVersion:
         return self.session.project(rows, k, temperature=temperature, full_logits=full_logits)
 
 
-def load_version(source: ModelSource, version: int, options: LoadOptions) -> LoadedVersion:
-    """Inspect, open, label and warm one version (blocking; run it off the event loop).
-
-    Everything is read from a private copy of the version (``private_copy``): what is served
-    is what was inspected, whatever happens to the repository's files afterwards.
-    """
-    root = options.repository.resolve()
-    directory, config = source.versions[version], source.config
-    with private_copy(directory, source.files[version], root, options.scratch) as private:
-        try:
-            report = inspect_head(private / MODEL_FILE)
-            session = open_head(
-                private / MODEL_FILE, options.placement, report=report, scratch=private
-            )
-            labels = read_labels(private, config.labels, report.vocab_size)
-            space = read_space(private, report.vocab_size)
-        except Exception as error:  # say where, not the private copy's temporary path
-            text = str(error).replace(str(private), f"{source.name}/{version}")
-            raise VersionLoadError(f"{type(error).__name__}: {text}") from None
-    if (session.vocab_size, session.d_model) != (report.vocab_size, report.d_model):
-        raise ValueError(
-            f"graph outputs say vocab {session.vocab_size} x d_model {session.d_model} but the "
-            f"weights are {report.vocab_size} x {report.d_model}"
-        )
-    if config.d_model is not None and report.d_model != config.d_model:
-        raise ValueError(
-            f"head has d_model {report.d_model} but config.json requires {config.d_model}"
-        )
-    default_k = config.default_k or options.default_k
-    options.limits.check_default_k(default_k)
-    _warm(session)
-    trim_heap()  # the file's bytes passed through the heap on the way in
-    return LoadedVersion(
-        name=source.name,
-        version=version,
-        session=session,
-        report=report,
-        config=config,
-        labels=labels,
-        default_k=default_k,
-        signature=source.signature(version),
-        token_space=space if space.kept is not None else None,
-    )
-
-
 def _shown(quantization: dict[str, Any] | None) -> dict[str, Any] | None:
     """The inspector's quantization facts without tensor names (not a client's business)."""
     if quantization is None:
@@ -366,24 +296,3 @@ def _concatenate(parts: list[Projection]) -> Projection:
         np.concatenate([part.logsumexp for part in parts]),
         np.concatenate(logits) if logits else None,
     )
-
-
-class VersionLoadError(ValueError):
-    """A version could not be opened; the message names the model and version, not a path."""
-
-
-def _warm(session: HeadSession) -> None:
-    """One real run of each side; a head that cannot answer is not published."""
-    k = min(5, session.vocab_size)
-    result = session.project(np.zeros((1, session.d_model), np.float32), k, full_logits=True)
-    if result.topk_token_ids.shape != (1, k) or result.logsumexp.shape != (1,):
-        raise ValueError(f"warm-up returned shapes {result.topk_token_ids.shape}")
-    assert result.logits is not None
-    if not np.isfinite(result.logits).all():  # 0 x NaN (or Inf) is NaN: any such weight
-        raise ValueError(
-            "the head's logits for a zero hidden state are not all finite: its weights hold "
-            "NaN/Inf, or its output bias masks tokens with -inf (lmhead takes finite biases, "
-            "as its import does; drop padded rows with lmhead trim)"
-        )
-    if session.embed(np.zeros(1, np.int64)).shape != (1, session.d_model):
-        raise ValueError("warm-up embedding has the wrong shape")

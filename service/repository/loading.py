@@ -17,12 +17,8 @@ from pathlib import Path
 from service.limits import Limits
 from service.metrics import Metrics
 from service.repository.disk import ModelSource, RepositoryError, read_source
-from service.repository.loaded_version import (
-    LoadedVersion,
-    LoadOptions,
-    VersionLoadError,
-    load_version,
-)
+from service.repository.loaded_version import LoadedVersion
+from service.repository.open_version import LoadOptions, VersionLoadError, load_version
 from service.repository.records import ModelRecord, ModelState
 from service.runtime.batcher import BatchLimits
 from service.runtime.pending import BatchStats

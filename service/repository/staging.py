@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
-from service.repository.disk import RepositoryError, Signature, check_regular, signature
+from service.repository.disk import RepositoryError, Signature, open_regular, signature
 
 LOCK_FILE = ".lmhead-lock"
 #: A new version's directory while it is written (hidden from the service and the poller).
@@ -117,35 +117,98 @@ def sweep(parent: Path, prefix: str) -> list[str]:
     return removed
 
 
+class PrivateCopy:
+    """A version's files, copied one by one into a directory nobody else can write
+    (``private_copy``): only the files its head uses (``bring``), so another file in the
+    version, however large or sparse, costs no scratch space."""
+
+    def __init__(self, version_dir: Path, root: Path, path: Path, dir_fd: int) -> None:
+        self.path = path
+        self._version_dir = version_dir
+        self._root = root
+        self._dir_fd = dir_fd
+        self._where = f"{version_dir.parent.name}/{version_dir.name}"
+
+    def bring(self, name: str, most: int | None = None, refuse_past: int | None = None) -> bool:
+        """Copy the version's file ``name``, False when it has none: opened once, beside the
+        model, without following a link, checked through the open file and copied from it.
+        ``most``: copy at most this many bytes (what the head reads of the file);
+        ``refuse_past``: a larger file is refused before anything is copied."""
+        where = f"{self._where}/{name}"
+        opened = open_regular(self._version_dir, name, self._root, where, self._dir_fd)
+        if opened is None:
+            return False
+        with opened, (self.path / name).open("xb") as copy:
+            size = os.fstat(opened.fileno()).st_size
+            if refuse_past is not None and size > refuse_past:
+                raise RepositoryError(f"{where} has {size} bytes; at most {refuse_past}")
+            _copy(opened, copy, size if most is None else min(most, size))
+        return True
+
+    def check_unchanged(self, expected: Signature) -> None:
+        """Fail the load if the version's files changed while they were copied (``expected``:
+        ``ModelSource.files`` as scanned): never a mix of two versions."""
+        if signature(self._version_dir) != expected:
+            raise RepositoryError(
+                f"the files of {self._where} changed while being loaded; publish a version by "
+                "renaming a complete directory into place"
+            )
+
+
 @contextmanager
-def private_copy(
-    version_dir: Path, expected: Signature, root: Path, into: Path | None = None
-) -> Iterator[Path]:
-    """The version's files copied where nobody else can write them; removed on exit.
+def private_copy(version_dir: Path, root: Path, into: Path | None = None) -> Iterator[PrivateCopy]:
+    """A directory nobody else can write, for the files of ``version_dir`` the loader brings
+    (``PrivateCopy.bring``); removed on exit.
 
     Load from the copy, then let it go: onnxruntime keeps what it mapped (an unlinked file
     stays readable while mapped), and no later write to the repository reaches it. Only
-    regular files inside the repository are copied (a FIFO would block the loader, a link out
-    of the repository would serve files nobody put there); files that differ from ``expected``
-    (``ModelSource.files`` as scanned) after the copy fail the load: never a mix of two versions.
+    regular files are copied, each opened once relative to the version's directory (itself
+    inside the repository: ``disk`` checks it as it scans, and it is checked again here once
+    open), never through a link: a FIFO would block the loader, a link would serve a file
+    nobody put in the repository.
     """
     target = Path(tempfile.mkdtemp(prefix=COPY_PREFIX, dir=into))
     lock = hold(target)  # in use: ``sweep_stale_copies`` leaves it
+    dir_fd = -1
     try:
-        for path in sorted(version_dir.iterdir()):
-            if path.is_dir():
-                continue
-            check_regular(path, root)
-            shutil.copyfile(path, target / path.name)
-        if signature(version_dir) != expected:
-            raise RepositoryError(
-                f"the files of {version_dir.parent.name}/{version_dir.name} changed while "
-                "being loaded; publish a version by renaming a complete directory into place"
-            )
-        yield target
+        dir_fd = os.open(version_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        _check_open_inside(dir_fd, version_dir, root)
+        yield PrivateCopy(version_dir, root, target, dir_fd)
     finally:
+        if dir_fd >= 0:
+            os.close(dir_fd)
         shutil.rmtree(target, ignore_errors=True)
         lock.close()
+
+
+def _check_open_inside(dir_fd: int, version_dir: Path, root: Path) -> None:
+    """The directory opened is inside the repository (where the system names open files: a
+    directory swapped for a link after the scan is caught here)."""
+    opened = Path(f"/proc/self/fd/{dir_fd}")
+    if opened.exists() and not opened.resolve().is_relative_to(root):
+        raise RepositoryError(
+            f"{version_dir.parent.name}/{version_dir.name} resolves outside the repository"
+        )
+
+
+def _copy(source: BinaryIO, target: BinaryIO, size: int) -> None:
+    """``size`` bytes from ``source``'s position, by the kernel where it can (``sendfile``)."""
+    left = size
+    try:
+        while left > 0:
+            sent = os.sendfile(target.fileno(), source.fileno(), None, min(left, 1 << 30))
+            if sent == 0:
+                return
+            left -= sent
+    except OSError as error:  # no sendfile between these files: copy through the process
+        if error.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+            raise
+        while left > 0:
+            chunk = source.read(min(left, 1 << 20))
+            if not chunk:
+                return
+            target.write(chunk)
+            left -= len(chunk)
 
 
 def sweep_stale_copies(into: Path | None) -> list[str]:

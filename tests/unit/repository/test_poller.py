@@ -274,10 +274,11 @@ def test_a_hard_link_to_a_served_file_is_no_change(
 def test_removing_what_failed_a_load_tries_it_again(
     tmp_path: Path, table: npt.NDArray[np.float32]
 ) -> None:
-    """A FIFO in a version failed its load; removing it changes no regular file."""
+    """A FIFO where the labels file goes failed its load; removing it changes no regular
+    file. (A FIFO the head does not use is never opened: it fails nothing.)"""
     repository = tmp_path / "models"
     save_head(HeadWeights.from_arrays(table), repository / "head" / "1")
-    fifo = repository / "head" / "1" / "stray"
+    fifo = repository / "head" / "1" / "vocab.txt"
     os.mkfifo(fifo)
 
     async def scenario(registry: Registry, poller: RepositoryPoller) -> None:

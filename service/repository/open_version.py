@@ -1,0 +1,142 @@
+"""Open one version of a model: copy the files its head uses, inspect, open, label and warm.
+
+Everything is read from a private copy of the version (``staging.private_copy``): what is
+served is what was inspected, whatever happens to the repository's files afterwards. Only
+the files the head uses are copied, each no further than the head reads it: the graph, the
+external data files it names (up to the last byte a tensor takes), the labels file and a
+trimmed head's id map (each refused past its size limit before a byte is copied). Any other
+file in the version is left where it is: a stray file, however large or sparse, costs no
+scratch space.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from service.allocator import trim_heap
+from service.heads import MODEL_FILE
+from service.heads.external import external_extents
+from service.heads.inspector import HeadReport, inspect_head, read_model
+from service.limits import Limits
+from service.repository.disk import (
+    MAP_BYTES_PER_ROW,
+    MAX_LABELS_BYTES,
+    VOCAB_MAP_FILE,
+    ModelConfig,
+    ModelSource,
+    RepositoryError,
+    read_labels,
+    read_space,
+)
+from service.repository.loaded_version import LoadedVersion
+from service.repository.staging import PrivateCopy, private_copy
+from service.runtime.layout import Placement, open_head
+from service.runtime.session import HeadSession
+from service.settings import MemoryMode
+
+#: The largest graph onnx reads (protobuf's limit): a larger model.onnx is not copied at all.
+MAX_MODEL_BYTES = 2**31
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    memory_mode: MemoryMode
+    intra_op_threads: int
+    default_k: int
+    limits: Limits
+    repository: Path
+    providers: tuple[str, ...] = ("CPUExecutionProvider",)
+    scratch: Path | None = None
+    """Where private copies of versions are made while loading (the system's temp dir)."""
+    tf32: bool = False
+
+    @property
+    def placement(self) -> Placement:
+        return Placement(self.memory_mode, self.intra_op_threads, self.providers, self.tf32)
+
+
+class VersionLoadError(ValueError):
+    """A version could not be opened; the message names the model and version, not a path."""
+
+
+def load_version(source: ModelSource, version: int, options: LoadOptions) -> LoadedVersion:
+    """Copy, inspect, open, label and warm one version (blocking; run it off the event loop)."""
+    root = options.repository.resolve()
+    directory, config = source.versions[version], source.config
+    with private_copy(directory, root, options.scratch) as private:
+        try:
+            report = _bring_head(private, config)
+            private.check_unchanged(source.files[version])
+            session = open_head(
+                private.path / MODEL_FILE, options.placement, report=report, scratch=private.path
+            )
+            labels = read_labels(private.path, config.labels, report.vocab_size)
+            space = read_space(private.path, report.vocab_size)
+        except RepositoryError:
+            raise
+        except Exception as error:  # say where, not the private copy's temporary path
+            text = str(error).replace(str(private.path), f"{source.name}/{version}")
+            raise VersionLoadError(f"{type(error).__name__}: {text}") from None
+    _check_shapes(session, report, config)
+    default_k = config.default_k or options.default_k
+    options.limits.check_default_k(default_k)
+    _warm(session)
+    trim_heap()  # the file's bytes passed through the heap on the way in
+    return LoadedVersion(
+        name=source.name,
+        version=version,
+        session=session,
+        report=report,
+        config=config,
+        labels=labels,
+        default_k=default_k,
+        signature=source.signature(version),
+        token_space=space if space.kept is not None else None,
+    )
+
+
+def _bring_head(private: PrivateCopy, config: ModelConfig) -> HeadReport:
+    """Copy what the head uses, reading its graph once: the graph says which data files it
+    needs and how much of each; the inspector says how large its vocabulary is, which bounds
+    its id map."""
+    if not private.bring(MODEL_FILE, refuse_past=MAX_MODEL_BYTES):
+        raise RepositoryError(f"{MODEL_FILE} is gone from the version")
+    model = read_model(private.path / MODEL_FILE)
+    for location, extent in external_extents(model).items():
+        private.bring(location, most=extent)
+    report = inspect_head(private.path / MODEL_FILE, model)
+    private.bring(config.labels, refuse_past=MAX_LABELS_BYTES)
+    private.bring(VOCAB_MAP_FILE, refuse_past=MAP_BYTES_PER_ROW * report.vocab_size + 1024)
+    return report
+
+
+def _check_shapes(session: HeadSession, report: HeadReport, config: ModelConfig) -> None:
+    if (session.vocab_size, session.d_model) != (report.vocab_size, report.d_model):
+        raise ValueError(
+            f"graph outputs say vocab {session.vocab_size} x d_model {session.d_model} but the "
+            f"weights are {report.vocab_size} x {report.d_model}"
+        )
+    if config.d_model is not None and report.d_model != config.d_model:
+        raise ValueError(
+            f"head has d_model {report.d_model} but config.json requires {config.d_model}"
+        )
+
+
+def _warm(session: HeadSession) -> None:
+    """One real run of each side; a head that cannot answer is not published."""
+    k = min(5, session.vocab_size)
+    result = session.project(np.zeros((1, session.d_model), np.float32), k, full_logits=True)
+    if result.topk_token_ids.shape != (1, k) or result.logsumexp.shape != (1,):
+        raise ValueError(f"warm-up returned shapes {result.topk_token_ids.shape}")
+    assert result.logits is not None
+    if not np.isfinite(result.logits).all():  # 0 x NaN (or Inf) is NaN: any such weight
+        raise ValueError(
+            "the head's logits for a zero hidden state are not all finite: its weights hold "
+            "NaN/Inf, or its output bias masks tokens with -inf (lmhead takes finite biases, "
+            "as its import does; drop padded rows with lmhead trim)"
+        )
+    if session.embed(np.zeros(1, np.int64)).shape != (1, session.d_model):
+        raise ValueError("warm-up embedding has the wrong shape")
