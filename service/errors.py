@@ -138,7 +138,9 @@ def _what_came(value: Any) -> str:
     """ ", got ..." for a number or a short word (what a client needs to see its slip);
     nothing for anything longer, which could be a client's payload."""
     if isinstance(value, int | float) and not isinstance(value, bool):
-        return f", got {value}" if len(str(value)) <= SHOWN_CHARS else ""
+        shown = str(value)  # not 1.8446744073709552e+19 for a seed of 2**64 sent as digits
+        plain = len(shown) <= SHOWN_CHARS and "e" not in shown.lower()
+        return f", got {shown}" if plain else ""
     if isinstance(value, str) and len(value) <= SHOWN_CHARS and value.isprintable():
         return f", got {value!r}"
     return ""

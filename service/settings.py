@@ -157,6 +157,15 @@ class Settings(PlaceSettings):
         `LMHEAD_GRPC_PORT=` no gRPC (the image sets 8001); `LMHEAD_ALLOWED_HOSTS=` the default."""
         return None if value in ("", None) else value
 
+    @field_validator("admin_token")
+    @classmethod
+    def _real_token(cls, value: SecretStr | None) -> SecretStr | None:
+        """A token of spaces guards nothing a client cannot guess (and a stray space in a
+        file of variables is no token)."""
+        if value is not None and not value.get_secret_value().strip():
+            raise ValueError("LMHEAD_ADMIN_TOKEN is only whitespace: set a real token, or none")
+        return value
+
     @field_validator("allowed_hosts")
     @classmethod
     def _host_patterns(cls, value: str | None) -> str | None:

@@ -27,6 +27,7 @@ def stored_array(tensor: TensorProto, base_dir: Path, root: Path | None = None) 
     """A tensor's values; external data is memory-mapped rather than read, from where
     ``external_source`` allows."""
     if tensor.data_location != TensorProto.EXTERNAL:
+        check_stored(tensor)
         try:
             return numpy_helper.to_array(tensor)
         except Exception as error:  # raw bytes that disagree with the dims, an unknown type
@@ -72,11 +73,63 @@ def external_source(
     return data, offset, needed
 
 
+#: The typed field an inline tensor's values are in, when not in ``raw_data`` (ONNX's rules).
+TYPED_FIELDS: dict[int, str] = {
+    TensorProto.FLOAT: "float_data",
+    TensorProto.DOUBLE: "double_data",
+    TensorProto.INT64: "int64_data",
+    TensorProto.UINT32: "uint64_data",
+    TensorProto.UINT64: "uint64_data",
+    **dict.fromkeys(
+        (
+            TensorProto.INT32,
+            TensorProto.INT16,
+            TensorProto.INT8,
+            TensorProto.UINT16,
+            TensorProto.UINT8,
+            TensorProto.BOOL,
+            TensorProto.FLOAT16,
+            TensorProto.BFLOAT16,
+        ),
+        "int32_data",
+    ),
+}
+
+
+def check_stored(tensor: TensorProto) -> None:
+    """An inline tensor holds exactly what its dims and type take: the service's runtime
+    refuses one that does not, so the inspector, quantize and trim do too, naming the
+    tensor, its dims and both sizes (a [2**31, 2**31] table was reported as 18 EB)."""
+    needed = _stored_bytes(tensor)  # refuses negative dims and unknown types
+    if tensor.data_location == TensorProto.EXTERNAL:
+        return  # ``external_source`` checks the file holds them
+    field = TYPED_FIELDS.get(tensor.data_type)
+    if tensor.raw_data:
+        held = len(tensor.raw_data)
+    elif field is not None:
+        held = len(getattr(tensor, field)) * (needed // max(1, _count(tensor)))
+    else:
+        return  # strings, or packed types in typed fields: onnx's reader says what it finds
+    if held != needed:
+        kind = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
+        raise ValueError(
+            f"initializer {tensor.name[:64]!r} holds {held} bytes, but its dims "
+            f"{list(tensor.dims)[:8]} of {kind} take {needed}"
+        )
+
+
+def _count(tensor: TensorProto) -> int:
+    return int(np.prod(tensor.dims, dtype=object))
+
+
 def _stored_bytes(tensor: TensorProto) -> int:
     """Bytes a tensor's values take (4-bit types two to a byte)."""
     if any(dim < 0 for dim in tensor.dims):
-        raise ValueError(f"initializer {tensor.name[:64]!r} has negative dims {list(tensor.dims)}")
-    count = int(np.prod(tensor.dims, dtype=object))
+        raise ValueError(
+            f"initializer {tensor.name[:64]!r} has negative dims {list(tensor.dims)[:8]}: "
+            "every dim is a size"
+        )
+    count = _count(tensor)
     if tensor.data_type in FOUR_BIT_TYPES:
         return -(-count // 2)
     try:

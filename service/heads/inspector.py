@@ -23,7 +23,13 @@ import onnx
 
 from service.digits import decimal
 from service.heads import MODEL_FILE
-from service.heads.external import check_location, external_source, stored_array, stored_tensors
+from service.heads.external import (
+    check_location,
+    check_stored,
+    external_source,
+    stored_array,
+    stored_tensors,
+)
 from service.heads.graph import HIDDEN_STATES, UNTIED_ON_PURPOSE, HeadTransforms
 
 PROJECTION_OPS = frozenset({"Gemm", "MatMul", "FusedMatMul"})
@@ -110,7 +116,7 @@ def inspect_head(path: str | Path, model: onnx.ModelProto | None = None) -> Head
     initializers = {tensor.name: tensor for tensor in graph.initializer}
     inputs = {value.name for value in graph.input}
     weights = {name: t for name, t in initializers.items() if t.dims and name not in inputs}
-    _check_external(stored_tensors(graph), model_path.parent)
+    _check_stored(stored_tensors(graph), model_path.parent)
     producers = {out: node for node in graph.node for out in node.output}
     gather = _find_gather(graph, producers, weights)
     vocab_size, d_model = _table_shape(graph, gather, weights)
@@ -357,10 +363,12 @@ def _finite_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _check_external(tensors: Iterable[onnx.TensorProto], base_dir: Path) -> None:
-    """Every tensor's external data where onnxruntime would look for it, long enough."""
+def _check_stored(tensors: Iterable[onnx.TensorProto], base_dir: Path) -> None:
+    """Every tensor's values where onnxruntime would look for them, as many as its dims take
+    (inline or in external data): the service's runtime refuses a head where they are not."""
     for tensor in tensors:
         try:
+            check_stored(tensor)
             check_location(tensor)
             if tensor.data_location == onnx.TensorProto.EXTERNAL:
                 external_source(tensor, base_dir)

@@ -285,9 +285,10 @@ def token_lists(raw: Ids, rows: int, space: TokenSpace, limits: Limits, field: s
         )
     ids = token_ids(raw, space, limits, field)
     if ids.ndim == 2 and ids.shape[0] != rows:
+        lists = ids.shape[0]
         raise InvalidInput(
-            f"{field} must be one list for all rows or one per row ({rows}), "
-            f"got {ids.shape[0]} lists"
+            f"{field} must be one list of ids for all rows, or one list per row: "
+            f"got {lists} list{'s' if lists != 1 else ''} for {rows} rows"
         )
     _refuse_repeats(raw, field)
     return ids

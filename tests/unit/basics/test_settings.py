@@ -30,3 +30,9 @@ def test_allowed_hosts_replaces_the_default() -> None:
 def test_host_patterns_starlette_cannot_take_are_refused(patterns: str) -> None:
     with pytest.raises(ValidationError, match="no host pattern"):
         Settings(allowed_hosts=patterns)
+
+
+@pytest.mark.parametrize("token", [" ", "\t \n"])
+def test_a_token_of_whitespace_is_refused(token: str) -> None:
+    with pytest.raises(ValidationError, match="LMHEAD_ADMIN_TOKEN is only whitespace"):
+        Settings(host="0.0.0.0", admin_token=token)

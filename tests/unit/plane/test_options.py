@@ -53,7 +53,8 @@ def test_bias_is_taken_at_the_run_temperature() -> None:
     ("options", "message"),
     [
         ({"allowed_token_ids": np.array([1, 2, 1])}, "names token 1 twice"),
-        ({"allowed_token_ids": np.array([[1, 2]] * 3)}, r"one per row \(2\), got 3 lists"),
+        ({"allowed_token_ids": np.array([[1, 2]] * 3)}, "one list per row: got 3 lists for 2 rows"),
+        ({"allowed_token_ids": np.array([[1, 2]])}, "got 1 list for 2 rows"),
         ({"allowed_token_ids": np.array([100])}, r"must be in \[0, 100\)"),
         ({"banned_token_ids": np.arange(100)}, "bans all 100 tokens"),
         (

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,7 @@ from safetensors.numpy import save_file
 
 from service.cli import main
 from service.heads.files import HeadWeights, save_head
+from service.heads.graph import EMBEDDING_WEIGHT
 from service.heads.inspector import HeadInspectionError, inspect_head
 from service.heads.quantize import QuantSpec
 from service.repository.disk import LABELS_FILE, VOCAB_MAP_FILE, read_space
@@ -233,6 +235,42 @@ def test_inspect_refuses_external_data_the_service_would_refuse(
     spoil(path)  # type: ignore[operator]
     with pytest.raises(HeadInspectionError, match=message):
         inspect_head(path)
+
+
+def _spoil_dims(path: Path, dims: list[int]) -> None:
+    """The table's dims rewritten in the graph, its bytes left as they were."""
+    model = onnx.load(str(path))
+    (table,) = [t for t in model.graph.initializer if t.name == EMBEDDING_WEIGHT]
+    del table.dims[:]
+    table.dims.extend(dims)
+    onnx.save(model, str(path))
+
+
+@pytest.mark.parametrize(
+    ("dims", "message"),
+    [
+        ([-1000, -64], r"has negative dims \[-1000, -64\]"),
+        ([2**31, 2**31], r"holds 64000 bytes, but its dims \[2147483648, 2147483648\]"),
+    ],
+)
+def test_dims_the_service_refuses_are_refused_by_every_offline_command(
+    tmp_path: Path, dims: list[int], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """inspect reported such a table as 18 EB (exit 0); quantize and trim answered with
+    numpy's message. Each names the tensor and its dims now, and exits non-zero."""
+    repository = tmp_path / "models"
+    path = _head(repository) / "model.onnx"
+    _spoil_dims(path, dims)
+    with pytest.raises(HeadInspectionError, match=message):
+        inspect_head(path)
+    keep = tmp_path / "keep.txt"
+    keep.write_text("1\n2\n")
+    where = ["--repository", str(repository)]
+    assert main(["inspect", str(path)]) != 0
+    assert main(["quantize", "head", "--quantize", "int8", *where]) != 0
+    assert main(["trim", "head", "--keep", str(keep), "--name", "small", *where]) != 0
+    said = capsys.readouterr().err
+    assert len(re.findall(message, said)) == 3, said
 
 
 def _set_external(path: Path, key: str, value: str) -> None:
