@@ -49,6 +49,16 @@ def poll(check: Callable[[], T | None], what: str, timeout_s: float = 30.0) -> T
     raise AssertionError(f"{what} did not happen within {timeout_s} s")
 
 
+def metric(url: str, name: str, **labels: str) -> float:
+    """The sum of a metric's samples whose labels include ``labels``."""
+    total = 0.0
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        named = line.startswith((name + "{", name + " "))  # a metric without labels too
+        if named and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
 def server_process(url: str) -> psutil.Process:
     """The server process behind ``url`` (a child of this one, found by its port)."""
     port = url.rsplit(":", 1)[1]

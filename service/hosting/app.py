@@ -37,6 +37,7 @@ from service.api.routes import admin, health, native, v2
 from service.api.routes.error_handlers import error_response, install_error_handlers
 from service.api.routes.openapi import body_components
 from service.errors import HostNotAllowed
+from service.hosting.hangups import Hangup
 from service.metrics import Metrics
 from service.plane.protocol import Plane
 from service.settings import Settings
@@ -204,10 +205,11 @@ class LMHeadApp(FastAPI):
         """Call the handler, map any error as FastAPI's handlers do, send, record the status
         and time (once answered, before the client has read it); the request's memory is held
         until the answer has left (``service.hosting.connection``)."""
-        request = Request(scope, receive)
+        hangup = Hangup(receive)  # a client gone before its answer stops its request
+        request = Request(scope, hangup.receive)
         with self.state.plane.admit():  # the request's memory, held until it is sent
             try:
-                response: Response = await route.endpoint(request)
+                response: Response = await hangup.run(route.endpoint(request))
             except ClientDisconnect:  # nobody to answer; not an error of ours
                 self.metrics.observe_http(
                     route.path, CLIENT_CLOSED_REQUEST, perf_counter() - started

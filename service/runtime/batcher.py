@@ -152,11 +152,27 @@ class Batcher:
                 headers={"Retry-After": "1"},
             )
         future: asyncio.Future[Projection] = asyncio.get_running_loop().create_future()
+        pending = Pending(rows, k, full_logits, future, temperature)
         with self._lock:
             self._queued_rows += count
-            self._queue.append(Pending(rows, k, full_logits, future, temperature))
+            self._queue.append(pending)
+        future.add_done_callback(lambda _: self._drop_if_gone(pending))
         self._arrived.set()
         return future
+
+    def _drop_if_gone(self, pending: Pending) -> None:
+        """A caller that went away (its future cancelled: a client hung up, a gRPC call was
+        cancelled or ran out of time) leaves the queue at once: its rows are not computed for
+        nobody, and its place is free for the callers still waiting. Rows in a run already
+        started are computed (and dropped when answered)."""
+        if not pending.future.cancelled():
+            return
+        with self._lock:
+            try:
+                self._queue.remove(pending)
+            except ValueError:  # taken into a batch already
+                return
+            self._queued_rows -= len(pending.rows)
 
     async def close(self) -> None:
         """Stop taking batches; started runs finish and deliver, requests still queued fail.
@@ -189,7 +205,8 @@ class Batcher:
             self._collecting = []
             assert self._loop is not None
             self._spell = self._loop.create_future()
-            self._launch(batch)
+            if not self._launch(batch):  # every caller of it went away meanwhile
+                self._spell.set_result(None)
             # Shielded: closing the batcher stops this task but lets started runs deliver.
             await asyncio.shield(self._spell)
 
@@ -253,10 +270,14 @@ class Batcher:
                     break
         return batch
 
-    def _launch(self, batch: list[Pending]) -> None:
-        """Merge a batch's rows and hand them to the inference executor (from any thread)."""
+    def _launch(self, batch: list[Pending]) -> bool:
+        """Merge a batch's rows and hand them to the inference executor (from any thread);
+        False when none of its callers is still waiting (nothing runs)."""
         with self._lock:
             self._queued_rows -= sum(len(item.rows) for item in batch)
+            batch = [item for item in batch if not item.future.cancelled()]
+            if not batch:
+                return False
             self._last_batch_requests = len(batch)
             self._unanswered += 1
         try:
@@ -265,7 +286,7 @@ class Batcher:
         except Exception:  # the executor was shut down, or the rows would not merge
             logger.exception("could not start a run for %s", self._label)
             self._answer_soon(batch, time.monotonic(), None, 0.0)
-            return
+            return True
         # A run the executor drops unstarted (``shutdown(cancel_futures=True)``) fails its
         # callers, and the spell still ends.
         work.add_done_callback(
@@ -273,6 +294,7 @@ class Batcher:
                 self._answer_soon(batch, started.at, None, 0.0) if work.cancelled() else None
             )
         )
+        return True
 
     def _execute(self, started: Started) -> None:
         """In the inference thread: run a batch, then start the next queued one before the

@@ -26,7 +26,7 @@ class BatchStats:
     failed: bool
 
 
-@dataclass
+@dataclass(eq=False)  # one caller's entry: found in the queue by identity
 class Pending:
     """One caller's rows and options, waiting for a run."""
 

@@ -38,6 +38,7 @@ from tests.conftest import D_MODEL, VOCAB, reference_logits
 from tests.server import (
     free_port,
     live_server,
+    metric,
     poll,
     running_script,
     running_server,
@@ -87,15 +88,6 @@ def memfds(process: psutil.Process, name: str) -> set[str]:
 
 def maps_onnxruntime(process: psutil.Process) -> bool:
     return "onnxruntime" in Path(f"/proc/{process.pid}/maps").read_text()
-
-
-def metric(url: str, name: str, **labels: str) -> float:
-    """The sum of a metric's samples whose labels include ``labels``."""
-    total = 0.0
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def check_answers(url: str, repository: Path) -> None:

@@ -46,6 +46,8 @@ from service.settings import Settings
 logger = logging.getLogger("lmhead")
 #: The outcome of a call that raised something other than a ``ServiceError`` (a bug).
 FAILED = object()
+#: The outcome of a call whose client went away before it was answered.
+CANCELLED = object()
 INTERNAL: tuple[str, str, dict[str, str]] = (
     "internal_error",
     "the engine failed on this request (see its log)",
@@ -60,29 +62,55 @@ class FrontConnection(FrameProtocol):
         super().__init__(requests, answers)
         self._plane = plane
         self.calls: set[asyncio.Task[None]] = set()
+        self._serving: dict[int, asyncio.Task[None]] = {}  # call id -> the task answering it
+        self._callers: dict[asyncio.Task[None], set[int]] = {}  # its calls still wanted
 
     def on_frame(self, released: list[int], messages: list[Any], block: int | None) -> None:
         for offset in released:
             self.outgoing.free(offset)
         groups: dict[tuple[Hashable, ...], list[tuple[int, Any]]] = {}
-        for _, call_id, method, arguments in messages:
+        for kind, call_id, method, arguments in messages:
+            if kind == "cancel":
+                self._cancel(call_id)
+                continue
             key = group_key(method, arguments)
             if key is None:
-                self._spawn(self._answer(call_id, method, arguments))
+                self._spawn(self._answer(call_id, method, arguments), [call_id])
             else:
                 groups.setdefault(key, []).append((call_id, arguments[0]))
         for key, members in groups.items():
             method = str(key[0])  # a group key starts with its method
             if len(members) == 1:
                 call_id, request = members[0]
-                self._spawn(self._answer(call_id, method, (request,)))
+                self._spawn(self._answer(call_id, method, (request,)), [call_id])
             else:
-                self._spawn(self._answer_group(method, members))
+                ids = [call_id for call_id, _ in members]
+                self._spawn(self._answer_group(method, members), ids)
 
-    def _spawn(self, answering: Coroutine[Any, Any, None]) -> None:
+    def _spawn(self, answering: Coroutine[Any, Any, None], call_ids: list[int]) -> None:
         task = asyncio.get_running_loop().create_task(answering)
         self.calls.add(task)
-        task.add_done_callback(self.calls.discard)
+        self._callers[task] = set(call_ids)
+        for call_id in call_ids:
+            self._serving[call_id] = task
+        task.add_done_callback(lambda _: self._forget(task, call_ids))
+
+    def _forget(self, task: asyncio.Task[None], call_ids: list[int]) -> None:
+        self.calls.discard(task)
+        self._callers.pop(task, None)
+        for call_id in call_ids:
+            self._serving.pop(call_id, None)
+
+    def _cancel(self, call_id: int) -> None:
+        """A front's client went away: its call stops where it stands (nothing queued for it
+        is computed), a call served with others once none of them is wanted."""
+        task = self._serving.pop(call_id, None)
+        if task is None:  # answered already
+            return
+        wanted = self._callers.get(task, set())
+        wanted.discard(call_id)
+        if not wanted:
+            task.cancel()
 
     async def _answer_group(self, method: str, members: list[tuple[int, Any]]) -> None:
         """Calls that differ only in their rows, served as one (``DataPlane.topk_group``)."""
@@ -94,6 +122,8 @@ class FrontConnection(FrameProtocol):
                     outcomes = await self._plane.topk_group(requests)
                 else:
                     outcomes = await self._plane.infer_group(requests)
+        except asyncio.CancelledError:  # every caller went away (``_cancel``)
+            outcomes = [CANCELLED] * len(members)
         except Exception:
             logger.exception("engine call %s failed for %d grouped calls", method, len(members))
             outcomes = [FAILED] * len(members)
@@ -111,6 +141,8 @@ class FrontConnection(FrameProtocol):
                 outcome = await getattr(self._plane, method)(*arguments)
         except ServiceError as error:
             outcome = error
+        except asyncio.CancelledError:  # its caller went away (``_cancel``), or a shutdown
+            outcome = CANCELLED
         except Exception:
             logger.exception("engine call %s failed", method)
             outcome = FAILED
@@ -127,6 +159,8 @@ def _message(call_id: int, outcome: Any) -> tuple[Any, ...]:
         return ("error", call_id, (outcome.code, outcome.message, outcome.headers))
     if outcome is FAILED:
         return ("error", call_id, INTERNAL)
+    if outcome is CANCELLED:  # answered still: the front frees the call's bookkeeping then
+        return ("error", call_id, ("cancelled", "the call's client went away", {}))
     return ("ok", call_id, outcome)
 
 

@@ -85,6 +85,9 @@ class EngineLink(FrameProtocol):
         except asyncio.CancelledError:
             if future.done() and not future.cancelled():  # answered as the caller went away
                 self.release(future.result()[2])
+            else:  # the engine drops the call (its answer, an error, frees its bookkeeping)
+                with contextlib.suppress(ConnectionError):
+                    self.post(("cancel", call_id, "", ()))
             raise
         held = _answers.get()
         if block is not None:
@@ -122,13 +125,15 @@ class EngineLink(FrameProtocol):
     def on_sent(self, messages: list[Any], block: int | None) -> None:
         if block is None:
             return
-        self._calls_in[block] = len(messages)
-        for message in messages:
+        calls = [message for message in messages if message[0] == "call"]
+        self._calls_in[block] = len(calls)
+        for message in calls:
             self._request_block[message[1]] = block
 
     def on_unsent(self, messages: list[Any]) -> None:
         for message in messages:
-            self._fail(message[1])
+            if message[0] == "call":
+                self._fail(message[1])
 
     def on_frame(self, released: list[int], messages: list[Any], block: int | None) -> None:
         readers = 0
