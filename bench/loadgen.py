@@ -123,3 +123,30 @@ async def closed_loop(
         for conn in connections:
             if conn.transport is not None:
                 conn.transport.close()
+
+
+async def timed_requests(
+    host: str, port: int, raw: bytes, clients: int, stop: asyncio.Event
+) -> list[tuple[float, float]]:
+    """Closed-loop clients until ``stop`` is set: each request's start and latency (s), so a
+    benchmark can keep the ones sent while something else happened."""
+    loop = asyncio.get_running_loop()
+    connections = []
+    for _ in range(clients):
+        _, connection = await loop.create_connection(_Connection, host, port)
+        connections.append(connection)
+    timed: list[tuple[float, float]] = []
+
+    async def client(conn: _Connection) -> None:
+        while not stop.is_set():
+            begin = time.perf_counter()
+            await conn.request(raw)
+            timed.append((begin, time.perf_counter() - begin))
+
+    try:
+        await asyncio.gather(*(client(conn) for conn in connections))
+    finally:
+        for conn in connections:
+            if conn.transport is not None:
+                conn.transport.close()
+    return timed

@@ -108,7 +108,7 @@ class Settings(PlaceSettings):
     batching: bool = True
     """Merge concurrent requests for one model into one onnxruntime run."""
     max_batch_rows: int = Field(default=128, ge=1)
-    """Most rows merged into one run (a single larger request still runs, alone)."""
+    """Most rows of one run: requests merge up to it, a larger one is cut into runs of it."""
     max_wait_ms: float = Field(default=2.0, ge=0, le=10_000, allow_inf_nan=False)
     """How long a batch waits for more requests once the first has arrived."""
     max_queue_rows: int = Field(default=16384, ge=1)

@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+import orjson
 import pytest
 
 from service.api.codec import native
+from service.api.codec.topk_bodies import topk_json
 from service.api.codec.wire import JSON, OFFLOAD_BYTES, float_array, int_array, off_loop
 from service.errors import InvalidInput
-from service.messages import HeadInfo, LogitsResult
+from service.messages import HeadInfo, LogitsResult, TopKResult
 
 HEAD = HeadInfo("m", 1, True, 50000, 64, "float32")
 
@@ -79,3 +81,19 @@ def test_json_floats_are_numbers_only(value: list[object], found: str) -> None:
 def test_json_ids_are_integers_only(value: list[object], found: str) -> None:
     with pytest.raises(InvalidInput, match=found):
         int_array(value, "input_ids")
+
+
+def test_a_large_topk_answer_is_encoded_in_pieces_that_read_as_one() -> None:
+    """Rows encoded a piece at a time (the event loop gets the GIL between pieces) make the
+    same document as the whole: every row, in order, with the answer's fields."""
+    rng = np.random.default_rng(0)
+    rows, k = 300, 500  # three pieces of 131 rows
+    ids = rng.integers(0, 50000, (rows, k))
+    values = -np.sort(rng.random((rows, k), dtype=np.float32), axis=1)
+    lse = np.zeros(rows, np.float32)
+    result = TopKResult(HEAD, ids.reshape(3, 100, k), values.reshape(3, 100, k), lse, values)
+    document = orjson.loads(topk_json(result))
+    assert (document["model"], document["k"], document["shape"]) == ("m", k, [3, 100])
+    assert [row["token_ids"] for row in document["results"]] == ids.tolist()
+    logprobs = np.array([row["logprobs"] for row in document["results"]], np.float32)
+    np.testing.assert_array_equal(logprobs, values)

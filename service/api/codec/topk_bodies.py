@@ -1,0 +1,91 @@
+"""The bodies of the native API's top-k answers: JSON, encoded a piece at a time so a huge
+answer leaves the event loop room between pieces, and ``.npy`` records."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from service.api.codec.wire import json_bytes
+from service.messages import HeadInfo, TopKResult
+
+#: Values a top-k JSON answer encodes per encoder call (``topk_json``): ~2.5 ms of GIL each.
+JSON_PIECE_VALUES = 1 << 16
+
+
+def identity(head: HeadInfo) -> dict[str, Any]:
+    return {"model": head.name, "version": head.version, "tied": head.tied}
+
+
+def topk_json(result: TopKResult) -> bytes:
+    """The JSON answer, its rows encoded a few at a time: one encoder call for a 4096-row,
+    k=1000 answer (113 MB) held the GIL for ~0.6 s, and with it the event loop of the process
+    (other requests, health checks); between pieces of ~64k values the loop gets it back."""
+    k = result.token_ids.shape[-1]
+    rows = result.token_ids.size // max(1, k)
+    step = max(1, JSON_PIECE_VALUES // max(1, k))
+    pieces = [
+        json_bytes(_topk_items(result, start, min(rows, start + step)))[1:-1]  # no brackets
+        for start in range(0, rows, step)
+    ]
+    leading = list(result.token_ids.shape[:-1])
+    head = json_bytes({**identity(result.head), "k": k, "shape": leading} | shaping(result))
+    return b"".join((head[:-1], b',"results":[', b",".join(pieces), b"]}"))
+
+
+def _topk_items(result: TopKResult, start: int, stop: int) -> list[dict[str, Any]]:
+    """The answer's rows ``start`` to ``stop`` (flattened), one object each."""
+    k = result.token_ids.shape[-1]
+    ids = result.token_ids.reshape(-1, k)[start:stop]
+    values = result.logits.reshape(-1, k)[start:stop]
+    logprobs = None if result.logprobs is None else result.logprobs.reshape(-1, k)[start:stop]
+    sampled = result.sampled
+    drawn = None if sampled is None else sampled.token_ids.reshape(-1)[start:stop].tolist()
+    items = []
+    for offset, row_ids in enumerate(ids.tolist()):  # one tolist for the piece: 3x cheaper
+        row = start + offset
+        item: dict[str, Any] = {"token_ids": row_ids, "logits": values[offset]}
+        if logprobs is not None:
+            item["logprobs"] = logprobs[offset]
+        if result.tokens is not None:
+            item["tokens"] = result.tokens[row]
+        if sampled is not None and drawn is not None:
+            item["sampled_token_id"] = drawn[offset]
+            item["sampled_logprob"] = float(sampled.logprobs.reshape(-1)[row])
+            if sampled.tokens is not None:
+                item["sampled_token"] = sampled.tokens[row]
+        items.append(item)
+    return items
+
+
+def shaping(result: TopKResult) -> dict[str, Any]:
+    """What a shaped answer says about itself (nothing for a plain top-k)."""
+    extra: dict[str, Any] = {}
+    if result.logprobs_over != "vocabulary":
+        extra["logprobs_over"] = result.logprobs_over
+    if result.sampled is not None:
+        extra["seed"] = result.sampled.seed
+    return extra
+
+
+def topk_records(result: TopKResult) -> npt.NDArray[Any]:
+    k = result.token_ids.shape[-1]
+    fields: list[tuple[str, Any, tuple[int]]] = [
+        ("token_ids", np.int64, (k,)),
+        ("logits", np.float32, (k,)),
+    ]
+    if result.logprobs is not None:
+        fields.append(("logprobs", np.float32, (k,)))
+    if result.sampled is not None:
+        fields += [("sampled_token_id", np.int64, ()), ("sampled_logprob", np.float32, ())]  # type: ignore[list-item]
+    records = np.empty(result.token_ids.shape[:-1], dtype=np.dtype(fields))
+    records["token_ids"] = result.token_ids
+    records["logits"] = result.logits
+    if result.logprobs is not None:
+        records["logprobs"] = result.logprobs
+    if result.sampled is not None:
+        records["sampled_token_id"] = result.sampled.token_ids
+        records["sampled_logprob"] = result.sampled.logprobs
+    return records
