@@ -129,6 +129,8 @@ bench: install
 	$(BIN)/python -m bench.client --output bench/results-client.md
 	$(BIN)/python -m bench.workers --output bench/results-workers.md
 	$(BIN)/python -m bench.soak --output bench/results-soak.md
+	$(BIN)/python -m bench.fairness --output bench/results-fairness.md
+	$(BIN)/python -m bench.storm_memory --output bench/results-storm-memory.md
 	$(BIN)/python -m bench.import_head
 
 clean:

@@ -7,9 +7,17 @@ holds no head, applies them without importing onnxruntime.
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import gc
+from collections.abc import Callable
+from concurrent.futures import Executor
 from pathlib import Path
+
+#: How long after going idle a process hands freed memory back (``IdleRelease``), and how
+#: many times that long it does so once more.
+RELEASE_AFTER_S = 0.5
+AGAIN_AFTER = 10.0
 
 
 def trim_heap() -> None:
@@ -18,6 +26,54 @@ def trim_heap() -> None:
     libc = _glibc()
     if libc is not None:
         libc.malloc_trim(0)
+
+
+def release_free_memory() -> None:
+    """``malloc_trim``: the heap pages every glibc arena holds free, handed back to the OS
+    (threads allocate in arenas of their own, and each keeps what its requests freed). A
+    foreign call: it does not hold Python's lock, so it may run in a thread beside requests."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+class IdleRelease:
+    """``release`` (by default ``release_free_memory``) a moment after a process goes idle
+    after big requests (the last answer is still being sent meanwhile, and freed once sent),
+    in ``executor`` (None: the event loop's default one), one release at a time."""
+
+    def __init__(
+        self,
+        executor: Executor | None,
+        release: Callable[[], None] = release_free_memory,
+        after_s: float = RELEASE_AFTER_S,
+    ) -> None:
+        self._executor = executor
+        self._release = release
+        self._after_s = after_s
+        self._pending = False
+
+    def soon(self) -> None:
+        if self._pending:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # idle outside an event loop (in-process callers): nothing to do
+            return
+        self._pending = True
+        loop.call_later(self._after_s, self._start, loop, AGAIN_AFTER)
+
+    def _start(self, loop: asyncio.AbstractEventLoop, again: float) -> None:
+        running = loop.run_in_executor(self._executor, self._release)
+        running.add_done_callback(lambda _: self._done(loop, again))
+
+    def _done(self, loop: asyncio.AbstractEventLoop, again: float) -> None:
+        """Once more a while later: what cancelled calls and closed connections hold is freed
+        over the next seconds (a gRPC storm's buffers, answers still being sent)."""
+        if again and not loop.is_closed():
+            loop.call_later(self._after_s * again, self._start, loop, 0.0)
+        else:
+            self._pending = False
 
 
 #: glibc's M_MMAP_THRESHOLD: allocations from this size up get their own mapping.

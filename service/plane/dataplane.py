@@ -29,8 +29,15 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from service.allocator import IdleRelease, release_free_memory
 from service.errors import LogitsOverflow, ServiceError
-from service.limits import LOGIT_BYTES, Limits, MemoryBudget, Reservation, charge
+from service.limits import (
+    LOGIT_BYTES,
+    Limits,
+    MemoryBudget,
+    Reservation,
+    charge,
+)
 from service.messages import (
     CandidateScores,
     CompareRequest,
@@ -71,13 +78,23 @@ class DataPlane(ControlAPI):
     def __init__(self, registry: Registry, settings: Settings, metrics: Metrics) -> None:
         super().__init__(registry, settings)
         self._limits = Limits.from_settings(settings)
-        self._budget = MemoryBudget(self._limits.max_inflight_bytes)
         self._metrics = metrics
-        # Statistics of compare and shadow run here, never on the inference threads.
+        # Statistics of compare and shadow run here, never on the inference threads; so does
+        # handing freed memory back once the service is idle after big requests.
         self._stats = ThreadPoolExecutor(1, thread_name_prefix="lmhead-stats")
+        idle = IdleRelease(self._stats, self._release_memory)
+        self._budget = MemoryBudget(self._limits.max_inflight_bytes, idle.soon)
         self._shadow = ShadowTraffic(
             metrics, settings.shadow_max_pending, self._shadow_logits, self._stats
         )
+
+    def _release_memory(self) -> None:
+        """Idle after big requests (``allocator.IdleRelease``): what the loaded sessions'
+        arenas and the allocator hold unused goes back to the OS."""
+        for record in self._registry.records():
+            for version in list(record.versions.values()):
+                version.session.release_arena()
+        release_free_memory()
 
     async def close(self) -> None:
         await self._shadow.close(SHADOW_CLOSE_S)

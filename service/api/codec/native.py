@@ -19,7 +19,7 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
 
-from service.api.codec.topk_bodies import identity, topk_json, topk_records
+from service.api.codec.answer_bodies import identity, score_json, topk_json, topk_records
 from service.api.codec.wire import (
     JSON,
     NPY,
@@ -228,27 +228,7 @@ def _embed_response(result: EmbedResult, answer: str) -> Response:
 
 
 def _score_response(result: ScoreResult) -> Response:
-    payload: dict[str, Any] = {
-        **identity(result.head),
-        "results": [
-            {"logit": logit, "logprob": logprob, "rank": rank}
-            for logit, logprob, rank in zip(
-                result.logit.tolist(), result.logprob.tolist(), result.rank.tolist(), strict=True
-            )
-        ],
-        "nll": result.nll,
-        "perplexity": result.perplexity,
-    }
-    for name, found in (("candidates", result.candidates), ("alternatives", result.alternatives)):
-        if found is not None:
-            payload[name] = [
-                {"ids": ids, "logits": logits, "logprobs": logprobs}
-                for ids, logits, logprobs in zip(
-                    found.ids.tolist(), found.logits.tolist(), found.logprobs.tolist(), strict=True
-                )
-            ]
-    payload["logprobs_over"] = result.logprobs_over
-    return _reply(result.head, json_bytes(payload), JSON)
+    return _reply(result.head, score_json(result), JSON)
 
 
 def _compare_response(result: CompareResult) -> Response:

@@ -27,6 +27,7 @@ from contextlib import asynccontextmanager, contextmanager
 from contextvars import ContextVar
 from typing import Any
 
+from service.allocator import IdleRelease
 from service.errors import ModelNotReady, ServiceError, by_code
 from service.hosting.split.arena import Arena, attach
 from service.hosting.split.channel import HANDSHAKE_S, HELLO_BYTES, FrameProtocol, arena_bytes
@@ -192,7 +193,8 @@ class RemotePlane(Plane):
     def __init__(self, path: str, settings: Settings) -> None:
         self._path = path
         self._settings = settings
-        self._budget = MemoryBudget(settings.max_inflight_bytes)
+        # freed memory back to the OS once idle after big bodies, as the engine does
+        self._budget = MemoryBudget(settings.max_inflight_bytes, IdleRelease(None).soon)
         self._arena, self._arena_fd = Arena.create(arena_bytes(settings), "lmhead-requests")
         self._link: EngineLink | None = None
         self._keeper: asyncio.Task[None] | None = None

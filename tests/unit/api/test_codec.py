@@ -9,7 +9,7 @@ import orjson
 import pytest
 
 from service.api.codec import native
-from service.api.codec.topk_bodies import topk_json
+from service.api.codec.answer_bodies import topk_json
 from service.api.codec.wire import JSON, OFFLOAD_BYTES, float_array, int_array, off_loop
 from service.errors import InvalidInput
 from service.messages import HeadInfo, LogitsResult, TopKResult

@@ -1,15 +1,23 @@
-"""The bodies of the native API's top-k answers: JSON, encoded a piece at a time so a huge
-answer leaves the event loop room between pieces, and ``.npy`` records."""
+"""The bodies of the native API's large answers: top-k and score as JSON, encoded a piece at a
+time, and top-k as ``.npy`` records.
+
+A piece is a few rows (``JSON_PIECE_VALUES`` values), so one encoder call holds the GIL for a
+few milliseconds, not the ~0.6 s of a 113 MB answer, and the event loop gets it back between
+pieces. Arrays go to the encoder as numpy rows, not as Python lists: a 4096-row, k=1000 score
+answer made 12 million Python objects (~400 MB, beyond the memory budget's account, and left
+in the allocator's arenas after).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from service.api.codec.wire import json_bytes
-from service.messages import HeadInfo, TopKResult
+from service.messages import CandidateScores, HeadInfo, ScoreResult, TopKResult
 
 #: Values a top-k JSON answer encodes per encoder call (``topk_json``): ~2.5 ms of GIL each.
 JSON_PIECE_VALUES = 1 << 16
@@ -89,3 +97,60 @@ def topk_records(result: TopKResult) -> npt.NDArray[Any]:
         records["sampled_token_id"] = result.sampled.token_ids
         records["sampled_logprob"] = result.sampled.logprobs
     return records
+
+
+def score_json(result: ScoreResult) -> bytes:
+    """``/score``'s JSON answer: per row its target's logit, log-prob and rank, then the
+    candidates and alternatives asked for, each written a piece of rows at a time."""
+    rows = len(result.logit)
+    scored = _pieces(
+        rows,
+        1,
+        lambda start, stop: [
+            {"logit": logit, "logprob": logprob, "rank": rank}
+            for logit, logprob, rank in zip(
+                result.logit[start:stop].tolist(),
+                result.logprob[start:stop].tolist(),
+                result.rank[start:stop].tolist(),
+                strict=True,
+            )
+        ],
+    )
+    parts = [b'"results":[' + scored + b"]"]
+    for name, found in (("candidates", result.candidates), ("alternatives", result.alternatives)):
+        if found is not None:
+            parts.append(b'"' + name.encode() + b'":[' + _scores(found) + b"]")
+    head = json_bytes(
+        {
+            **identity(result.head),
+            "nll": result.nll,
+            "perplexity": result.perplexity,
+            "logprobs_over": result.logprobs_over,
+        }
+    )
+    return b"".join((head[:-1], b",", b",".join(parts), b"}"))
+
+
+def _scores(found: CandidateScores) -> bytes:
+    width = found.ids.shape[-1] if found.ids.ndim > 1 else 1
+    return _pieces(
+        len(found.ids),
+        width,
+        lambda start, stop: [
+            {"ids": ids, "logits": logits, "logprobs": logprobs}
+            for ids, logits, logprobs in zip(
+                found.ids[start:stop],
+                found.logits[start:stop],
+                found.logprobs[start:stop],
+                strict=True,
+            )
+        ],
+    )
+
+
+def _pieces(rows: int, width: int, items: Callable[[int, int], list[Any]]) -> bytes:
+    """The JSON of ``items(start, stop)`` for every piece of rows, joined without brackets."""
+    step = max(1, JSON_PIECE_VALUES // max(1, width))
+    return b",".join(
+        json_bytes(items(start, min(rows, start + step)))[1:-1] for start in range(0, rows, step)
+    )
