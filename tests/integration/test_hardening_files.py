@@ -178,12 +178,19 @@ def test_repository_tricks_are_refused_and_reasons_name_no_machine_path(
         newline = client.post("/v2/repository/models/fine%0a/load")
         rows = client.post("/v2/repository/index").json()
     for name, why in (
-        ("linked-model", "resolves outside the repository"),
-        ("linked-config", "resolves outside the repository"),
-        ("fifo", "is not a regular file"),
+        (
+            "linked-model",
+            "linked-model/1/model.onnx is a link that resolves outside the repository",
+        ),
+        (
+            "linked-config",
+            "linked-config/config.json is a link that resolves outside the repository",
+        ),
+        ("fifo", "fifo/1/model.onnx.data is not a regular file"),
     ):
         assert models[name]["state"] == "FAILED", name
         assert why in models[name]["reason"], models[name]["reason"]
+        assert "models/" not in models[name]["reason"]  # paths start inside the repository
     assert models["fine"]["state"] == "READY"
     assert newline.status_code == 400
     reasons = " ".join(row["reason"] for row in rows)
