@@ -833,3 +833,25 @@ def test_which_calls_may_be_served_as_one() -> None:
     ):
         assert key("infer", alone) is None
     assert key("logits", LogitsRequest(TIED, hidden)) is None
+
+
+def test_a_request_larger_than_a_batch_runs_in_batch_sized_runs(repository: Path) -> None:
+    """Runs of ``max_batch_rows`` rows, not of the logits byte limit's larger count: between
+    them, other requests' runs (other models' too) come in, so none waits for a whole big
+    request; the answer is the same as one run's."""
+    settings = _settings(
+        repository, max_rows=1000, max_batch_rows=16, max_logits_bytes=2 * 64 * VOCAB * 4
+    )  # the byte limit alone would run 64 rows at a time
+    hidden = np.random.default_rng(9).standard_normal((100, D_MODEL), dtype=np.float32)
+
+    async def scenario(plane: DataPlane, metrics: Metrics) -> tuple[float, float, Any]:
+        result = await plane.topk(TopKRequest(TIED, hidden, k=3))
+        labels = {"model": "tied", "version": "1"}
+        runs = _sample(metrics.registry, "lmhead_batch_rows_count", **labels)
+        larger = runs - _sample(metrics.registry, "lmhead_batch_rows_bucket", **labels, le="16.0")
+        return runs, larger, result.token_ids
+
+    runs, larger, ids = _run(settings, scenario)
+    assert (runs, larger) == (7, 0)  # 100 rows: six runs of 16 and one of 4
+    expected = top_k(reference_logits(repository / "tied" / "1", hidden), 3)[1]
+    np.testing.assert_array_equal(ids, expected)
