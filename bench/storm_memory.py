@@ -7,7 +7,8 @@ Measured in the server process: its resident set once the heads are loaded and w
 call of each kind the load sends, of one run's rows: a process keeps what its first calls set
 up, such as the scoring buffer of its inference thread), its peak (VmHWM) over the whole load,
 and its resident set once idle afterwards, against the models +
-``service.limits.worst_case_extra_bytes`` (docs/safety.md's formula) and 1.2x the first.
+``service.limits.worst_case_extra_bytes`` (docs/safety.md's formula) and 1.2x the process
+loaded before any call.
 
     python -m bench.storm_memory [--storm-s 10] [--output FILE]
 """
@@ -66,10 +67,10 @@ def _measure(repository: Path, storm_s: float) -> str:
         _scores(url, hidden[:WARM_ROWS], calls=1)
         loaded = server.memory_info().rss
         cancelled = _storms(f"127.0.0.1:{grpc_port}", hidden, storm_s)
-        after_storms = _idle(server, loaded)
+        after_storms = _idle(server, cold)
         statuses = _scores(url, hidden)
         peak = peak_resident(server)
-        idle = _idle(server, loaded)
+        idle = _idle(server, cold)
     bound = worst_case_extra_bytes(Settings())
     answered = {status: statuses.count(status) for status in sorted(set(statuses))}
     return "\n".join(
@@ -86,11 +87,11 @@ def _measure(repository: Path, storm_s: float) -> str:
             f"| loaded, before any call | {cold / MB:.0f} | |",
             f"| loaded and warm | {loaded / MB:.0f} | |",
             f"| idle after the storms | {after_storms / MB:.0f} "
-            f"| <= {IDLE_RATIO * loaded / MB:.0f} ({after_storms / loaded:.2f}x) |",
+            f"| <= {IDLE_RATIO * cold / MB:.0f} ({after_storms / cold:.2f}x the cold one) |",
             f"| peak over the load, beyond the loaded | {(peak - loaded) / MB:.0f} | <= "
             f"{bound / MB:.0f} (worst_case_extra_bytes) |",
-            f"| idle after the scoring | {idle / MB:.0f} | <= {IDLE_RATIO * loaded / MB:.0f} "
-            f"({idle / loaded:.2f}x; {idle / cold:.2f}x the cold one) |",
+            f"| idle after the scoring | {idle / MB:.0f} | <= {IDLE_RATIO * cold / MB:.0f} "
+            f"({idle / cold:.2f}x the cold one; {idle / loaded:.2f}x the warm one) |",
         ]
     )
 

@@ -30,8 +30,9 @@ def trim_heap() -> None:
 
 def release_free_memory() -> None:
     """``malloc_trim``: the heap pages every glibc arena holds free, handed back to the OS
-    (threads allocate in arenas of their own, and each keeps what its requests freed). A
-    foreign call: it does not hold Python's lock, so it may run in a thread beside requests."""
+    (threads allocate in arenas of their own, and each keeps what its requests freed), after
+    a garbage collection. Run it in a thread: ``malloc_trim`` lets go of Python's lock."""
+    gc.collect()  # cycles left by requests (an exception's frames) hold their buffers
     libc = _glibc()
     if libc is not None:
         libc.malloc_trim(0)

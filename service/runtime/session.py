@@ -193,7 +193,8 @@ class HeadSession:
         #: log-sum-exp in row chunks (``service.heads.lse_graph``) and the run writes the logits
         #: into a buffer of its thread's, else 2 (logits and log-softmax, or transforms').
         self.score_copies = 1 if LSE_IN_CHUNKS in self._inputs else 2
-        self._score_buffers = threading.local()
+        #: Each inference thread's scoring buffer, by thread (``release_arena`` drops them).
+        self._score_buffers: dict[int, npt.NDArray[np.float32]] = {}
         self._filler_rows = np.zeros((_FILLER_ROWS, self.d_model), np.float32)
         self._filler_temperature = np.ones((_FILLER_ROWS, 1), np.float32)
         self._no_ids = np.zeros((0,), np.int64)
@@ -209,8 +210,9 @@ class HeadSession:
     def release_arena(self) -> None:
         """Hand back what onnxruntime's memory arena holds unused: it keeps the buffers of the
         largest runs so far for good (~200 MB after 4096-row k=1000 scoring on the demo head,
-        none of it freed by ``malloc_trim``). A one-row run that ends by shrinking the arena;
-        for an idle service (``allocator.IdleRelease``), never between requests' runs."""
+        none of it freed by ``malloc_trim``), and the scoring buffers. A one-row run that ends
+        by shrinking the arena; for an idle service (``allocator.IdleRelease``)."""
+        self._score_buffers.clear()  # a run using one holds its own reference meanwhile
         session = self._session
         if session is None:
             return
@@ -276,9 +278,10 @@ class HeadSession:
 
     def _score_buffer(self, rows: int) -> npt.NDArray[np.float32]:
         size = rows * self.vocab_size
-        buffer: npt.NDArray[np.float32] | None = getattr(self._score_buffers, "logits", None)
+        thread = threading.get_ident()
+        buffer = self._score_buffers.get(thread)
         if buffer is None or buffer.size < size:
-            buffer = self._score_buffers.logits = np.empty(size, np.float32)
+            buffer = self._score_buffers[thread] = np.empty(size, np.float32)
         return buffer[:size].reshape(rows, self.vocab_size)
 
     def embed(self, input_ids: npt.ArrayLike) -> npt.NDArray[np.float32]:
