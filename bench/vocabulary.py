@@ -10,7 +10,13 @@ then holds the kept set; a flat distribution would send rows to the exact fallba
 Prompt scoring's peak memory is the process's peak resident set beyond the loaded head
 (``/proc/self/clear_refs`` resets it), in a fresh subprocess per measurement.
 
+Allowed tokens are also measured served, on the demo head (32000 x 512) through HTTP with
+one closed-loop client, interleaved: 64 ``.npy`` rows with 1,000 allowed tokens against the
+whole head, and one JSON row with and without them; and the gather of 1,000 rows of W that
+the allowed tokens cost (``--served-only`` measures just that part).
+
     python -m bench.vocabulary [--size 128256x2048] [--rows 64] [--positions 4096] [--output F]
+                               [--served-only]
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from bench.machine import describe_machine
+from bench.allowed_served import served_allowed_tokens
 from service.allocator import peak_resident_bytes, reset_peak
 from service.heads.files import HeadWeights, save_head
 from service.limits import Limits
@@ -51,12 +57,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--positions", type=int, default=4096)
     parser.add_argument("--output", type=Path)
+    parser.add_argument("--served-only", action="store_true")
     parser.add_argument("--probe", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.probe:
         print(json.dumps(_measure(Path(args.probe[0]), args.probe[1], int(args.probe[2]))))
         return 0
-    vocab, d_model = (int(part) for part in args.size.split("x"))
+    report = served_allowed_tokens()
+    if not args.served_only:
+        report += "\n\n" + _engine_report(args.size, args.rows, args.positions)
+    print(report)
+    if args.output:
+        args.output.write_text(report + "\n")
+    return 0
+
+
+def _engine_report(size: str, rows: int, positions: int) -> str:
+    vocab, d_model = (int(part) for part in size.split("x"))
     with tempfile.TemporaryDirectory(prefix="lmhead-bench-") as directory:
         path = Path(directory) / "tied" / "1"
         table = np.random.default_rng(0).standard_normal((vocab, d_model), dtype=np.float32)
@@ -64,11 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         del table
         keep = np.random.default_rng(5).choice(vocab, vocab // 4, replace=False)
         trimmed = trim_version(directory, "tied", 1, keep, "trimmed")
-        report = _report(path, trimmed, vocab, d_model, args.rows, args.positions)
-    print(report)
-    if args.output:
-        args.output.write_text(report + "\n")
-    return 0
+        return _report(path, trimmed, vocab, d_model, rows, positions)
 
 
 def _report(path: Path, trimmed: Path, vocab: int, d_model: int, rows: int, positions: int) -> str:
@@ -77,8 +90,6 @@ def _report(path: Path, trimmed: Path, vocab: int, d_model: int, rows: int, posi
     times, fallbacks = _times(session, open_head(trimmed / "model.onnx"), hidden, vocab)
     full = times["full head, top-10"]
     lines = [
-        f"{describe_machine()}",
-        "",
         f"Head {vocab} x {d_model} (tied, float32, shared memory mode), {rows} rows, "
         f"median of {REPEATS} interleaved runs:",
         "",

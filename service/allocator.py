@@ -41,15 +41,19 @@ def release_free_memory() -> None:
 class IdleRelease:
     """``release`` (by default ``release_free_memory``) a moment after a process goes idle
     after big requests (the last answer is still being sent meanwhile, and freed once sent),
-    in ``executor`` (None: the event loop's default one), one release at a time."""
+    and once more a while later; in ``executor`` (None: the event loop's default one), one
+    release at a time, and only while ``idle()`` holds: a busy process is left alone (a
+    release then would cost the requests in flight) and looked at again later."""
 
     def __init__(
         self,
         executor: Executor | None,
+        idle: Callable[[], bool],
         release: Callable[[], None] = release_free_memory,
         after_s: float = RELEASE_AFTER_S,
     ) -> None:
         self._executor = executor
+        self._idle = idle
         self._release = release
         self._after_s = after_s
         self._pending = False
@@ -65,6 +69,9 @@ class IdleRelease:
         loop.call_later(self._after_s, self._start, loop, AGAIN_AFTER)
 
     def _start(self, loop: asyncio.AbstractEventLoop, again: float) -> None:
+        if not self._idle():  # busy again: look later
+            loop.call_later(self._after_s, self._start, loop, again)
+            return
         running = loop.run_in_executor(self._executor, self._release)
         running.add_done_callback(lambda _: self._done(loop, again))
 

@@ -212,7 +212,8 @@ class MemoryBudget:
         self.used = 0
         #: Bytes charged since the budget was last empty, and what to call when it empties
         #: after ``IDLE_TRIM_BYTES`` of them: the allocator keeps what requests freed (a
-        #: process held 1 GB more, idle, after a storm of 4096-row calls) until told.
+        #: process held 1 GB more, idle, after a storm of 4096-row calls) until told. Small
+        #: requests one after another never add up to it: each empties the budget.
         self.grown = 0
         self.on_idle = on_idle
         #: Charges come from the event loop and from decoding threads (``off_loop``).
@@ -296,8 +297,9 @@ class Reservation:
         with budget.lock:
             budget.used -= self.bytes
             self.bytes = 0
-            idle = budget.used == 0 and budget.grown >= IDLE_TRIM_BYTES
-            if idle:
+            emptied = budget.used == 0
+            idle = emptied and budget.grown >= IDLE_TRIM_BYTES
+            if emptied:  # what counts is what requests held together, between idle moments
                 budget.grown = 0
         if idle and budget.on_idle is not None:
             budget.on_idle()

@@ -240,6 +240,13 @@ def inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _saved(report: HeadReport) -> str:
+    """What tying saves: none for an untied head; for a broken tie, what re-tying would."""
+    if report.duplicate and not report.untied_on_purpose:
+        return f"none yet ({report.duplicate_bytes:,} once re-tied)"
+    return f"{report.bytes_saved_by_tying:,}"
+
+
 def format_report(report: HeadReport) -> str:
     """A readable summary: the tie first, then sizes."""
     if report.tied:
@@ -252,7 +259,7 @@ def format_report(report: HeadReport) -> str:
     elif report.duplicate:
         wiring = (
             f"untied, DUPLICATED ({report.duplicate}): a broken tie, the projection weight "
-            f"repeats the embedding; re-tying saves {report.duplicate_bytes:,} bytes"
+            f"repeats the embedding; `lmhead retie` would save {report.duplicate_bytes:,} bytes"
         )
     else:
         wiring = "untied: separate embedding and projection initializers"
@@ -275,7 +282,7 @@ def format_report(report: HeadReport) -> str:
         ("vocab x d_model", f"{report.vocab_size} x {report.d_model} {report.dtype}"),
         ("parameters", f"{report.parameters:,}"),
         ("weight bytes", f"{report.weight_bytes:,}"),
-        ("saved by tying", f"{report.bytes_saved_by_tying:,}"),
+        ("saved by tying", _saved(report)),
         (
             "file bytes",
             f"{report.file_bytes:,}"

@@ -14,14 +14,23 @@ from __future__ import annotations
 import socket
 
 BACKLOG = 2048  # uvicorn's default
+PORT_SETTING = "--port or LMHEAD_PORT"
 
 
-def listening_sockets(host: str, port: int, *, reuse_port: bool = False) -> list[socket.socket]:
-    """Sockets listening on ``host:port``, or ``SystemExit`` naming it and why not.
+def listening_sockets(
+    host: str, port: int, *, reuse_port: bool = False, setting: str = ""
+) -> list[socket.socket]:
+    """Sockets listening on ``host:port``, or ``SystemExit`` naming it, why not, and the
+    ``setting`` that chose the port (a user whose port is busy needs to know what to change).
 
     Listening, not only bound: two sockets with ``SO_REUSEADDR`` may both bind one port while
     neither listens, so only ``listen`` proves the port is this process's."""
-    return _sockets(host, port, reuse_addr=True, reuse_port=reuse_port, listen=True)
+    try:
+        return _sockets(host, port, reuse_addr=True, reuse_port=reuse_port, listen=True)
+    except SystemExit as refused:
+        if not setting:
+            raise
+        raise SystemExit(f"{refused} (choose another with {setting})") from None
 
 
 def reserve(host: str, port: int) -> list[socket.socket]:
@@ -65,14 +74,10 @@ def _sockets(
     return sockets
 
 
-def check_free(host: str, port: int, setting: str = "LMHEAD_PORT or --port") -> None:
+def check_free(host: str, port: int, setting: str = PORT_SETTING) -> None:
     """``SystemExit`` unless ``host:port`` could be listened on now (nobody else holds it);
     the message names the ``setting`` that chose the port."""
-    try:
-        sockets = listening_sockets(host, port)
-    except SystemExit as refused:
-        raise SystemExit(f"{refused} ({setting})") from None
-    for listener in sockets:
+    for listener in listening_sockets(host, port, setting=setting):
         listener.close()
 
 

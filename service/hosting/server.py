@@ -23,7 +23,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from service.allocator import settle_allocator
 from service.hosting.app import create_app
 from service.hosting.connection import LimitedHttp, SharedConnections
-from service.hosting.listeners import check_free, describe, listening_sockets
+from service.hosting.listeners import PORT_SETTING, check_free, describe, listening_sockets
 from service.metrics import Metrics
 from service.settings import Settings
 
@@ -38,9 +38,9 @@ def run(settings: Settings) -> None:
     The ports are taken before any model loads (``service.hosting.listeners``)."""
     _raise_descriptor_limit(settings.max_connections + FD_MARGIN)
     settle_allocator()
-    sockets = listening_sockets(settings.host, settings.port)
+    sockets = listening_sockets(settings.host, settings.port, setting=PORT_SETTING)
     if settings.grpc_port is not None:
-        check_free(settings.host, settings.grpc_port, "LMHEAD_GRPC_PORT or --grpc-port")
+        check_free(settings.host, settings.grpc_port, "--grpc-port or LMHEAD_GRPC_PORT")
     app = create_app(settings)
     config = uvicorn.Config(app, **_options(settings, app.state.metrics))
     logger.info("lmhead serving on %s", describe(sockets))

@@ -82,8 +82,9 @@ class DataPlane(ControlAPI):
         # Statistics of compare and shadow run here, never on the inference threads; so does
         # handing freed memory back once the service is idle after big requests.
         self._stats = ThreadPoolExecutor(1, thread_name_prefix="lmhead-stats")
-        idle = IdleRelease(self._stats, self._release_memory)
-        self._budget = MemoryBudget(self._limits.max_inflight_bytes, idle.soon)
+        self._budget = MemoryBudget(self._limits.max_inflight_bytes)
+        idle = IdleRelease(self._stats, lambda: self._budget.used == 0, self._release_memory)
+        self._budget.on_idle = idle.soon
         self._shadow = ShadowTraffic(
             metrics, settings.shadow_max_pending, self._shadow_logits, self._stats
         )

@@ -30,6 +30,7 @@ from service.messages import Sampled, TopKResult
 from service.repository.loaded_version import LoadedVersion
 from service.runtime.vocabulary import (
     Bias,
+    CandidateLogits,
     Floats,
     Ids,
     Shape,
@@ -102,11 +103,23 @@ async def shaped_topk(
 async def _restricted(
     model: LoadedVersion, rows: Floats, k: int, temperature: float, shape: Shape, allowed: Ids
 ) -> Shaped:
+    candidates = model.session.candidates
+    if candidates is not None and shape.bias is None and shape.sample is None:
+        # the plain case: logits, their top-k and log-sum-exp in one hop to the executor
+        per_row = np.full(len(rows), temperature, np.float32)
+        args = (candidates, rows, allowed, per_row, k, temperature)
+        values, ids, lse = await model.run_alone(len(rows), _top_of_candidates, *args)
+        if shape.over == "vocabulary":
+            lse = await _vocabulary_lse(model, rows, temperature, None)
+        return Shaped(values, ids, lse)
     logits = await candidate_logits(model, rows, allowed, temperature)
     if shape.bias is not None:
         logits = apply_bias(logits, allowed, shape.bias)
-    ordered, order_ids = top_sorted(logits, allowed, logits.shape[1])
-    k = min(k, int((~np.isneginf(logits)).sum(axis=1).min()))  # banned tokens are never listed
+    if shape.bias is not None:  # banned tokens are never listed
+        k = min(k, int((~np.isneginf(logits)).sum(axis=1).min()))
+    # Sampling draws from the whole sorted row; top-k needs its k only (``top_sorted``).
+    width = logits.shape[1] if shape.sample is not None else k
+    ordered, order_ids = top_sorted(logits, allowed, width)
     lse = logsumexp(logits)
     sampled = drawn = None
     if shape.sample is not None:
@@ -118,6 +131,27 @@ async def _restricted(
         lse = await _vocabulary_lse(model, rows, temperature, shape.bias)
     logprobs = None if drawn is None else drawn - lse
     return Shaped(ordered[:, :k], order_ids[:, :k], lse, sampled, logprobs)
+
+
+def _top_of_candidates(
+    candidates: CandidateLogits,
+    rows: Floats,
+    allowed: Ids,
+    per_row: Floats,
+    k: int,
+    temperature: float,
+) -> tuple[Floats, Ids, Floats]:
+    """The top-k of the allowed tokens' logits and their log-sum-exp (in the executor); for a
+    head with no transform after its product and one list for every row, taken in the
+    product's own run (``CandidateLogits.top``)."""
+    if candidates.plain and allowed.ndim == 1:
+        values, ids, lse = candidates.top(rows, np.sort(allowed), per_row, k)
+        refuse_overflow(lse, values, temperature=temperature)
+        return values, ids, lse
+    logits = candidates(rows, allowed, per_row)
+    refuse_overflow(logits, logits, temperature=temperature)
+    values, ids = top_sorted(logits, allowed, k)
+    return values, ids, logsumexp(logits)
 
 
 async def _vocabulary_lse(

@@ -144,6 +144,9 @@ class SessionRows:
     def rows(self, ids: npt.NDArray[np.int64]) -> npt.NDArray[np.float32]:
         return self._session.embed(ids)
 
+    def drop(self) -> None:
+        """Nothing is mapped here: the session holds the table."""
+
 
 def _output_rows(
     tensors: dict[str, onnx.TensorProto], report: HeadReport, directory: Path, into: Path

@@ -1,17 +1,22 @@
-"""Embedding rows read from a weight file with ``pread``, for heads whose session holds the
-projection alone (``service.runtime.layout``): float rows as stored, or quantized rows dequantized.
+"""Embedding rows read from a weight file, for heads whose session holds the projection alone
+(``service.runtime.layout``): float rows as stored, or quantized rows dequantized.
 
-Why not a memory map: the kernel maps a file's page cache in large folios (2-4 MB per fault
-measured here, whatever ``madvise`` says), so a thousand random ids mapped ~140 MB of a 154 MB
-table into the process: resident memory would climb back to 2x W. ``pread`` copies just the
-rows asked for; the page cache stays the kernel's (clean, shared, reclaimable), outside the
-process's resident set.
+The file is mapped, and a gather is one numpy take from the mapping (1,000 rows of the demo
+head's table in ~0.1 ms; a ``pread`` per row took ~6 us each in the service, where every call
+gives the interpreter's lock up and waits to get it back). The kernel maps a file's page cache
+in large folios (2-4 MB per fault, whatever ``madvise`` asks ahead of it), so a thousand random
+ids map most of the table: left mapped, resident memory would climb back to 2x W. So the
+mapped pages are dropped from the process (``MADV_DONTNEED``) once gathers have read as many
+rows as the table holds, and whenever the service is idle (``drop``): the page cache stays the
+kernel's (clean, shared, reclaimable, charged to the container whether mapped or not), in the
+process's resident set only between drops. Dropping after every gather cost each one its
+faults again (0.26 ms for 1,000 rows, 0.55 ms served).
 """
 
 from __future__ import annotations
 
+import mmap
 import os
-import weakref
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -31,22 +36,25 @@ class RowSource(Protocol):
 
     def rows(self, ids: npt.NDArray[np.int64]) -> npt.NDArray[np.float32]: ...
 
+    def drop(self) -> None:
+        """Hand back what reading rows keeps mapped (an idle service calls it)."""
+
 
 class FileRows:
-    """Rows of one (rows, width) tensor stored at ``offset`` in a file.
-
-    The file stays open (not mapped) for the life of this object; it may be unlinked.
-    """
+    """Rows of one (rows, width) tensor stored at ``offset`` in a file, mapped read-only for
+    the life of this object (the file may be unlinked meanwhile)."""
 
     def __init__(self, path: Path, offset: int, shape: tuple[int, ...], dtype: np.dtype[Any]):
         self.shape = (shape[0], int(np.prod(shape[1:])))
         self.dtype = dtype
-        self._offset = offset
-        self._row_bytes = self.shape[1] * dtype.itemsize
-        self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        weakref.finalize(self, os.close, self._fd)
-        if os.fstat(self._fd).st_size < offset + self.shape[0] * self._row_bytes:
-            raise ValueError(f"{path.name} is shorter than the tensor it should hold")
+        row_bytes = self.shape[1] * dtype.itemsize
+        with path.open("rb") as file:
+            if os.fstat(file.fileno()).st_size < offset + self.shape[0] * row_bytes:
+                raise ValueError(f"{path.name} is shorter than the tensor it should hold")
+            self._map = mmap.mmap(file.fileno(), 0, prot=mmap.PROT_READ)
+        self._table = np.ndarray(self.shape, dtype, buffer=self._map, offset=offset)
+        self._table.flags.writeable = False
+        self._gathered = 0  # rows read since the mapped pages were last dropped
 
     @classmethod
     def of(cls, tensor: TensorProto, directory: Path) -> FileRows:
@@ -57,17 +65,20 @@ class FileRows:
         return cls(directory / info["location"], int(info.get("offset", 0)), shape, dtype)
 
     def read(self, ids: npt.NDArray[np.int64]) -> npt.NDArray[Any]:
-        """The stored rows, in the stored dtype, one ``preadv`` straight into each row."""
-        out = np.empty((len(ids), self.shape[1]), self.dtype)
-        view = out.view(np.uint8)
-        for index, row in enumerate(ids.tolist()):
-            done = os.preadv(self._fd, [view[index]], self._offset + row * self._row_bytes)
-            if done != self._row_bytes:
-                raise OSError(f"short read of row {row}: {done} of {self._row_bytes} bytes")
-        return out
+        """The stored rows, in the stored dtype: one take from the mapping (see the module
+        docstring for when its pages are dropped)."""
+        found = np.take(self._table, ids, axis=0)
+        self._gathered += len(ids)
+        if self._gathered >= self.shape[0]:
+            self.drop()
+        return found
 
     def rows(self, ids: npt.NDArray[np.int64]) -> npt.NDArray[np.float32]:
         return self.read(ids).astype(np.float32, copy=False)
+
+    def drop(self) -> None:
+        self._gathered = 0
+        self._map.madvise(mmap.MADV_DONTNEED)
 
 
 class QuantizedRows:
@@ -86,6 +97,10 @@ class QuantizedRows:
             part = ids[start : start + DEQUANTIZE_ROWS]
             out[start : start + len(part)] = self._dequantized(part)
         return out
+
+    def drop(self) -> None:
+        for part in self._parts:
+            part.drop()
 
     def _dequantized(self, ids: npt.NDArray[np.int64]) -> npt.NDArray[np.float32]:
         codes, scales, *zero_points = (part.read(ids) for part in self._parts)

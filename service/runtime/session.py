@@ -210,9 +210,13 @@ class HeadSession:
     def release_arena(self) -> None:
         """Hand back what onnxruntime's memory arena holds unused: it keeps the buffers of the
         largest runs so far for good (~200 MB after 4096-row k=1000 scoring on the demo head,
-        none of it freed by ``malloc_trim``), and the scoring buffers. A one-row run that ends
-        by shrinking the arena; for an idle service (``allocator.IdleRelease``)."""
+        none of it freed by ``malloc_trim``), the scoring buffers and the rows of W gathers
+        mapped. A one-row run that ends by shrinking the arena; for an idle service
+        (``allocator.IdleRelease``)."""
         self._score_buffers.clear()  # a run using one holds its own reference meanwhile
+        for source in (self.rows, None if self.candidates is None else self.candidates.rows):
+            if source is not None:
+                source.drop()  # rows of W mapped by gathers (``service.runtime.rows``)
         session = self._session
         if session is None:
             return

@@ -499,6 +499,30 @@ def test_messages_say_what_was_wrong(client: httpx.Client) -> None:
     assert binary.is_success
 
 
+def test_a_misspelled_field_is_named_beside_the_missing_one(client: httpx.Client) -> None:
+    """A new user's slip: "hiden_states" got only "hidden_states is required"."""
+    answer = client.post("/v1/models/tied/topk", json={"hiden_states": _rows(1), "k": 3})
+    assert answer.status_code == 422
+    message = answer.json()["error"]["message"]
+    assert "hidden_states is required" in message
+    assert "the body has 'hiden_states', 'k'" in message
+
+
+def test_float64_rows_are_served_as_float32(client: httpx.Client) -> None:
+    """numpy's default dtype: a float64 .npy is converted, as the README says, and answers
+    what its float32 rows answer."""
+    rows = np.random.default_rng(8).standard_normal((3, D_MODEL))
+    answers = [
+        client.post(
+            "/v1/models/tied/topk?k=5",
+            content=_npy(rows.astype(dtype)),
+            headers={"content-type": "application/x-npy"},
+        ).json()["results"]
+        for dtype in (np.float64, np.float32)
+    ]
+    assert answers[0] == answers[1]
+
+
 def test_a_value_given_twice_is_refused(client: httpx.Client) -> None:
     """``?k=1&k=2`` was k=2 (the last won, silently), as was ``/versions/1/topk?version=2``."""
     npy = {"content-type": "application/x-npy"}

@@ -695,6 +695,7 @@ def test_a_port_in_use_is_refused_at_once(repository: Path, workers: str) -> Non
         refused = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
     assert refused.returncode != 0
     assert f"cannot serve on 127.0.0.1:{port}" in refused.stderr
+    assert "--port or LMHEAD_PORT" in refused.stderr  # what to change, in either mode
     assert "Traceback" not in refused.stderr
     assert "lmhead ready" not in refused.stderr  # nothing was loaded first
 

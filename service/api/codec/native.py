@@ -46,7 +46,7 @@ from service.api.schemas import (
     ScoreOptions,
     TopKOptions,
 )
-from service.errors import InvalidInput
+from service.errors import InvalidInput, few
 from service.messages import (
     CompareRequest,
     CompareResult,
@@ -243,6 +243,7 @@ ID_LISTS = ("allowed_token_ids", "banned_token_ids")
 #: Query parameters (``.npy`` bodies) whose value is JSON text.
 JSON_QUERY = (*ID_LISTS, "logit_bias", "sample")
 QUERY_EXAMPLES = {"logit_bias": '{"3":-100}', "sample": '{"seed":1}'}
+BOOLEANS = ("true", "false")
 
 
 async def _hidden_and_options(
@@ -252,8 +253,10 @@ async def _hidden_and_options(
     body = await read_body(request, body_limit)
     if content_type(request, (JSON, NPY)) == NPY:
         array = parse_npy(body, HIDDEN)
-        values = {k: _query_value(k, v) for k, v in request.query_params.items() if k != "version"}
-        arrays = _id_lists(values, lists, booleans=True)
+        query = request.query_params
+        values = {k: _query_value(k, v) for k, v in query.items() if k != "version"}
+        literals = sum(query.get(name, "").count(word) for name in lists for word in BOOLEANS)
+        arrays = _id_lists(values, lists, booleans=literals > 0)  # scan lists only then
         taken = (*lists, "version")
         typed = {k: v for k, v in values.items() if k in JSON_QUERY}
         untyped = {k: v for k, v in values.items() if k not in typed}
@@ -297,8 +300,11 @@ def _json_hidden_and_options(
 
 
 def _required(payload: dict[str, Any], field: str, expected: str) -> Any:
+    """``field``, taken out of the payload; missing, the error names what came instead (a
+    misspelled ``hiden_states`` was reported as only "hidden_states is required")."""
     if field not in payload:
-        raise InvalidInput(f"{field} is required: {expected}")
+        came = f"; the body has {few(list(payload))}" if payload else ""
+        raise InvalidInput(f"{field} is required: {expected}{came}")
     return payload.pop(field)
 
 

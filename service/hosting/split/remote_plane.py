@@ -194,7 +194,8 @@ class RemotePlane(Plane):
         self._path = path
         self._settings = settings
         # freed memory back to the OS once idle after big bodies, as the engine does
-        self._budget = MemoryBudget(settings.max_inflight_bytes, IdleRelease(None).soon)
+        self._budget = MemoryBudget(settings.max_inflight_bytes)
+        self._budget.on_idle = IdleRelease(None, lambda: self._budget.used == 0).soon
         self._arena, self._arena_fd = Arena.create(arena_bytes(settings), "lmhead-requests")
         self._link: EngineLink | None = None
         self._keeper: asyncio.Task[None] | None = None

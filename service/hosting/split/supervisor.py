@@ -64,7 +64,7 @@ def supervise(settings: Settings) -> int:
         for name, port in ports.items():
             if port is not None:
                 flag = name.replace("_", "-")
-                check_free(settings.host, port, f"LMHEAD_{name.upper()} or --{flag}")
+                check_free(settings.host, port, f"--{flag} or LMHEAD_{name.upper()}")
                 holding = _hold(settings.host, port)
                 held += holding
                 ports[name] = holding[0].getsockname()[1] if holding else port  # 0: what it got

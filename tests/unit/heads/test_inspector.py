@@ -197,7 +197,9 @@ def test_cli_text_names_a_broken_tie(
     assert main(["inspect", str(path)]) == 0
     out = capsys.readouterr().out
     assert "DUPLICATED (transposed)" in out
-    assert f"re-tying saves {MATRIX_BYTES:,} bytes" in out
+    assert f"`lmhead retie` would save {MATRIX_BYTES:,} bytes" in out
+    # one account of it: nothing is saved yet ("saved by tying 0" beside "re-tying saves")
+    assert f"saved by tying   none yet ({MATRIX_BYTES:,} once re-tied)" in out
 
 
 def test_cli_reports_errors_without_a_traceback(

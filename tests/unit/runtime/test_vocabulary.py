@@ -77,6 +77,33 @@ def test_candidate_logits_equal_the_full_head_restricted(
         np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.parametrize("mode", ["shared", "fast"])
+def test_the_top_of_candidates_in_one_run_equals_the_full_head_restricted(
+    tmp_path: Path, mode: str
+) -> None:
+    """``CandidateLogits.top``: the top-k of the allowed tokens and their log-sum-exp, taken
+    in the product's run; tied rows (equal logits) listed in id order."""
+    table = np.random.default_rng(4).standard_normal((VOCAB, D_MODEL), dtype=np.float32)
+    table[[40, 400, 900]] = table[700]  # four tokens with one row: their logits tie
+    path = save_head(HeadWeights.from_arrays(table), tmp_path)
+    session = _session(path, mode)
+    assert session.candidates is not None
+    assert session.candidates.plain
+    hidden = np.repeat(table[700:701] * np.float32(3.0), 3, axis=0)  # the tied rows on top
+    hidden[2] = _hidden(1)[0]
+    temperature = np.array([1.0, 0.5, 2.0], np.float32)
+    allowed = np.sort(np.array([900, 5, 40, 700, 123, 400, 31, 64], np.int64))
+    values, ids, lse = session.candidates.top(hidden, allowed, temperature, 5)
+    full = session.project(hidden, 1, temperature=temperature, full_logits=True).logits
+    assert full is not None
+    restricted = full[:, allowed]
+    order = np.lexsort((np.broadcast_to(allowed, restricted.shape), -restricted), axis=1)[:, :5]
+    np.testing.assert_array_equal(ids[:2], np.broadcast_to(allowed, (3, 8))[:2, order[0]])
+    np.testing.assert_array_equal(ids[:2, :4], [[40, 400, 700, 900]] * 2)  # ties: id order
+    np.testing.assert_allclose(values, np.take_along_axis(restricted, order, 1), RTOL, ATOL)
+    np.testing.assert_allclose(lse, logsumexp(restricted), rtol=RTOL, atol=ATOL)
+
+
 def test_biased_topk_and_lse_equal_the_full_biased_distribution(tied_path: Path) -> None:
     hidden = _hidden(6)
     logits = reference_logits(tied_path, hidden).astype(np.float32)
@@ -202,3 +229,17 @@ def test_top_sorted_breaks_ties_toward_the_lower_id_whatever_the_column_order() 
     per_row = np.array([[4, 2, 8, 0, 6], [5, 3, 1, 0, 2]], np.int64)
     _, ids = top_sorted(logits, per_row, 5)
     assert ids.tolist() == [[2, 6, 8, 0, 4], [0, 3, 5, 2, 1]]
+
+
+@pytest.mark.parametrize("k", [1, 7, 50, 250])
+def test_top_sorted_by_partition_matches_a_whole_sort_ties_included(k: int) -> None:
+    """Few of many (the partition path): the same values and ids as sorting every column,
+    with ties at the k-th value going to the lower ids (small integers tie often)."""
+    rng = np.random.default_rng(k)
+    logits = rng.integers(-5, 5, (64, 1000)).astype(np.float32)
+    ids = rng.permutation(32000)[:1000].astype(np.int64)
+    every = np.broadcast_to(ids, logits.shape)
+    order = np.lexsort((every, -logits), axis=1)[:, :k]
+    values, got = top_sorted(logits, ids, k)
+    np.testing.assert_array_equal(got, np.take_along_axis(every, order, axis=1))
+    np.testing.assert_array_equal(values, np.take_along_axis(logits, order, axis=1))
