@@ -1,8 +1,9 @@
-"""The README's benchmark headlines, read from the results files the benchmarks write.
+"""The benchmark tables of docs/benchmarks.md and the README, read from the results files.
 
-The README quotes no number by hand: ``python -m bench.readme`` prints the headline table
-from ``bench/results-*.md`` and a test keeps the README's copy equal to it. Re-run a
-benchmark, then this, and paste (or ``--write``).
+Neither quotes a number by hand: ``python -m bench.readme`` prints both tables from
+``bench/results-*.md`` (docs/benchmarks.md has every measure, the README a few headlines) and
+a test keeps the copies equal to them. Re-run a benchmark, then ``python -m bench.readme
+--write``.
 """
 
 from __future__ import annotations
@@ -12,9 +13,19 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 README = BENCH.parent / "README.md"
+BENCHMARKS = BENCH.parent / "docs" / "benchmarks.md"
 BEGIN = "<!-- bench.readme: begin -->"
 END = "<!-- bench.readme: end -->"
 Row = dict[str, str]
+Measure = tuple[str, str, str]  # what, the value, the results file
+#: The README's rows of the whole table (what a newcomer asks first: speed, batching, swaps).
+README_ROWS = (
+    "64-row `.npy` requests, 16 clients, vs a bare onnxruntime session",
+    "dynamic batching on / off, 64 one-row clients",
+    "failed requests across tied/untied hot swaps under load",
+    "demo head, 1000 allowed tokens vs the whole head: 64 rows `.npy`; 1 row JSON",
+    "tied 50257 x 768 head resident, `shared` / `fast` mode (x W)",
+)
 
 
 def tables(name: str) -> list[list[Row]]:
@@ -45,14 +56,32 @@ def pick(rows: list[Row], column: str, /, **match: str) -> str:
     raise KeyError(f"no row {match} with {column}")
 
 
-def headlines() -> str:
+def headlines(*, only: tuple[str, ...] = (), links: str = "../bench/") -> str:
+    """The table between the markers: every measure, or those named in ``only``; results
+    files linked from ``links`` (``bench/`` from the README)."""
+    measures = [row for row in _measures() if not only or row[0] in only]
+    main = machine("results-serve.md")
+    lines = [
+        BEGIN,
+        f"Machine, unless a row names another: {main}.",
+        "",
+        "| measure | result | from |",
+        "|---|---|---|",
+    ]
+    lines += [
+        f"| {what} | {value} | {_source(name, main, links)} |" for what, value, name in measures
+    ]
+    return "\n".join([*lines, END])
+
+
+def _measures() -> list[Measure]:
     serve, v2, batching = tables("results-serve.md")
     heads = tables("results-heads.md")[0]
     (swap,) = tables("results-swap.md")
     (shadow,) = tables("results-shadow.md")
     (ray,) = tables("results-ray.md")
     (protocols,) = tables("results-protocols.md")
-    options, memory, prompt = tables("results-vocabulary.md")
+    served, options, memory, prompt = tables("results-vocabulary.md")
     (client,) = tables("results-client.md")
     workers = tables("results-workers.md")[0]
     (trimmed,) = [row["run"] for row in options if row["run"].startswith("head trimmed")]
@@ -62,7 +91,7 @@ def headlines() -> str:
     gpt2 = {"head": "tied fp32", "vocab x d": "50257 x 768"}
     int8 = {"head": "tied int8 b128", "vocab x d": "128256 x 2048"}
     int4 = {"head": "tied int4 b128", "vocab x d": "128256 x 2048"}
-    rows = [
+    rows: list[Measure] = [
         (
             "64-row `.npy` requests, 16 clients, vs a bare onnxruntime session",
             pick(serve, "vs bare session", body="npy", **{"rows/req": "64", "clients": "16"}),
@@ -128,6 +157,12 @@ def headlines() -> str:
             "results-gpu.md",
         ),
         (
+            "demo head, 1000 allowed tokens vs the whole head: 64 rows `.npy`; 1 row JSON",
+            f"{pick(served, 'vs the whole head', request='64 rows .npy, allowed')}; "
+            f"{pick(served, 'vs the whole head', request='1 row JSON, allowed')}",
+            "results-vocabulary.md",
+        ),
+        (
             "128256 x 2048, 64 rows, vs the full head: 1000 / 10 allowed tokens; sampling",
             f"{pick(options, 'speed-up vs full head', run='1000 allowed tokens')} / "
             f"{pick(options, 'speed-up vs full head', run='10 allowed tokens')}; "
@@ -177,24 +212,15 @@ def headlines() -> str:
             "results-ray.md",
         ),
     ]
-    main = machine("results-serve.md")
-    lines = [
-        BEGIN,
-        f"Machine, unless a row names another: {main}.",
-        "",
-        "| measure | result | from |",
-        "|---|---|---|",
-    ]
-    lines += [f"| {what} | {value} | {_source(name, main)} |" for what, value, name in rows]
-    return "\n".join([*lines, END])
+    return rows
 
 
-def _source(name: str, main: str) -> str:
+def _source(name: str, main: str, links: str) -> str:
     """The results file's link, with its machine where that is not the table's (a CPU with
     other vector instructions moves quantized heads' ratios; see ``bench.machine``)."""
     other = machine(name).split(";")[0]
     where = f" ({other})" if other and other != main.split(";")[0] else ""
-    return f"[{name}](bench/{name}){where}"
+    return f"[{name}]({links}{name}){where}"
 
 
 def _ratio(rows: list[Row], kind: str, model: str, clients: str) -> str:
@@ -205,15 +231,16 @@ def _ratio(rows: list[Row], kind: str, model: str, clients: str) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--write", action="store_true", help="replace the README's copy")
+    parser.add_argument("--write", action="store_true", help="replace the two copies")
     args = parser.parse_args()
-    table = headlines()
-    if not args.write:
-        print(table)
-        return 0
-    text = README.read_text(encoding="utf-8")
-    start, end = text.index(BEGIN), text.index(END) + len(END)
-    README.write_text(text[:start] + table + text[end:], encoding="utf-8")
+    copies = {BENCHMARKS: headlines(), README: headlines(only=README_ROWS, links="bench/")}
+    for path, table in copies.items():
+        if not args.write:
+            print(f"{path.name}:\n{table}\n")
+            continue
+        text = path.read_text(encoding="utf-8")
+        start, end = text.index(BEGIN), text.index(END) + len(END)
+        path.write_text(text[:start] + table + text[end:], encoding="utf-8")
     return 0
 
 

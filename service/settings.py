@@ -233,7 +233,7 @@ def _patterns(value: str) -> list[str]:
 
 
 def settings_table() -> str:
-    """The README's configuration table, generated from the fields above."""
+    """docs/settings.md's table, generated from the fields above (a test keeps them equal)."""
     lines = ["| variable | default | meaning |", "|---|---|---|"]
     for name, field in Settings.model_fields.items():
         default = field.default
