@@ -6,12 +6,15 @@ import argparse
 import json
 import logging
 import os
+import shlex
+import sys
 from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
 
 from service.cli.arguments import CommandError, UsageError, settings_message
+from service.cli.parser import DEFAULT_DTYPE
 from service.digits import decimal
 from service.heads import MODEL_FILE
 from service.heads.graph import FORMAT
@@ -29,20 +32,51 @@ from service.tools.trim import id_space_size, trim_version
 
 
 def demo(args: argparse.Namespace) -> int:
+    if args.checkpoint is not None:
+        return _demo_checkpoints(args)
     repository: Path = args.repository
+    dtype = args.dtype or DEFAULT_DTYPE
     existing = [repository / name / "1" / MODEL_FILE for name in (TIED_NAME, UNTIED_NAME)]
     current = all(
-        path.is_file()
-        and (report := inspect_head(path)).format == FORMAT
-        and report.dtype == args.dtype
+        path.is_file() and (report := inspect_head(path)).format == FORMAT and report.dtype == dtype
         for path in existing
     )
     if current and not args.force:
         print(f"demo models already in {repository} (use --force to rewrite)")
         return 0
-    spec = DemoSpec(args.vocab_size, args.d_model, args.seed, args.dtype)
+    heads = DemoSpec()
+    spec = DemoSpec(
+        args.vocab_size or heads.vocab_size, args.d_model or heads.d_model, args.seed, dtype
+    )
     for version_dir in write_demo_models(repository, spec):
         print(f"wrote {version_dir}")
+    return 0
+
+
+def _demo_checkpoints(args: argparse.Namespace) -> int:
+    """``demo --checkpoint DIR``: the checkpoints only (nothing in the repository), then the
+    imports that make heads of them."""
+    from service.tools import demo_checkpoints as made
+
+    if args.dtype is not None:
+        raise UsageError(
+            "--dtype is for the demo heads: the checkpoints keep their models' dtypes "
+            "(gpt2-tiny float32, llama-tiny float16; `lmhead import --dtype` chooses the head's)"
+        )
+    small = made.CheckpointSpec()
+    try:
+        spec = made.CheckpointSpec(
+            args.vocab_size or small.vocab_size, args.d_model or small.d_model, args.seed
+        )
+    except ValueError as error:
+        raise UsageError(f"--vocab-size: {error}") from None
+    written = made.write_demo_checkpoints(args.checkpoint, spec, replace=args.force)
+    for checkpoint in written:
+        print(f"wrote {checkpoint.directory}: {checkpoint.summary}, {checkpoint.bytes:,} bytes")
+    print("make heads of them in the repository with:")
+    for checkpoint in written:
+        path, name = shlex.quote(str(checkpoint.directory)), checkpoint.directory.name
+        print(f"  lmhead import {path} --name {name}")
     return 0
 
 
@@ -96,13 +130,13 @@ def serve(args: argparse.Namespace) -> int:
 
 def import_head(args: argparse.Namespace) -> int:
     options = ImportOptions(
-        version=args.version,
+        to_version=_to_version(args),
         embedding_tensor=args.embedding_tensor,
         head_tensor=args.head_tensor,
         tie=args.tie,
         untie=args.untie,
         external_data=True if args.external_data else None,
-        dtype=args.dtype,
+        dtype=args.dtype or DEFAULT_DTYPE,
         quantization=_spec(args),
         quantize_table=args.quantize_table,
     )
@@ -111,7 +145,35 @@ def import_head(args: argparse.Namespace) -> int:
     print(f"wrote {result.directory}: {kind} head, {result.vocab_size} x {result.d_model}")
     for note in result.notes:
         print(f"  note: {note}")
+    halves = [dtype for dtype in result.checkpoint_dtypes if dtype != DEFAULT_DTYPE]
+    if halves and args.dtype is None and options.quantization is None:
+        stored = " and ".join(halves)
+        _say(
+            f"note: the checkpoint stores {stored}; the head is stored as {DEFAULT_DTYPE} (2x "
+            f"its bytes, exact on every provider); --dtype {halves[0]} keeps half precision"
+        )
     return 0
+
+
+def _to_version(args: argparse.Namespace) -> int | None:
+    """``--to-version``, or the old ``--version`` of import (which will name the version to
+    read, as in quantize and trim): still written, with a note on stderr."""
+    old: int | None = args.deprecated_version
+    new: int | None = args.to_version
+    if old is None:
+        return new
+    _say(
+        "--version of import is deprecated: use --to-version (it will name the version to "
+        "read, as everywhere else)"
+    )
+    if new is not None and new != old:
+        raise UsageError(f"--version {old} and --to-version {new} disagree")
+    return old
+
+
+def _say(message: str) -> None:
+    """A line for the user beside the command's output (stderr: scripts read stdout)."""
+    print(f"lmhead: {message}", file=sys.stderr)
 
 
 def _spec(args: argparse.Namespace) -> QuantSpec | None:

@@ -101,6 +101,13 @@ class Checkpoint:
                 progress(end, rows)
         return result
 
+    def stored_dtype(self, name: str) -> str:
+        """How the checkpoint stores tensor ``name``: float32, float16 or bfloat16 (what an
+        import widens from, and ``--dtype`` could keep)."""
+        with _opened(self._files[name], name) as handle:
+            stored = str(handle.get_slice(name).get_dtype())
+        return {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}.get(stored, stored)
+
     def plan(
         self,
         *,

@@ -17,7 +17,8 @@ from service.repository.disk import LABELS_FILE
 
 TIED_NAME = "demo-tied"
 UNTIED_NAME = "demo-untied"
-_SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "sa", "ti", "vo", "xe", "zu", "an", "er", "in", "on")
+#: Two letters each, so a word of them splits into its syllables one way only.
+SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "sa", "ti", "vo", "xe", "zu", "an", "er", "in", "on")
 
 
 @dataclass(frozen=True)
@@ -58,12 +59,12 @@ def write_demo_models(repository: str | Path, spec: DemoSpec = DemoSpec()) -> li
 def demo_tokens(vocab_size: int) -> list[str]:
     """Readable, unique token strings: specials, 256 byte tokens, then syllable words."""
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{byte:02X}>" for byte in range(256)]
-    count = len(_SYLLABLES)
+    count = len(SYLLABLES)
     index = 0
     while len(tokens) < vocab_size:
         word, rest = "", index
         while True:
-            word += _SYLLABLES[rest % count]
+            word += SYLLABLES[rest % count]
             rest //= count
             if rest == 0:
                 break

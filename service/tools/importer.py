@@ -33,7 +33,8 @@ MAX_VERSION = 10**18 - 1
 
 @dataclass(frozen=True)
 class ImportOptions:
-    version: int | None = None
+    to_version: int | None = None
+    """The version to write (None: the next free one)."""
     embedding_tensor: str | None = None
     head_tensor: str | None = None
     tie: bool = False
@@ -55,6 +56,9 @@ class ImportResult:
     d_model: int
     labels: bool
     notes: list[str] = field(default_factory=list)
+    checkpoint_dtypes: tuple[str, ...] = ()
+    """How the checkpoint stores the tensors the head was made of (float16: widened to
+    float32 unless ``ImportOptions.dtype`` kept it)."""
 
 
 def import_checkpoint(
@@ -113,11 +117,15 @@ def import_checkpoint(
             (staging / LABELS_FILE).write_text("\n".join(labels) + "\n", encoding="utf-8")
         writing(1, 1)
 
-    directory = write_version(Path(repository) / name, options.version, write)
+    directory = write_version(Path(repository) / name, options.to_version, write)
     if options.quantization is not None:
         notes.append(f"{options.quantization.describe()}: {stored:,} bytes of weights")
     vocab_size, d_model = table.shape
-    return ImportResult(directory, weights.tied, vocab_size, d_model, labels is not None, notes)
+    read = [plan.embedding] + ([plan.head] if plan.head and not weights.tied else [])
+    dtypes = tuple(sorted({checkpoint.stored_dtype(tensor) for tensor in read}))
+    return ImportResult(
+        directory, weights.tied, vocab_size, d_model, labels is not None, notes, dtypes
+    )
 
 
 def _weights(
@@ -291,7 +299,7 @@ def write_version(
     model_dir: Path,
     to_version: int | None,
     write: Callable[[Path], None],
-    flag: str = "--version",
+    flag: str = "--to-version",
 ) -> Path:
     """``write`` fills the new version, which appears complete or not at all
     (``staging.write_whole``). ``flag``: the option that chose ``to_version``, named when

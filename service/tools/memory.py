@@ -23,7 +23,8 @@ from service.heads.files import HeadWeights, save_head
 from service.heads.inspector import inspect_head
 from service.plane.scoring import score_rows
 from service.runtime.layout import Placement, open_head
-from service.runtime.session import MEMORY_MODES, HeadSession
+from service.runtime.providers import MEMORY_MODES
+from service.runtime.session import HeadSession
 from service.settings import MemoryMode
 
 

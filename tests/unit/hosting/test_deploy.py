@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
-from service.cli import _parser
+from service.cli.parser import build_parser
 from service.hosting.app import create_app
 from service.limits import worst_case_extra_bytes
 from service.settings import PlaceSettings, Settings
@@ -56,7 +56,7 @@ def _settings(container: dict[str, Any]) -> Settings:
     args = container.get("args")
     if args:
         assert args[:2] == ["lmhead", "serve"], args
-        parsed = _parser(PlaceSettings()).parse_args(args[1:])
+        parsed = build_parser(PlaceSettings()).parse_args(args[1:])
         flags = {"repository": parsed.repository, "port": parsed.port}
         values |= {key: value for key, value in flags.items() if value is not None}
         values["model_name"] = parsed.model_name

@@ -209,7 +209,7 @@ def test_labels_from_tokenizer_json_and_versions_count_up(tmp_path: Path) -> Non
     assert specials[-3:] == ["tok4", f"tok{VOCAB - 2}", "<|eot_id|>"]
     assert specials[4] == "tok4"  # the vocab's own id keeps its label
     with pytest.raises(CheckpointError, match="exists already"):
-        import_checkpoint(source, tmp_path / "models", "labelled", ImportOptions(version=1))
+        import_checkpoint(source, tmp_path / "models", "labelled", ImportOptions(to_version=1))
 
 
 @pytest.mark.parametrize(
@@ -391,7 +391,7 @@ def test_version_numbers_count_whatever_their_zeros(tmp_path: Path) -> None:
     save_head(HeadWeights.from_arrays(_table()), repository / "head" / "001")
     source = _checkpoint(tmp_path / "ckpt", {"wte.weight": _table()})
     with pytest.raises(CheckpointError, match="version 1 of .* exists already"):
-        import_checkpoint(source, repository, "head", ImportOptions(version=1))
+        import_checkpoint(source, repository, "head", ImportOptions(to_version=1))
     written = quantize_version(repository, "head", None, None, QuantSpec.parse("int8"))
     assert written.name == "2"
     with pytest.raises(CheckpointError, match="choose another --to-version"):  # not --version

@@ -167,7 +167,7 @@ def test_the_last_version_number_is_refused_rather_than_published_unseen(
     service does not read as a version."""
     source = _checkpoint(tmp_path / "ckpt")
     top = 10**18 - 1
-    import_checkpoint(source, tmp_path / "models", "g", ImportOptions(version=top))
+    import_checkpoint(source, tmp_path / "models", "g", ImportOptions(to_version=top))
     with pytest.raises(CheckpointError, match="past the largest one served"):
         import_checkpoint(source, tmp_path / "models", "g")
     assert sorted(p.name for p in (tmp_path / "models" / "g").iterdir()) == [str(top)]
@@ -338,5 +338,10 @@ def test_a_busy_port_names_the_setting_that_chose_it() -> None:
 
     (held,) = listening_sockets("127.0.0.1", 0)
     port = held.getsockname()[1]
-    with held, pytest.raises(SystemExit, match=f"127.0.0.1:{port}: .* \\(LMHEAD_GRPC_PORT\\)"):
+    with (
+        held,
+        pytest.raises(
+            SystemExit, match=f"127.0.0.1:{port}: .* \\(choose another with LMHEAD_GRPC_PORT\\)"
+        ),
+    ):
         check_free("127.0.0.1", port, "LMHEAD_GRPC_PORT")
