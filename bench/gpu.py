@@ -39,7 +39,8 @@ from bench.machine import describe_machine
 from service.heads.files import HeadWeights, save_head
 from service.heads.inspector import inspect_head
 from service.runtime.layout import servable_path
-from service.runtime.session import CPU, CUDA, HeadSession
+from service.runtime.providers import CPU, CUDA
+from service.runtime.session import HeadSession
 
 ROWS = (1, 8, 64, 512)
 K = 10

@@ -46,7 +46,8 @@ from bench.machine import describe_machine
 from bench.serve import Result, _bare, _hidden, _result
 from service.heads.files import HeadWeights, save_head
 from service.heads.inspector import inspect_head
-from service.runtime.session import HeadSession, select_providers
+from service.runtime.providers import select_providers
+from service.runtime.session import HeadSession
 from service.settings import Settings
 from service.tools.demo import write_demo_models
 from tests.server import running_server, server_process

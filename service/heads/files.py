@@ -33,6 +33,7 @@ from service.heads.graph import (
     head_model,
     quantized_names,
 )
+from service.heads.norm import FinalNorm, read_norm
 from service.heads.quantize import QuantSpec, quantize
 
 #: Serialized protobuf messages cannot exceed 2 GiB; keep headroom for the graph itself.
@@ -62,6 +63,8 @@ class HeadWeights:
     twin: bool = False
     """An untied head whose output matrix starts as a copy of the table on purpose (to be
     fine-tuned apart): the file says so, so the inspector does not call it a broken tie."""
+    norm: FinalNorm | None = None
+    """The model's final norm, for residual states (``service.heads.norm``)."""
 
     @classmethod
     def from_arrays(
@@ -73,6 +76,7 @@ class HeadWeights:
         transforms: HeadTransforms | None = None,
         twin: bool = False,
         dtype: str = "float32",
+        norm: FinalNorm | None = None,
     ) -> HeadWeights:
         """Check shapes and convert to contiguous ``dtype`` (float32, float16, bfloat16)."""
         if dtype not in NUMPY_DTYPES:
@@ -89,7 +93,12 @@ class HeadWeights:
         if vector is not None and not np.isfinite(vector).all():
             first = int(np.argwhere(~np.isfinite(vector))[0][0])
             raise ValueError(f"bias holds NaN or Inf (as float32) at token {first}")
-        return cls(table, head, vector, transforms or HeadTransforms(), twin and head is not None)
+        if norm is not None and norm.d_model != table.shape[1]:
+            raise ValueError(
+                f"the final norm is over {norm.d_model} values, d_model is {table.shape[1]}"
+            )
+        twin = twin and head is not None
+        return cls(table, head, vector, transforms or HeadTransforms(), twin, norm)
 
     @property
     def tied(self) -> bool:
@@ -132,6 +141,7 @@ class HeadWeights:
             self.twin,
             quantization,
             table_quantized,
+            self.norm,
         )
 
     def matrices(self) -> list[tuple[str, npt.NDArray[Any]]]:
@@ -264,6 +274,7 @@ def read_head(path: str | Path, root: Path | None = None) -> HeadWeights:
         None if bias is None else stored_array(bias, path.parent, root).astype(np.float32),
         _stored_transforms(props.get("lmhead.transforms", "{}")),
         props.get(UNTIED_ON_PURPOSE) == "true",
+        read_norm(model),
     )
 
 

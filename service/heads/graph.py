@@ -35,6 +35,7 @@ import numpy.typing as npt
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from service.heads.norm import FinalNorm, norm_graph_parts, norm_metadata
 from service.heads.quantize import ACCURACY_LEVEL, QuantSpec
 
 IR_VERSION = 10
@@ -123,6 +124,8 @@ class Head:
     """Block quantization of the output matrix (of the one matrix, when tied)."""
     table_quantized: bool = False
     """The embedding table is quantized too (always when tied and quantized)."""
+    norm: FinalNorm | None = None
+    """The model's final norm, a side of its own (``service.heads.norm``)."""
 
 
 def head_model(weights: list[TensorProto], head: Head) -> onnx.ModelProto:
@@ -142,11 +145,17 @@ def head_model(weights: list[TensorProto], head: Head) -> onnx.ModelProto:
     if head.table_quantized:
         constants.append(_codes_shape(head))
         constants.append(numpy_helper.from_array(np.array([head.d_model], np.int64), D_MODEL))
+    nodes = _embedding_nodes(EMBEDDING_WEIGHT, head) + before + _projection(output, head, after)
+    inputs, outputs = _inputs(head.d_model), _outputs(head.vocab_size, head.d_model)
+    if head.norm is not None:
+        norm_nodes, norm_tensors, norm_input, norm_output = norm_graph_parts(head.norm)
+        nodes, constants = nodes + norm_nodes, constants + norm_tensors
+        inputs, outputs = [*inputs, norm_input], [*outputs, norm_output]
     graph = helper.make_graph(
-        _embedding_nodes(EMBEDDING_WEIGHT, head) + before + _projection(output, head, after),
+        nodes,
         "lmhead_tied" if tied else "lmhead_untied",
-        _inputs(head.d_model),
-        _outputs(head.vocab_size, head.d_model),
+        inputs,
+        outputs,
         weights + constants + transform_constants,
     )
     opsets = [helper.make_opsetid("", OPSET)]
@@ -170,7 +179,8 @@ def head_model(weights: list[TensorProto], head: Head) -> onnx.ModelProto:
             "lmhead.transforms": json.dumps(shown),
         }
         | ({UNTIED_ON_PURPOSE: "true"} if head.twin else {})
-        | _quantization_metadata(head),
+        | _quantization_metadata(head)
+        | norm_metadata(head.norm),
     )
     return model
 
@@ -369,27 +379,3 @@ def _outputs(vocab_size: int, d_model: int) -> list[onnx.ValueInfoProto]:
         value(LOGITS, TensorProto.FLOAT, ["rows", vocab_size]),
         value(EMBEDDINGS, TensorProto.FLOAT, ["ids", d_model]),
     ]
-
-
-def without_embedding(model: onnx.ModelProto) -> onnx.ModelProto:
-    """The same head with its embedding side removed: a session of it holds W only for the
-    projection (so onnxruntime may pack W and free the original), and the embedding rows are
-    read elsewhere from the same weights (``HeadSession(table=...)``)."""
-    stripped = onnx.ModelProto()
-    stripped.CopyFrom(model)
-    graph = stripped.graph
-    embedding_side = {EMBEDDINGS, "embedding_rows", EMBEDDING_CODES, "embeddings_padded"}
-    nodes = [node for node in graph.node if not set(node.output) & embedding_side]
-    del graph.node[:]
-    graph.node.extend(nodes)
-    inputs = [value for value in graph.input if value.name != INPUT_IDS]
-    del graph.input[:]
-    graph.input.extend(inputs)
-    outputs = [value for value in graph.output if value.name != EMBEDDINGS]
-    del graph.output[:]
-    graph.output.extend(outputs)
-    used = {name for node in graph.node for name in node.input}
-    kept = [tensor for tensor in graph.initializer if tensor.name in used]
-    del graph.initializer[:]
-    graph.initializer.extend(kept)
-    return stripped

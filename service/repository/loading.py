@@ -22,7 +22,7 @@ from service.repository.open_version import LoadOptions, VersionLoadError, load_
 from service.repository.records import ModelRecord, ModelState
 from service.runtime.batcher import BatchLimits
 from service.runtime.pending import BatchStats
-from service.runtime.session import select_providers
+from service.runtime.providers import select_providers
 from service.settings import Settings
 
 logger = logging.getLogger("lmhead")

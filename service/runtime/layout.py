@@ -31,12 +31,14 @@ import onnxruntime as ort
 from onnx import numpy_helper
 
 from service.heads.files import read_head, save_head
-from service.heads.graph import OUTPUT_BIAS, without_embedding
+from service.heads.graph import OUTPUT_BIAS
 from service.heads.inspector import HeadReport, inspect_head
 from service.heads.lse_graph import add_chunked_logsumexp
+from service.heads.projection_only import without_embedding
 from service.heads.quantize import QuantSpec
+from service.runtime.providers import CUDA
 from service.runtime.rows import FileRows, QuantizedRows, RowSource
-from service.runtime.session import CUDA, RUNTIME_VERSION, HeadSession
+from service.runtime.session import RUNTIME_VERSION, HeadSession
 from service.runtime.vocabulary import CandidateLogits
 from service.settings import MemoryMode
 

@@ -24,7 +24,7 @@ import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -43,32 +43,17 @@ from service.heads.graph import (
     K,
 )
 from service.heads.lse_graph import LSE_IN_CHUNKS
+from service.heads.norm import NORMED_STATES, RESIDUAL_STATES
+from service.runtime.providers import (
+    CUDA,
+    provider_entries,
+    session_options,
+)
 from service.runtime.rows import RowSource
 from service.runtime.vocabulary import CandidateLogits
-from service.settings import MemoryMode, ProviderChoice
+from service.settings import MemoryMode
 
 logger = logging.getLogger("lmhead")
-MEMORY_MODES: tuple[MemoryMode, ...] = get_args(MemoryMode)
-CPU = "CPUExecutionProvider"
-CUDA = "CUDAExecutionProvider"
-
-
-def select_providers(choice: ProviderChoice, available: list[str] | None = None) -> tuple[str, ...]:
-    """Execution providers for a session, CPU always last as the fallback.
-
-    ``cuda`` and ``auto`` use CUDA when this onnxruntime build has it (the ``gpu`` extra
-    installs onnxruntime-gpu); otherwise they fall back to CPU, and the model metadata shows
-    which provider each model really runs on.
-    """
-    present = ort.get_available_providers() if available is None else available
-    if choice != "cpu" and CUDA in present:
-        return (CUDA, CPU)
-    if choice == "cuda":
-        logger.warning("CUDA requested but this onnxruntime has no CUDA provider; using CPU")
-    return (CPU,)
-
-
-FOLDING_CAP_BYTES = 4 * 2**20
 
 
 @dataclass(frozen=True)
@@ -107,42 +92,6 @@ RUNTIME_VERSION = tuple(int(part) for part in ort.__version__.split(".")[:2])
 _FILLER_ROWS = 0 if RUNTIME_VERSION >= (1, 31) else 1
 
 
-def session_options(
-    *,
-    shares_weight: bool,
-    memory_mode: MemoryMode = "shared",
-    intra_op_threads: int = 0,
-    on_cuda: bool = False,
-) -> ort.SessionOptions:
-    """Session options for a head; see the module docstring for the memory trade-off."""
-    if memory_mode not in MEMORY_MODES:
-        raise ValueError(f"memory_mode must be one of {MEMORY_MODES}, got {memory_mode!r}")
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = intra_op_threads
-    # Idle worker threads of one session would otherwise spin for a while after each run and
-    # steal the cores from the next session's run: with several heads loaded (A/B, hot-swap)
-    # spinning measured up to 3x slower here. Without it a run wakes its threads (~tens of us).
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    if on_cuda:
-        # Initializers in plain device allocations, not the arena (which grew by ~1.2x W past
-        # them): one copy of W on the device. No packed copy exists there to trade for speed,
-        # so both memory modes are the same.
-        options.add_session_config_entry("session.use_device_allocator_for_initializers", "1")
-    if memory_mode == "shared" or on_cuda:
-        options.add_session_config_entry(
-            "optimization.constant_folding_max_output_size_in_bytes", str(FOLDING_CAP_BYTES)
-        )
-        if shares_weight and not on_cuda:
-            options.add_session_config_entry("session.disable_prepacking", "1")
-    return options
-
-
-def provider_entries(providers: tuple[str, ...], tf32: bool) -> list[Any]:
-    """onnxruntime's provider list, with the CUDA options this service relies on."""
-    cuda = {"use_tf32": "1" if tf32 else "0", "arena_extend_strategy": "kSameAsRequested"}
-    return [(name, cuda) if name == CUDA else name for name in providers]
-
-
 class HeadSession:
     """A loaded head: top-k projection and embedding lookup on one onnxruntime session."""
 
@@ -159,7 +108,7 @@ class HeadSession:
         rows: RowSource | None = None,
     ) -> None:
         """``rows``: where embedding rows come from when the file is projection-only
-        (``graph.without_embedding``, so its session packs W for the Gemm as it likes)."""
+        (``projection_only.without_embedding``, so its session packs W for the Gemm as it likes)."""
         self.path = Path(path)
         self.io_binding = io_binding
         self.rows = rows
@@ -195,6 +144,8 @@ class HeadSession:
         self.score_copies = 1 if LSE_IN_CHUNKS in self._inputs else 2
         #: Each inference thread's scoring buffer, by thread (``release_arena`` drops them).
         self._score_buffers: dict[int, npt.NDArray[np.float32]] = {}
+        #: The head holds its model's final norm: residual states can be read through it.
+        self.has_norm = RESIDUAL_STATES in self._inputs
         self._filler_rows = np.zeros((_FILLER_ROWS, self.d_model), np.float32)
         self._filler_temperature = np.ones((_FILLER_ROWS, 1), np.float32)
         self._no_ids = np.zeros((0,), np.int64)
@@ -307,6 +258,22 @@ class HeadSession:
             )
         return embeddings.reshape(*ids.shape, self.d_model)
 
+    def normalize(self, residual: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+        """(rows, d_model) residual states through the head's final norm (its graph's norm
+        side, ``service.heads.norm``): what the model's last layer hands its head."""
+        if not self.has_norm:
+            raise ValueError(f"{self.path.parent.name} holds no final norm")
+        rows = np.ascontiguousarray(residual, dtype=np.float32)
+        (normed,) = self._run(
+            [NORMED_STATES],
+            self._filler_rows,
+            self._no_ids,
+            1,
+            self._filler_temperature,
+            residual=rows,
+        )
+        return np.asarray(normed, np.float32)
+
     def _feeds(
         self,
         rows: npt.NDArray[np.float32],
@@ -315,6 +282,7 @@ class HeadSession:
         temperature: npt.NDArray[np.float32],
         *,
         chunked: bool = False,
+        residual: npt.NDArray[np.float32] | None = None,
     ) -> dict[str, npt.NDArray[Any]]:
         feeds: dict[str, npt.NDArray[Any]] = {
             HIDDEN_STATES: rows,
@@ -322,6 +290,8 @@ class HeadSession:
             K: np.array([k], np.int64),
             TEMPERATURE: temperature,
         }
+        if self.has_norm:  # the norm side runs on what it is given: nothing, or these rows
+            feeds[RESIDUAL_STATES] = self._filler_rows if residual is None else residual
         if INPUT_IDS not in self._inputs:  # a projection-only session (``rows`` given)
             del feeds[INPUT_IDS]
         if LSE_IN_CHUNKS in self._inputs:  # scoring: the log-sum-exp a few rows at a time
@@ -336,12 +306,14 @@ class HeadSession:
         k: int,
         temperature: npt.NDArray[np.float32],
         logits_into: npt.NDArray[np.float32] | None = None,
+        residual: npt.NDArray[np.float32] | None = None,
     ) -> list[npt.NDArray[Any]]:
         """``logits_into``: a (rows, vocab) array the run writes the logits into (bound as
         the output, so no second rows x vocab copy is made when they reach Python); such a
         run takes its log-sum-exp in row chunks where the graph can
         (``service.heads.lse_graph``)."""
-        feeds = self._feeds(rows, ids, k, temperature, chunked=logits_into is not None)
+        chunked = logits_into is not None
+        feeds = self._feeds(rows, ids, k, temperature, chunked=chunked, residual=residual)
         if self._session is None:
             raise RuntimeError(f"session for {self.path} was closed")
         if not self.io_binding and logits_into is None:

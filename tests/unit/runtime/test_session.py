@@ -13,15 +13,15 @@ import pytest
 from service.allocator import release_free_memory
 from service.heads.files import HeadWeights, save_head
 from service.heads.reference import log_softmax, logsumexp, top_k
-from service.runtime.session import (
+from service.runtime.providers import (
     CPU,
     CUDA,
     MEMORY_MODES,
-    HeadSession,
     provider_entries,
     select_providers,
     session_options,
 )
+from service.runtime.session import HeadSession
 from service.settings import MemoryMode, ProviderChoice
 from tests.conftest import D_MODEL, VOCAB, initializers, reference_logits
 
