@@ -29,6 +29,8 @@ MIN_TEMPERATURE = 1e-4
 MAX_TEMPERATURE = 1e4
 #: |logit_bias| beyond this is a ban or a forced token in all but name (OpenAI's range).
 MAX_BIAS = 100.0
+#: Layers a /lens request may hold (the largest models have ~130).
+MAX_LENS_LAYERS = 512
 LOGIT_BYTES = 4  # float32
 #: A body's bytes are charged this many times as they are read (its decoded arrays, copies).
 BODY_EXPANSION = 3
@@ -87,12 +89,26 @@ class Limits:
                 f"{field} has {rows} rows; the limit is {self.max_rows} per request "
                 "(LMHEAD_MAX_ROWS)"
             )
-        hidden = np.ascontiguousarray(array, dtype=np.float32)
-        if not np.isfinite(hidden).all():
+        return _finite(array, field)
+
+    def lens_states(self, array: npt.NDArray[Any], d_model: int) -> npt.NDArray[np.float32]:
+        """``/lens``: (layers, tokens, d_model), finite; tokens within the row limit (a prompt's
+        positions, as ``/score`` takes them) and at most ``MAX_LENS_LAYERS`` layers."""
+        field = "hidden_states"
+        if array.dtype.kind != "f":
+            raise InvalidInput(f"{field} must be float32 or float16, got {kind_name(array.dtype)}")
+        if array.ndim != 3 or array.shape[-1] != d_model or 0 in array.shape:
             raise InvalidInput(
-                f"{field} contains NaN, Inf or null (or a value beyond float32's range)"
+                f"{field} of /lens must have shape (layers, tokens, {d_model}): every layer's "
+                f"states, as output_hidden_states stacks them; got shape {list(array.shape)[:8]}"
             )
-        return hidden
+        layers, tokens, _ = array.shape
+        if tokens > self.max_rows or layers > MAX_LENS_LAYERS:
+            raise PayloadTooLarge(
+                f"{field} has {layers} layers of {tokens} tokens; the limits are "
+                f"{MAX_LENS_LAYERS} layers and {self.max_rows} tokens (LMHEAD_MAX_ROWS)"
+            )
+        return _finite(array, field)
 
     def token_ids(
         self, ids: npt.NDArray[Any], vocab_size: int, field: str = "input_ids"
@@ -310,3 +326,10 @@ def kind_name(dtype: np.dtype[Any]) -> str:
     return {"b": "booleans", "U": "strings", "S": "bytes", "O": "objects", "c": "complex"}.get(
         dtype.kind, str(dtype)
     )
+
+
+def _finite(array: npt.NDArray[Any], field: str) -> npt.NDArray[np.float32]:
+    hidden = np.ascontiguousarray(array, dtype=np.float32)
+    if not np.isfinite(hidden).all():
+        raise InvalidInput(f"{field} contains NaN, Inf or null (or a value beyond float32's range)")
+    return hidden

@@ -76,6 +76,8 @@ class TopKRequest:
     logprobs: bool = False
     tokens: bool = False
     vocabulary: VocabularyOptions | None = None
+    states: str = "final"
+    """``final`` (post-norm) hidden states, or ``residual``: the head's final norm first."""
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,7 @@ class LogitsRequest:
     hidden_states: npt.NDArray[Any]
     temperature: float = 1.0
     allowed_token_ids: npt.NDArray[Any] | None = None
+    states: str = "final"
 
 
 @dataclass(frozen=True)
@@ -152,6 +155,7 @@ class InferRequest:
     at_least_default_k: bool = False
     """An output takes the model's default k while another asks for its own: the run is as
     wide as the widest of them (a 2-way classification does not narrow the top-k outputs)."""
+    states: str = "final"
 
 
 @dataclass(frozen=True)
@@ -174,6 +178,7 @@ class ScoreRequest:
     """Top-k alternatives per position (0: none)."""
     logprobs_over: str | None = None
     """``candidates``: score within ``candidate_ids`` only (no full run); else the vocabulary."""
+    states: str = "final"
 
 
 @dataclass(frozen=True)
@@ -204,6 +209,7 @@ class CompareRequest:
     target_ids: npt.NDArray[Any] | None = None
     k: int = 10
     measure_speed: bool = False
+    states: str = "final"
 
 
 @dataclass(frozen=True)
@@ -220,6 +226,38 @@ class CompareResult:
     agreement: dict[str, Any]
     models: tuple[dict[str, Any], dict[str, Any]]
     ties: float | None = None
+
+
+@dataclass(frozen=True)
+class LensRequest:
+    """Every layer's hidden states read through the head (the logit lens): (layers, tokens,
+    d_model), residual as ``output_hidden_states`` gives them (``last_layer='final'``: the
+    last entry is post-norm already)."""
+
+    target: Target
+    hidden_states: npt.NDArray[Any]
+    k: int | None = None
+    target_ids: npt.NDArray[Any] | None = None
+    states: str = "residual"
+    last_layer: str = "final"
+    tokens: bool = False
+
+
+@dataclass(frozen=True)
+class LensResult:
+    """Per layer and token: top-k ids and log-probs, entropy, KL(last || layer) in nats; with
+    targets, each target's log-prob and rank (0: the top token) per layer."""
+
+    head: HeadInfo
+    token_ids: npt.NDArray[np.int64]
+    logprobs: npt.NDArray[np.float32]
+    entropy: npt.NDArray[np.float32]
+    kl_to_last: npt.NDArray[np.float32]
+    target_ids: npt.NDArray[np.int64] | None = None
+    target_logprobs: npt.NDArray[np.float32] | None = None
+    target_ranks: npt.NDArray[np.int64] | None = None
+    tokens: Tokens | None = None
+    """Token strings of ``token_ids``, one list per (layer, token) row, layer-major."""
 
 
 # -- what the control calls return ---------------------------------------------------------

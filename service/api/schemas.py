@@ -17,11 +17,20 @@ from pydantic import BaseModel, ConfigDict, Field
 _EXAMPLE_ROW = [0.5, -1.25, 0.75, 2.0]
 
 
+States = Literal["final", "residual"]
+
+
 class _Options(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
-class LogitsOptions(_Options):
+class _StatesOption(_Options):
+    states: States = "final"
+    """``final``: post-norm hidden states (after the model's last norm); ``residual``: states
+    before it, which the head's final norm (kept by ``lmhead import``) normalizes first."""
+
+
+class LogitsOptions(_StatesOption):
     """Options of ``/logits``: in the JSON body beside ``hidden_states``, or as query
     parameters with a ``.npy`` body."""
 
@@ -63,7 +72,7 @@ class EmbedOptions(_Options):
     """``/embed`` has no options yet; unknown fields are refused all the same."""
 
 
-class ScoreOptions(_Options):
+class ScoreOptions(_StatesOption):
     """Options of ``/score`` beside its arrays; unknown fields are refused."""
 
     k: int = Field(default=0, ge=0)
@@ -72,13 +81,27 @@ class ScoreOptions(_Options):
     """``candidates``: score each target among its row's candidate_ids only (no full run)."""
 
 
-class CompareOptions(_Options):
+class CompareOptions(_StatesOption):
     models: list[str] = Field(min_length=2, max_length=2)
     """The two served models to compare (same d_model and vocabulary)."""
     k: int = 10
     """k of the top-k overlap."""
     measure_speed: bool = False
     """Also measure each head's bare rows/s on a 64-row batch."""
+
+
+class LensOptions(_Options):
+    """Options of ``/lens``: in the JSON body beside ``hidden_states``, or as query parameters
+    with a ``.npy`` body."""
+
+    k: int | None = None
+    """Top tokens per layer and position; the model's default when absent."""
+    states: States = "residual"
+    """``residual``: the layers' states before the final norm, which the head applies (as the
+    model does); ``final``: states already normalized (no norm is applied)."""
+    last_layer: States = "final"
+    """``final``: the last layer is post-norm already, as transformers' ``output_hidden_states``
+    gives it; ``residual``: normalize it like the others."""
 
 
 class _Document(BaseModel):
@@ -211,6 +234,35 @@ class CompareAnswer(_Document):
     kl_ba: KLSummary
     models: list[dict[str, Any]]
     ties: float | None = None
+
+
+class LensBody(LensOptions):
+    model_config = _example(hidden_states=[[_EXAMPLE_ROW], [_EXAMPLE_ROW]], k=3, target_ids=[7])
+
+    hidden_states: list[Any]
+    """(layers, tokens, d_model) floats: every layer's hidden states (``output_hidden_states``:
+    the embeddings' output first, the post-norm last)."""
+    target_ids: list[int] | None = None
+    """The real next token at each position: adds its log-prob and rank per layer."""
+
+
+class LensAnswer(Identity):
+    k: int
+    layers: int
+    tokens: int
+    token_ids: list[list[list[int]]]
+    """[layer][token][k] top token ids."""
+    logprobs: list[list[list[float]]]
+    token_strings: list[list[list[str | None]]] | None = None
+    """The top tokens' strings, when the model has labels."""
+    entropy: list[list[float]]
+    """[layer][token] entropy of the layer's next-token distribution, in nats."""
+    kl_to_last: list[list[float]]
+    """[layer][token] KL(last layer's distribution || this layer's), in nats."""
+    target_ids: list[int] | None = None
+    target_logprobs: list[list[float]] | None = None
+    target_ranks: list[list[int]] | None = None
+    """[layer][token] tokens ranked above the target (0: it is the top token)."""
 
 
 class ModelDescription(_Document):

@@ -46,6 +46,8 @@ from service.messages import (
     EmbedResult,
     InferRequest,
     InferResult,
+    LensRequest,
+    LensResult,
     LogitsRequest,
     LogitsResult,
     ScoreRequest,
@@ -57,6 +59,7 @@ from service.messages import (
 from service.metrics import Metrics
 from service.plane import comparison, distribution, grouping, options, scoring
 from service.plane.control import ControlAPI
+from service.plane.lens import final_states, read_lens
 from service.plane.serving import Serving
 from service.plane.shadow import ShadowTraffic
 from service.repository.loaded_version import LoadedVersion
@@ -127,6 +130,7 @@ class DataPlane(ControlAPI):
     async def topk(self, request: TopKRequest) -> TopKResult:
         with self._serving("topk", request.target) as (model,):
             checked = options.topk(request, model, self._limits)
+            checked = await self._final(model, checked, request.states)
             if checked.shape is not None:
                 shaped = await self._shaped(model, checked, checked.shape, request.tokens)
                 return shaped if request.logprobs else replace(shaped, logprobs=None)
@@ -149,6 +153,8 @@ class DataPlane(ControlAPI):
         try:
             with serving as (model,):
                 kept, failed = options.group_rows(requests, model, self._limits)
+                if options.residual(first.states, model):
+                    kept = [(i, await final_states(model, rows, True)) for i, rows in kept]
                 for index, error in failed:
                     answers[index] = error
                     serving.record(error.code)
@@ -211,7 +217,9 @@ class DataPlane(ControlAPI):
     async def logits(self, request: LogitsRequest) -> LogitsResult:
         with self._serving("logits", request.target) as (model,):
             checked = options.logits(request, model, self._limits)
-            hidden, ids, temperature = checked.hidden, checked.allowed, checked.temperature
+            residual = options.residual(request.states, model)
+            hidden = await final_states(model, checked.hidden, residual)
+            ids, temperature = checked.allowed, checked.temperature
             if ids is not None:
                 rows = hidden.reshape(-1, model.d_model)
                 logits = await distribution.candidate_logits(model, rows, ids, temperature)
@@ -236,6 +244,9 @@ class DataPlane(ControlAPI):
         """Projection and/or embeddings from one version (the V2 protocol's infer)."""
         with self._serving("infer", request.target) as (model,):
             checked = options.infer(request, model, self._limits)
+            if checked.topk is not None:
+                final = await self._final(model, checked.topk, request.states)
+                checked = replace(checked, topk=final)
             topk, logits = None, None
             if checked.topk is not None and checked.topk.shape is not None:
                 topk = await self._shaped(model, checked.topk, checked.topk.shape, request.tokens)
@@ -254,7 +265,9 @@ class DataPlane(ControlAPI):
         rows within the row limit, never a (rows x vocab) tensor for the whole request."""
         with self._serving("score", request.target) as (model,):
             checked = options.score(request, model, self._limits)
-            rows, ids = checked.rows, checked.candidates
+            residual = options.residual(request.states, model)
+            rows = await final_states(model, checked.rows, residual)
+            ids = checked.candidates
             candidates = None
             if ids is not None:
                 logits = await distribution.candidate_logits(model, rows, ids, 1.0)
@@ -273,7 +286,9 @@ class DataPlane(ControlAPI):
             a, b = heads
             checked = options.compare(request, (a, b), self._limits)
             hidden, targets, k = checked.hidden, checked.targets, checked.k
-            full = [await self._full(head, hidden) for head in heads]
+            flags = [options.residual(request.states, head) for head in heads]
+            states = [await final_states(h, hidden, f) for h, f in zip(heads, flags, strict=True)]
+            full = [await self._full(h, rows) for h, rows in zip(heads, states, strict=True)]
             (logits_a, _), (logits_b, _) = full
             agreement = await self._statistics(comparison.agreement, logits_a, logits_b, k)
             blocks = (_block(a), _block(b))
@@ -290,7 +305,20 @@ class DataPlane(ControlAPI):
                     block["speed_rows"] = SPEED_ROWS
             return CompareResult(agreement, blocks, ties)
 
+    async def lens(self, request: LensRequest) -> LensResult:
+        """Every layer's states through the head (the logit lens; ``service.plane.lens``)."""
+        with self._serving("lens", request.target) as (model,):
+            checked = options.lens(request, model, self._limits)
+            return await read_lens(model, checked, request.tokens)
+
     # -- the rules' helpers -----------------------------------------------------------------
+
+    async def _final(
+        self, model: LoadedVersion, checked: options.CheckedTopK, states: str
+    ) -> options.CheckedTopK:
+        """Top-k's rows as final states: residual ones through the head's norm first."""
+        residual = options.residual(states, model)
+        return replace(checked, hidden=await final_states(model, checked.hidden, residual))
 
     def _serving(self, verb: str, *targets: Target) -> Serving:
         """Look up and lease each target (no ``await`` between), and record the call."""

@@ -47,9 +47,11 @@ def group_key(method: str, arguments: tuple[Any, ...]) -> tuple[Hashable, ...] |
             request.temperature,
             request.logprobs,
             request.tokens,
+            request.states,
         )
     if method == "infer" and type(request) is InferRequest and _top_k_only(request):
-        return (method, request.target, request.k, request.temperature, request.tokens)
+        key = (request.target, request.k, request.temperature, request.tokens, request.states)
+        return (method, *key)
     return None
 
 
@@ -66,7 +68,13 @@ def as_topk(request: InferRequest) -> TopKRequest:
     """A top-k-only ``infer`` call as the ``topk`` call it amounts to (log-probs included)."""
     assert request.hidden_states is not None
     return TopKRequest(
-        request.target, request.hidden_states, request.k, request.temperature, True, request.tokens
+        request.target,
+        request.hidden_states,
+        request.k,
+        request.temperature,
+        True,
+        request.tokens,
+        states=request.states,
     )
 
 

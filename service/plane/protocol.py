@@ -28,6 +28,8 @@ from service.messages import (
     IndexEntry,
     InferRequest,
     InferResult,
+    LensRequest,
+    LensResult,
     LogitsRequest,
     LogitsResult,
     ModelStatus,
@@ -53,6 +55,8 @@ class InferencePlane(Protocol):
     async def score(self, request: ScoreRequest) -> ScoreResult: ...
 
     async def compare(self, request: CompareRequest) -> CompareResult: ...
+
+    async def lens(self, request: LensRequest) -> LensResult: ...
 
 
 class ControlPlane(Protocol):

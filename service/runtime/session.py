@@ -220,16 +220,26 @@ class HeadSession:
         thread, kept for the next call (as onnxruntime's arena keeps a run's buffers): fresh
         pages cost each run their page faults, measured ~7% of a 98-row run; one buffer per
         inference thread keeps the memory bound of ``limits.worst_case_extra_bytes``."""
+        values, ids, lse, logits = self.logits_run(rows, k)
+        target, rank = target_ranks(logits, targets)
+        return Scored(values, ids, lse, target, rank)
+
+    def logits_run(
+        self, rows: npt.NDArray[np.float32], k: int
+    ) -> tuple[
+        npt.NDArray[np.float32],
+        npt.NDArray[np.int64],
+        npt.NDArray[np.float32],
+        npt.NDArray[np.float32],
+    ]:
+        """Top-k values and ids, log-sum-exp and the (rows, vocab) logits of final states at
+        temperature 1, the logits in this thread's scoring buffer (valid until its next
+        run; scoring and the lens read them there)."""
         temperature = np.ones((len(rows), 1), np.float32)
         names = [TOPK_LOGITS, TOPK_TOKEN_IDS, LOGSUMEXP, LOGITS]
         into = self._score_buffer(len(rows)) if self.score_copies == 1 else None
         values, ids, lse, logits = self._run(names, rows, self._no_ids, k, temperature, into)
-        target = logits[np.arange(len(rows)), targets]
-        rank = np.empty(len(rows), np.int64)
-        for start in range(0, len(rows), RANK_ROWS):
-            chunk = slice(start, start + RANK_ROWS)
-            rank[chunk] = _ranks(logits[chunk], target[chunk], targets[chunk])
-        return Scored(values, ids, lse, target, rank)
+        return values, ids, lse, logits
 
     def _score_buffer(self, rows: int) -> npt.NDArray[np.float32]:
         size = rows * self.vocab_size
@@ -333,6 +343,19 @@ class HeadSession:
             logits_into if name == LOGITS and logits_into is not None else value.numpy()
             for name, value in zip(names, outputs, strict=True)
         ]
+
+
+def target_ranks(
+    logits: npt.NDArray[np.float32], targets: npt.NDArray[np.int64]
+) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int64]]:
+    """Each row's target logit and rank (tokens scoring strictly higher, and equal ones with
+    lower ids), counted ``RANK_ROWS`` rows at a time (a small boolean temporary)."""
+    target = logits[np.arange(len(logits)), targets]
+    rank = np.empty(len(logits), np.int64)
+    for start in range(0, len(logits), RANK_ROWS):
+        chunk = slice(start, start + RANK_ROWS)
+        rank[chunk] = _ranks(logits[chunk], target[chunk], targets[chunk])
+    return target, rank
 
 
 def _ranks(

@@ -70,7 +70,7 @@ HIDDEN = "hidden_states"
 async def decode_topk(request: Request, body_limit: int) -> tuple[TopKRequest, str]:
     """A top-k request and the media type the answer should have."""
     answer = response_type(request, (JSON, NPY, NPZ), JSON)
-    hidden, opts, arrays = await _hidden_and_options(request, body_limit, TopKOptions)
+    hidden, opts, arrays = await hidden_and_options(request, body_limit, TopKOptions)
     decoded = TopKRequest(
         target(request),
         hidden,
@@ -79,6 +79,7 @@ async def decode_topk(request: Request, body_limit: int) -> tuple[TopKRequest, s
         opts.logprobs,
         tokens=answer == JSON,
         vocabulary=_vocabulary(opts, arrays),
+        states=opts.states,
     )
     return decoded, answer
 
@@ -99,11 +100,12 @@ def _vocabulary(opts: TopKOptions, arrays: dict[str, Any]) -> VocabularyOptions 
 
 async def decode_logits(request: Request, body_limit: int) -> tuple[LogitsRequest, str]:
     answer = response_type(request, (NPY, JSON), NPY)
-    hidden, opts, arrays = await _hidden_and_options(
+    hidden, opts, arrays = await hidden_and_options(
         request, body_limit, LogitsOptions, ("allowed_token_ids",)
     )
     allowed = arrays.get("allowed_token_ids")
-    return LogitsRequest(target(request), hidden, opts.temperature, allowed), answer
+    decoded = LogitsRequest(target(request), hidden, opts.temperature, allowed, opts.states)
+    return decoded, answer
 
 
 async def decode_embed(request: Request, body_limit: int) -> tuple[EmbedRequest, str]:
@@ -146,6 +148,7 @@ def _score_request(body: bytes, to: Target) -> ScoreRequest:
         None if candidates is None else int_array(candidates, "candidate_ids", booleans),
         opts.k,
         opts.logprobs_over,
+        opts.states,
     )
 
 
@@ -167,6 +170,7 @@ def _compare_request(body: bytes) -> CompareRequest:
         None if targets is None else int_array(targets, "target_ids", booleans),
         opts.k,
         opts.measure_speed,
+        opts.states,
     )
 
 
@@ -195,7 +199,7 @@ async def encode_compare(result: CompareResult) -> Response:
 
 def _topk_response(result: TopKResult, answer: str) -> Response:
     if answer == JSON:
-        return _reply(result.head, topk_json(result), JSON)
+        return reply(result.head, topk_json(result), JSON)
     if answer == NPZ:
         arrays: dict[str, npt.NDArray[Any]] = {
             "token_ids": result.token_ids,
@@ -207,8 +211,8 @@ def _topk_response(result: TopKResult, answer: str) -> Response:
             arrays["sampled_token_ids"] = result.sampled.token_ids
             arrays["sampled_logprobs"] = result.sampled.logprobs
             arrays["seed"] = np.array(result.sampled.seed, np.uint64)  # to draw them again
-        return _reply(result.head, npz_bytes({**arrays, "logsumexp": result.logsumexp}), NPZ)
-    return _reply(result.head, npy_bytes(topk_records(result)), NPY)
+        return reply(result.head, npz_bytes({**arrays, "logsumexp": result.logsumexp}), NPZ)
+    return reply(result.head, npy_bytes(topk_records(result)), NPY)
 
 
 def _logits_response(result: LogitsResult, answer: str) -> Response:
@@ -216,19 +220,19 @@ def _logits_response(result: LogitsResult, answer: str) -> Response:
         payload = {**identity(result.head), "logits": result.logits}
         if result.token_ids is not None:  # restricted: the columns' ids (npy: as requested)
             payload["token_ids"] = result.token_ids
-        return _reply(result.head, json_bytes(payload), JSON)
-    return _reply(result.head, npy_bytes(result.logits), NPY)
+        return reply(result.head, json_bytes(payload), JSON)
+    return reply(result.head, npy_bytes(result.logits), NPY)
 
 
 def _embed_response(result: EmbedResult, answer: str) -> Response:
     if answer == NPY:
-        return _reply(result.head, npy_bytes(result.embeddings), NPY)
+        return reply(result.head, npy_bytes(result.embeddings), NPY)
     payload = {**identity(result.head), "embeddings": result.embeddings}
-    return _reply(result.head, json_bytes(payload), JSON)
+    return reply(result.head, json_bytes(payload), JSON)
 
 
 def _score_response(result: ScoreResult) -> Response:
-    return _reply(result.head, score_json(result), JSON)
+    return reply(result.head, score_json(result), JSON)
 
 
 def _compare_response(result: CompareResult) -> Response:
@@ -241,12 +245,12 @@ def _compare_response(result: CompareResult) -> Response:
 #: Id lists beside the options: decoded to numpy like the hidden states, not by pydantic.
 ID_LISTS = ("allowed_token_ids", "banned_token_ids")
 #: Query parameters (``.npy`` bodies) whose value is JSON text.
-JSON_QUERY = (*ID_LISTS, "logit_bias", "sample")
+JSON_QUERY = (*ID_LISTS, "target_ids", "logit_bias", "sample")
 QUERY_EXAMPLES = {"logit_bias": '{"3":-100}', "sample": '{"seed":1}'}
 BOOLEANS = ("true", "false")
 
 
-async def _hidden_and_options(
+async def hidden_and_options(
     request: Request, body_limit: int, schema: type[BaseModel], lists: Sequence[str] = ID_LISTS
 ) -> tuple[npt.NDArray[Any], Any, dict[str, npt.NDArray[Any]]]:
     """The rows, the options of ``schema`` and the id ``lists`` the route takes."""
@@ -308,7 +312,7 @@ def _required(payload: dict[str, Any], field: str, expected: str) -> Any:
     return payload.pop(field)
 
 
-def _reply(head: HeadInfo, body: bytes, media_type: str) -> Response:
+def reply(head: HeadInfo, body: bytes, media_type: str) -> Response:
     headers = {
         "x-lmhead-model": head.name,
         "x-lmhead-version": str(head.version),

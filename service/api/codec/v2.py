@@ -27,7 +27,7 @@ from service.api.codec.v2outputs import (
     select,
     takes_default_k,
 )
-from service.api.codec.v2params import flag, mapping, number, optional_int, vocabulary
+from service.api.codec.v2params import flag, mapping, number, optional_int, states, vocabulary
 from service.api.codec.wire import (
     float_array,
     header,
@@ -121,6 +121,7 @@ def decode_header(
         tokens=any(o.classification is not None for o in outputs),
         vocabulary=vocabulary(parameters),
         at_least_default_k=bool(asked) and takes_default_k(outputs),
+        states=states(parameters, header.get("inputs")),
     )
     request_id = header.get("id")
     if request_id is not None and not isinstance(request_id, str):

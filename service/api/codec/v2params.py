@@ -105,3 +105,31 @@ def mapping(value: Any, where: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise InvalidInput(f"{where} must be a JSON object")
     return value
+
+
+STATES = ("final", "residual")
+
+
+def states(parameters: dict[str, Any], inputs: Any) -> str:
+    """``states`` (``final`` or ``residual``) from the request's parameters or its
+    hidden_states input's (where Triton clients put per-tensor options); given in both, the
+    two must agree. ``final`` when neither says."""
+    given: dict[str, Any] = {}
+    if "states" in parameters:
+        given["the request's parameters"] = parameters["states"]
+    for entry in inputs if isinstance(inputs, list) else []:
+        own = entry.get("parameters") if isinstance(entry, dict) else None
+        if entry.get("name") == "hidden_states" and isinstance(own, dict) and "states" in own:
+            given["input hidden_states's parameters"] = own["states"]
+    for where, value in given.items():
+        if value not in STATES:
+            shown = str(value)[:24] if isinstance(value, str) else type(value).__name__
+            raise InvalidInput(
+                f"parameter states in {where} must be 'final' or 'residual', got {shown!r}"
+            )
+    if len(set(given.values())) > 1:
+        (first, one), (second, other) = given.items()
+        raise InvalidInput(
+            f"parameter states is {one!r} in {first} and {other!r} in {second}: give it once"
+        )
+    return next(iter(given.values()), "final")

@@ -15,6 +15,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from service.api.codec import native
+from service.api.codec.lens_wire import decode_lens, encode_lens
 from service.api.routes.deps import PlaneDep, body_limit, plane_of
 from service.api.routes.openapi import (
     BINARY,
@@ -31,6 +32,8 @@ from service.api.schemas import (
     CompareBody,
     EmbedAnswer,
     EmbedBody,
+    LensAnswer,
+    LensBody,
     LogitsAnswer,
     LogitsBody,
     ModelDescription,
@@ -135,6 +138,26 @@ async def score(request: Request) -> Response:
     """Per row: the target's logit, log-prob and rank; the batch's NLL and perplexity."""
     decoded = await native.decode_score(request, body_limit(request))
     return await native.encode_score(await plane_of(request).score(decoded))
+
+
+LENS_QUERY = (
+    VERSION_QUERY,
+    query("k", {"type": "integer", "minimum": 1}, "With an .npy body: top tokens per layer."),
+    query("target_ids", {"type": "string"}, "With an .npy body: JSON list, one id per token."),
+    query("states", {"enum": ["residual", "final"]}, "With an .npy body: residual or final."),
+    query("last_layer", {"enum": ["final", "residual"]}, "With an .npy body: the last layer's."),
+)
+
+
+@_inference(
+    "lens", LensBody, LensAnswer, answers=(NPZ,), alternatives={NPY: BINARY}, parameters=LENS_QUERY
+)
+async def lens(request: Request) -> Response:
+    """The logit lens: every layer's hidden states (layers, tokens, d_model) through the head's
+    final norm and projection: per layer and token the top-k, entropy, KL to the last layer
+    and, with target_ids, each target's log-prob and rank. Runs in bounded memory."""
+    decoded, answer = await decode_lens(request, body_limit(request))
+    return await encode_lens(await plane_of(request).lens(decoded), answer)
 
 
 @router.post(

@@ -19,6 +19,7 @@ from service.api.schemas import (
     CompareBody,
     EmbedBody,
     ErrorAnswer,
+    LensBody,
     LogitsBody,
     ScoreBody,
     TopKBody,
@@ -39,6 +40,7 @@ BODIES: tuple[type[BaseModel], ...] = (
     EmbedBody,
     ScoreBody,
     CompareBody,
+    LensBody,
     V2InferBody,
 )
 PATH_PARAMETERS: dict[str, dict[str, Any]] = {
