@@ -6,7 +6,8 @@ ONNX: ``torch.onnx.export`` with constant folding writes W and a folded W^T, and
 checkpoints ship a redundant ``lm_head`` copy. Such a file has two initializers with the same
 content; it is reported as *duplicated*, not as tied, with the bytes a re-tie would save.
 
-Weights are compared without loading the file twice: external data is memory-mapped.
+Weights are compared without loading the file twice: external data is memory-mapped. A final
+norm, when the head holds one, is checked and described by ``service.heads.norm_side``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -31,6 +32,7 @@ from service.heads.external import (
     stored_tensors,
 )
 from service.heads.graph import HIDDEN_STATES, UNTIED_ON_PURPOSE, HeadTransforms
+from service.heads.norm_side import inspect_norm, norm_summary
 
 PROJECTION_OPS = frozenset({"Gemm", "MatMul", "FusedMatMul"})
 PASS_THROUGH_OPS = frozenset({"Identity", "Cast"})
@@ -74,9 +76,16 @@ class HeadReport:
     quantization: dict[str, Any] | None = None
     """A block-quantized projection (``MatMulNBits``): bits, block size, whether the table is
     quantized and the one tensor set shared by both sides, the quantized bytes."""
+    final_norm: dict[str, Any] | None = None
+    """The model's final norm (kind, epsilon, bias, source, tensors), which residual states
+    are read through; None: the head has none (``service.heads.norm_side``)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def norm_text(self) -> str:
+        """The final norm in one line (``lmhead inspect``)."""
+        return norm_summary(self.final_norm)
 
 
 @dataclass(frozen=True)
@@ -122,7 +131,12 @@ def inspect_head(path: str | Path, model: onnx.ModelProto | None = None) -> Head
     vocab_size, d_model = _table_shape(graph, gather, weights)
     projection = _find_projection(graph, producers, weights, vocab_size, d_model)
     props = {prop.key: prop.value for prop in model.metadata_props}
-    return _report(model_path, weights, gather, projection, vocab_size, d_model, props)
+    try:
+        final_norm = inspect_norm(model, model_path.parent, d_model)
+    except ValueError as error:
+        raise HeadInspectionError(f"final norm: {error}") from None
+    report = _report(model_path, weights, gather, projection, vocab_size, d_model, props)
+    return replace(report, final_norm=final_norm)
 
 
 def _trace(name: str, producers: dict[str, onnx.NodeProto]) -> tuple[str, bool]:

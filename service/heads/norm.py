@@ -48,9 +48,9 @@ class FinalNorm:
     already added), bias (``layer`` only, optional) and epsilon."""
 
     kind: NormKind
-    weight: npt.NDArray[np.float32]
+    weight: npt.NDArray[np.floating]
     epsilon: float
-    bias: npt.NDArray[np.float32] | None = None
+    bias: npt.NDArray[np.floating] | None = None
     source: str = field(default="", compare=False)
     """Where it came from, for people (``model.norm.weight (1 + weight, Gemma)``)."""
 

@@ -1,4 +1,5 @@
-"""Read Hugging Face safetensors checkpoints without torch: only the embedding and head tensors.
+"""Read Hugging Face safetensors checkpoints without torch: only the embedding and head tensors
+(and the final norm's, ``service.tools.final_norms``).
 
 ``safetensors`` memory-maps the files and slices are copied out row chunk by row chunk, so
 importing a head never loads the whole checkpoint and the peak is the float32 head plus one
@@ -38,6 +39,9 @@ EMBEDDING_TENSORS = (
     "model.decoder.embed_tokens.weight",  # OPT
     "gpt_neox.embed_in.weight",  # GPT-NeoX, Pythia
     "shared.weight",  # T5
+    "embed_tokens.weight",  # a bare LlamaModel, MistralModel, Qwen2Model, GemmaModel, PhiModel
+    "decoder.embed_tokens.weight",  # a bare OPTModel
+    "embed_in.weight",  # a bare GPTNeoXModel
 )
 HEAD_TENSORS = ("lm_head.weight", "embed_out.weight")
 #: Models whose tied output is rescaled by d_model ** -0.5 (transformers'
@@ -128,7 +132,7 @@ class Checkpoint:
         if head is not None and head not in self._files:
             raise CheckpointError(f"no tensor {head!r}; the checkpoint has: {_listing(self.names)}")
         if head is None:
-            if _flag(self.config, "tie_word_embeddings", True) is False:
+            if config_flag(self.config, "tie_word_embeddings", True) is False:
                 raise CheckpointError(
                     "config.json says tie_word_embeddings: false but no head tensor was found "
                     f"(looked for {', '.join(HEAD_TENSORS)}); refusing to invent a random head"
@@ -150,7 +154,7 @@ class Checkpoint:
             tied
             and isinstance(model_type, str)
             and model_type in T5_FAMILY
-            and _flag(self.config, "tie_word_embeddings", True)
+            and config_flag(self.config, "tie_word_embeddings", True)
         )
         try:
             return HeadTransforms(
@@ -329,7 +333,8 @@ def _read_config(path: Path) -> dict[str, Any]:
     return _json_file(path) if path.is_file() else {}
 
 
-def _flag(config: dict[str, Any], key: str, default: bool) -> bool:
+def config_flag(config: dict[str, Any], key: str, default: bool) -> bool:
+    """A true/false key of the config (``default`` when absent); anything else is refused."""
     value = config.get(key, default)
     if not isinstance(value, bool):
         raise CheckpointError(f"config.json: {key} must be true or false, got {value!r:.40}")
@@ -340,7 +345,7 @@ def _scale(config: dict[str, Any], key: str) -> float | None:
     """A head scale from the config (None when absent): real heads use ones far inside
     ``SCALE_RANGE``; outside it every logit vanishes or overflows float32 (0 is no "off"
     switch either: transformers multiplies by it, or divides by it)."""
-    value = _number(config, key)
+    value = config_number(config, key)
     low, high = SCALE_RANGE
     if value is not None and not low <= value <= high:
         raise CheckpointError(
@@ -350,7 +355,7 @@ def _scale(config: dict[str, Any], key: str) -> float | None:
     return value
 
 
-def _number(config: dict[str, Any], key: str) -> float | None:
+def config_number(config: dict[str, Any], key: str) -> float | None:
     """A finite number from the config, or None when absent or null."""
     value = config.get(key)
     if value is None:

@@ -1,5 +1,6 @@
 """``lmhead import``: turn a Hugging Face checkpoint into a served head, tied exactly when the
-model is tied (or when asked: ``--tie`` / ``--untie``)."""
+model is tied (or when asked: ``--tie`` / ``--untie``), with the model's final norm when its
+family has one (``service.tools.final_norms``; ``--no-norm`` leaves it out)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import errno
 import shutil
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from service.repository import staging
 from service.repository.disk import LABELS_FILE, VOCAB_MAP_FILE, read_labels, read_space
 from service.runtime.vocabulary import TokenSpace
 from service.tools.checkpoints import Checkpoint, CheckpointError, tokenizer_tokens
+from service.tools.final_norms import NO_NORM, final_norm
 
 #: Above this the weights go to model.onnx.data: written straight from the numpy buffers (no
 #: protobuf copy, so the import peak stays near the checkpoint tensor plus its float32 copy)
@@ -46,6 +48,9 @@ class ImportOptions:
     """Block-quantize the output matrix (the one matrix when tied)."""
     quantize_table: bool = False
     """Untied heads: quantize the embedding table too."""
+    no_norm: bool = False
+    """Leave the model's final norm out (``service.tools.final_norms`` finds it): the head
+    then reads final states only."""
 
 
 @dataclass
@@ -59,6 +64,8 @@ class ImportResult:
     checkpoint_dtypes: tuple[str, ...] = ()
     """How the checkpoint stores the tensors the head was made of (float16: widened to
     float32 unless ``ImportOptions.dtype`` kept it)."""
+    final_norm: str | None = None
+    """The final norm kept, in one line (``rms, eps 1e-05 (model.norm.weight)``); None: none."""
 
 
 def import_checkpoint(
@@ -97,6 +104,13 @@ def import_checkpoint(
         shown = transforms.describe() | ({"bias": True} if bias is not None else {})
         if shown:  # a half-precision head alone has none to tell
             notes.append(f"head transforms in the graph: {shown}")
+    if options.no_norm:
+        found = None
+        notes.append(f"--no-norm: {NO_NORM}")
+    else:  # float32 whatever --dtype: a side of its own, never quantized
+        found = final_norm(checkpoint, table.shape[1])
+        weights = replace(weights, norm=found.norm)
+        notes += found.notes
     labels = tokenizer_tokens(checkpoint.directory, table.shape[0], notes)  # fails before writing
     external = options.external_data
     stored = weights.stored_nbytes(options.quantization, options.quantize_table)
@@ -123,8 +137,9 @@ def import_checkpoint(
     vocab_size, d_model = table.shape
     read = [plan.embedding] + ([plan.head] if plan.head and not weights.tied else [])
     dtypes = tuple(sorted({checkpoint.stored_dtype(tensor) for tensor in read}))
+    kept = None if found is None else found.summary
     return ImportResult(
-        directory, weights.tied, vocab_size, d_model, labels is not None, notes, dtypes
+        directory, weights.tied, vocab_size, d_model, labels is not None, notes, dtypes, kept
     )
 
 
@@ -269,6 +284,7 @@ def read_float_head(source: Path) -> HeadWeights:
             transforms=read.transforms,
             twin=read.twin,
             dtype=dtype_name(read.embedding.dtype),
+            norm=read.norm,
         )
     except ValueError as error:  # already quantized, or not a head the service would load
         raise CheckpointError(f"{error} (--version picks another)") from None

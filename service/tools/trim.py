@@ -2,7 +2,7 @@
 the original token ids.
 
 ``lmhead trim MODEL --keep IDS --name NEW`` writes the kept rows (a tied head stays tied: ONE
-matrix, fewer rows), the bias and transforms as they were, the kept labels, and
+matrix, fewer rows), the bias and transforms as they were, the final norm, the kept labels, and
 ``vocab_map.json`` (``{"vocab_size": original, "token_ids": [kept ids, ascending]}``). The
 service reads the map into a ``TokenSpace``: requests name original ids (an id that was
 trimmed is a 422), answers return original ids, and inside, column i is ``token_ids[i]``. Kept
@@ -71,6 +71,7 @@ def trim_version(
         None if weights.bias is None else weights.bias[columns],
         weights.transforms,
         weights.twin,
+        weights.norm,  # over d_model, which trimming keeps: residual states still read
     )
 
     def write(staging: Path) -> None:

@@ -381,7 +381,10 @@ def test_a_checkpoint_without_config_json_is_imported_with_a_warning(tmp_path: P
     with_config = import_checkpoint(
         _checkpoint(tmp_path / "c2", {"shared.weight": _table()}), tmp_path / "models", "ok"
     )
-    assert not any("config.json" in note for note in with_config.notes)
+    assert not any("WARNING" in note for note in with_config.notes)
+    # The final norm's family is config.json's model_type too: without one, no norm is kept.
+    for imported in (result, with_config):
+        assert any(note.startswith("no final norm: ") for note in imported.notes)
 
 
 def test_version_numbers_count_whatever_their_zeros(tmp_path: Path) -> None:
