@@ -292,6 +292,9 @@ class VersionDetails:
     default_k: int
     trimmed_from: int | None
     """The vocabulary a trimmed head was cut from (ids in and out are that one's)."""
+    final_norm: dict[str, Any] | None = None
+    """The model's final norm (kind, epsilon, ...), which ``states: residual`` and ``/lens``
+    read states through; None: the head has none, and they are refused."""
 
 
 @dataclass(frozen=True)

@@ -290,6 +290,7 @@ class LoadedVersion:
             labels=self.labels is not None,
             default_k=self.default_k,
             trimmed_from=None if self.token_space is None else self.token_space.size,
+            final_norm=_norm_shown(report.final_norm),
         )
 
     def _run(
@@ -329,3 +330,11 @@ def _place(whole: Projection, part: Projection, start: int) -> None:
     whole.logsumexp[start:stop] = part.logsumexp
     if whole.logits is not None and part.logits is not None:
         whole.logits[start:stop] = part.logits
+
+
+def _norm_shown(norm: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The final norm as a client sees it (kind, epsilon, bias, source), or None: residual
+    states and the lens are refused for such a head."""
+    if norm is None:
+        return None
+    return {key: norm[key] for key in ("kind", "epsilon", "bias", "source") if key in norm}
