@@ -1,4 +1,5 @@
-"""``lmhead`` command line: serve, demo, import, quantize, trim, inspect, retie, compare, health.
+"""``lmhead`` command line: serve, demo, import, quantize, trim, inspect, retie, compare, lens,
+health.
 
 Every command takes the repository and port from ``LMHEAD_REPOSITORY`` and ``LMHEAD_PORT``
 when not given (so ``demo`` and ``import`` write where ``serve`` serves); ``serve`` reads every

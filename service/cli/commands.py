@@ -139,10 +139,13 @@ def import_head(args: argparse.Namespace) -> int:
         dtype=args.dtype or DEFAULT_DTYPE,
         quantization=_spec(args),
         quantize_table=args.quantize_table,
+        no_norm=args.no_norm,
     )
     result = import_checkpoint(args.checkpoint, args.repository, args.name, options)
     kind = "tied" if result.tied else "untied"
     print(f"wrote {result.directory}: {kind} head, {result.vocab_size} x {result.d_model}")
+    if result.final_norm is not None:
+        print(f"  final norm: {result.final_norm}")
     for note in result.notes:
         print(f"  note: {note}")
     halves = [dtype for dtype in result.checkpoint_dtypes if dtype != DEFAULT_DTYPE]
@@ -255,6 +258,12 @@ def compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def lens(args: argparse.Namespace) -> int:
+    from service.cli.logit_lens import lens_command
+
+    return lens_command(args, args.url or _local_url())
+
+
 def retie_head(args: argparse.Namespace) -> int:
     if args.output is None and not args.in_place:
         raise UsageError("say where: -o OUTPUT, or --in-place to rewrite the model itself")
@@ -343,6 +352,7 @@ def format_report(report: HeadReport) -> str:
         ("projection", f"{report.projection_initializer}{layout} -> {report.projection_node}"),
         ("vocab x d_model", f"{report.vocab_size} x {report.d_model} {report.dtype}"),
         ("parameters", f"{report.parameters:,}"),
+        ("final norm", report.norm_text()),
         ("weight bytes", f"{report.weight_bytes:,}"),
         ("saved by tying", _saved(report)),
         (

@@ -42,7 +42,18 @@ def build_parser(valid: PlaceSettings | None) -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", title="commands", metavar="COMMAND")
     shared = _Shared(valid)
-    for add in (_demo, _serve, _import, _quantize, _trim, _compare, _retie, _health, _inspect):
+    for add in (
+        _demo,
+        _serve,
+        _import,
+        _quantize,
+        _trim,
+        _compare,
+        _lens,
+        _retie,
+        _health,
+        _inspect,
+    ):
         add(commands, shared)
     return parser
 
@@ -221,6 +232,11 @@ def _import(commands: Commands, shared: _Shared) -> None:
     tying.add_argument("--tie", action="store_true", help="force one shared matrix")
     tying.add_argument("--untie", action="store_true", help="separate copy of W for the head")
     importer.add_argument(
+        "--no-norm",
+        action="store_true",
+        help="leave the model's final norm out: the head then refuses residual states",
+    )
+    importer.add_argument(
         "--external-data",
         action="store_true",
         help="weights in model.onnx.data (default: only for heads over 256 MiB)",
@@ -272,6 +288,64 @@ def _compare(commands: Commands, shared: _Shared) -> None:
     shared.repository(versus)
     versus.add_argument("--json", action="store_true", help="print one JSON object")
     versus.set_defaults(handler="compare")
+
+
+def _lens(commands: Commands, shared: _Shared) -> None:
+    lens = _command(
+        commands, "lens", "read every layer's hidden states through a served head (logit lens)"
+    )
+    lens.add_argument("model", help="the served model's name")
+    lens.add_argument(
+        "--hidden",
+        type=Path,
+        required=True,
+        metavar="NPY",
+        help=".npy of (layers, tokens, d_model): every layer's hidden states, as "
+        "transformers' output_hidden_states gives them (embeddings first)",
+    )
+    lens.add_argument(
+        "--targets",
+        type=Path,
+        metavar="NPY",
+        help=".npy of the real next token ids, one per position: their rank per layer "
+        "(default: none)",
+    )
+    lens.add_argument(
+        "--k",
+        type=positive,
+        help="top tokens per layer and position in the answer; the table shows the first "
+        "(default: the model's default k)",
+    )
+    lens.add_argument(
+        "--states",
+        choices=("residual", "final"),
+        default="residual",
+        help="residual: every layer read through the head's final norm first (heads that hold "
+        "one); final: the states are post-norm already (default: residual)",
+    )
+    lens.add_argument(
+        "--last-layer",
+        choices=("final", "residual"),
+        default="final",
+        help="the last layer's states: final, post-norm already, as output_hidden_states gives "
+        "them; residual, normed like the others (default: final)",
+    )
+    lens.add_argument(
+        "--plot",
+        type=Path,
+        metavar="PNG",
+        help="also draw the picture, layers x positions, each cell its top token coloured by "
+        "its probability; needs matplotlib: pip install '.[plot]' (default: no picture)",
+    )
+    lens.add_argument(
+        "--version",
+        type=positive,
+        metavar="N",
+        help="served version to read (default: the one the service serves)",
+    )
+    shared.url(lens)
+    lens.add_argument("--json", action="store_true", help="print the answer as one JSON object")
+    lens.set_defaults(handler="lens")
 
 
 def _retie(commands: Commands, shared: _Shared) -> None:

@@ -2,15 +2,14 @@
 
 It imports httpx and numpy only (and ``service.errors``, the standard library), so a trunk's
 process can use it without onnxruntime or the server's packages. Hidden states go as ``.npy``
-and top-k answers come back as ``.npz`` (``binary=False``, or ``tokens=True``, speaks JSON);
-anything with ``__array__`` is accepted, so CPU torch tensors work without importing torch.
-Inference calls are pure functions of their input, so they are retried, with backoff, on 503
-(after the service's ``Retry-After``, at most 10 x the backoff) and on connection errors;
-control calls on 503 only. A
-service error is raised as its class from ``service.errors`` (``QueueFull``, ``InvalidInput``,
-...) with the service's message; a success whose body cannot be read as the call's answer is
-an ``UnreadableAnswer`` (a ``ServiceError`` too). Every answer says which model, version and
-tie answered.
+and top-k and lens answers come back as ``.npz`` (``binary=False``, or ``tokens=True``, speaks
+JSON); anything with ``__array__`` is accepted, so CPU torch tensors work without importing
+torch. Inference calls are pure functions of their input, so they are retried, with backoff,
+on 503 (after the service's ``Retry-After``, at most 10 x the backoff) and on connection
+errors; control calls on 503 only. A service error is raised as its class from
+``service.errors`` (``QueueFull``, ``InvalidInput``, ...) with the service's message; a success
+whose body cannot be read as the call's answer is an ``UnreadableAnswer`` (a ``ServiceError``
+too). Every answer says which model, version and tie answered.
 
     with Client("http://127.0.0.1:8000") as client:
         top = client.topk("demo-tied", hidden, k=5, logprobs=True)
@@ -29,20 +28,19 @@ from typing import Any
 
 import httpx
 
-from service.client.calls import (
+from service.client.answers import (
     Arrays,
-    Call,
-    Calls,
-    Retry,
+    Lens,
     TopK,
     UnreadableAnswer,
-    checked,
-    model_path,
+    read_array,
     read_json,
-    retry_after,
+    read_lens,
+    read_topk,
 )
+from service.client.calls import Call, Calls, Retry, checked, model_path, retry_after
 
-__all__ = ["Arrays", "AsyncClient", "Client", "TopK", "UnreadableAnswer"]
+__all__ = ["Arrays", "AsyncClient", "Client", "Lens", "TopK", "UnreadableAnswer"]
 RETRY_STATUS = 503
 
 
@@ -83,11 +81,15 @@ class Client:
         temperature: float = 1.0,
         tokens: bool = False,
         version: int | None = None,
+        states: str | None = None,
         **options: Any,
     ) -> TopK:
-        """``options``: allowed_token_ids, logit_bias, banned_token_ids, logprobs_over, sample."""
+        """``options``: allowed_token_ids, logit_bias, banned_token_ids, logprobs_over, sample.
+        ``states``: ``"residual"`` sends pre-norm states, through the head's final norm
+        first (heads that hold one); None: not sent (the service's ``"final"``)."""
+        options = _with_states(options, states)
         call = self._calls.topk(model, hidden, k, logprobs, temperature, tokens, version, options)
-        return self._calls.read_topk(self._send(call))
+        return read_topk(self._send(call))
 
     def logits(
         self,
@@ -97,13 +99,14 @@ class Client:
         temperature: float = 1.0,
         version: int | None = None,
         allowed_token_ids: Any = None,
+        states: str | None = None,
     ) -> Arrays:
         """(rows, vocab) logits, or (rows, len(allowed_token_ids)) for those ids alone."""
-        call = self._calls.logits(model, hidden, temperature, version, allowed_token_ids)
-        return self._calls.read_array(self._send(call))
+        call = self._calls.logits(model, hidden, temperature, version, allowed_token_ids, states)
+        return read_array(self._send(call))
 
     def embed(self, model: str, ids: Any, *, version: int | None = None) -> Arrays:
-        return self._calls.read_array(self._send(self._calls.embed(model, ids, version)))
+        return read_array(self._send(self._calls.embed(model, ids, version)))
 
     def score(
         self,
@@ -112,21 +115,46 @@ class Client:
         target_ids: Any,
         *,
         version: int | None = None,
+        states: str | None = None,
         **options: Any,
     ) -> dict[str, Any]:
         """``options``: candidate_ids, k, logprobs_over. The answer as the service sends it."""
+        options = _with_states(options, states)
         answer: dict[str, Any] = read_json(
             self._send(self._calls.score(model, hidden, target_ids, version, **options)),
             has="results",
         )
         return answer
 
-    def compare(self, model_a: str, model_b: str, hidden: Any, **options: Any) -> dict[str, Any]:
+    def compare(
+        self, model_a: str, model_b: str, hidden: Any, *, states: str | None = None, **options: Any
+    ) -> dict[str, Any]:
         """``options``: target_ids, k, measure_speed."""
+        options = _with_states(options, states)
         answer: dict[str, Any] = read_json(
             self._send(self._calls.compare((model_a, model_b), hidden, **options)), has="rows"
         )
         return answer
+
+    def lens(
+        self,
+        model: str,
+        hidden: Any,
+        *,
+        k: int | None = None,
+        target_ids: Any = None,
+        states: str = "residual",
+        last_layer: str = "final",
+        tokens: bool = False,
+        version: int | None = None,
+    ) -> Lens:
+        """The logit lens: ``hidden`` is every layer's states, (layers, tokens, d_model), as
+        ``output_hidden_states`` gives them: residual (read through the head's final norm),
+        the last layer post-norm already (``last_layer="final"``). ``target_ids`` (tokens,):
+        the real next tokens, for their log-prob and rank per layer. ``tokens=True`` asks
+        for the top tokens' strings (a JSON answer)."""
+        options = _lens_options(k, target_ids, states, last_layer)
+        return read_lens(self._send(self._calls.lens(model, hidden, options, tokens, version)))
 
     def models(self) -> list[dict[str, Any]]:
         answer: list[dict[str, Any]] = read_json(self._send(Call("GET", "/v1/models")), "models")
@@ -211,10 +239,12 @@ class AsyncClient:
         temperature: float = 1.0,
         tokens: bool = False,
         version: int | None = None,
+        states: str | None = None,
         **options: Any,
     ) -> TopK:
+        options = _with_states(options, states)
         call = self._calls.topk(model, hidden, k, logprobs, temperature, tokens, version, options)
-        return self._calls.read_topk(await self._send(call))
+        return read_topk(await self._send(call))
 
     async def logits(
         self,
@@ -224,12 +254,13 @@ class AsyncClient:
         temperature: float = 1.0,
         version: int | None = None,
         allowed_token_ids: Any = None,
+        states: str | None = None,
     ) -> Arrays:
-        call = self._calls.logits(model, hidden, temperature, version, allowed_token_ids)
-        return self._calls.read_array(await self._send(call))
+        call = self._calls.logits(model, hidden, temperature, version, allowed_token_ids, states)
+        return read_array(await self._send(call))
 
     async def embed(self, model: str, ids: Any, *, version: int | None = None) -> Arrays:
-        return self._calls.read_array(await self._send(self._calls.embed(model, ids, version)))
+        return read_array(await self._send(self._calls.embed(model, ids, version)))
 
     async def score(
         self,
@@ -238,18 +269,38 @@ class AsyncClient:
         target_ids: Any,
         *,
         version: int | None = None,
+        states: str | None = None,
         **options: Any,
     ) -> dict[str, Any]:
-        call = self._calls.score(model, hidden, target_ids, version, **options)
+        call = self._calls.score(
+            model, hidden, target_ids, version, **_with_states(options, states)
+        )
         answer: dict[str, Any] = read_json(await self._send(call), has="results")
         return answer
 
     async def compare(
-        self, model_a: str, model_b: str, hidden: Any, **options: Any
+        self, model_a: str, model_b: str, hidden: Any, *, states: str | None = None, **options: Any
     ) -> dict[str, Any]:
-        call = self._calls.compare((model_a, model_b), hidden, **options)
+        call = self._calls.compare((model_a, model_b), hidden, **_with_states(options, states))
         answer: dict[str, Any] = read_json(await self._send(call), has="rows")
         return answer
+
+    async def lens(
+        self,
+        model: str,
+        hidden: Any,
+        *,
+        k: int | None = None,
+        target_ids: Any = None,
+        states: str = "residual",
+        last_layer: str = "final",
+        tokens: bool = False,
+        version: int | None = None,
+    ) -> Lens:
+        options = _lens_options(k, target_ids, states, last_layer)
+        return read_lens(
+            await self._send(self._calls.lens(model, hidden, options, tokens, version))
+        )
 
     async def model(self, name: str) -> dict[str, Any]:
         answer: dict[str, Any] = read_json(
@@ -300,3 +351,12 @@ class AsyncClient:
                 return checked(answer)
             await asyncio.sleep(retry_after(answer, wait))
         raise AssertionError("unreachable: the last wait is None")
+
+
+def _with_states(options: dict[str, Any], states: str | None) -> dict[str, Any]:
+    """``states`` as one more option, when given (else the service's default, ``final``)."""
+    return options if states is None else {**options, "states": states}
+
+
+def _lens_options(k: int | None, targets: Any, states: str, last_layer: str) -> dict[str, Any]:
+    return {"k": k, "target_ids": targets, "states": states, "last_layer": last_layer}

@@ -1,22 +1,20 @@
-"""The client's requests and answers without I/O: what each method sends, how its answer is
-read, when to retry. ``Client`` and ``AsyncClient`` only send."""
+"""The client's requests without I/O: what each method sends, which errors an answer raises,
+when to retry (``answers.py`` reads what comes back). ``Client`` and ``AsyncClient`` only send."""
 
 from __future__ import annotations
 
 import io
 import json
 import math
-import zipfile
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
 import httpx
 import numpy as np
-import numpy.typing as npt
 
+from service.client.answers import JSON, NPY, NPZ
 from service.errors import (
     Forbidden,
     InvalidInput,
@@ -26,9 +24,7 @@ from service.errors import (
     Unauthorized,
     by_code,
 )
-from service.npyio import read_npy, read_npz
 
-NPY, NPZ, JSON = "application/x-npy", "application/x-npz", "application/json"
 #: Options longer than this go in a JSON body instead of the query (the service refuses
 #: header bytes past ``LMHEAD_MAX_HEADER_BYTES``, 32 KiB by default: 4096 ids did not fit).
 MAX_QUERY_CHARS = 8192
@@ -40,69 +36,6 @@ V2_ERRORS: dict[int, type[ServiceError]] = {
     404: ModelNotFound,
     413: PayloadTooLarge,
 }
-
-
-class UnreadableAnswer(ServiceError):
-    """A success status whose body is not what the call returns (a proxy's page, a cut-off
-    body, another service on the port): raised like every other failed call, not as the
-    parser's ``ValueError`` or ``KeyError``. Its status is 502 (a bad answer from upstream,
-    as a gateway would say); the service's own status is in the message."""
-
-    status = 502
-    code = "unreadable_answer"
-
-
-@contextmanager
-def unreadable(answer: httpx.Response) -> Iterator[None]:
-    """Read ``answer`` inside this: what its body lacks is an ``UnreadableAnswer``."""
-    try:
-        yield
-    except (ValueError, KeyError, TypeError, IndexError, EOFError, zipfile.BadZipFile) as error:
-        request = answer.request
-        raise UnreadableAnswer(
-            f"the {answer.status_code} answer to {request.method} {request.url.path} is not "
-            f"what the call returns ({type(error).__name__}: {str(error)[:200]}); content-type "
-            f"{answer.headers.get('content-type', 'none')!r}"
-        ) from error
-
-
-def read_json(answer: httpx.Response, key: str | None = None, has: str | None = None) -> Any:
-    """The answer's JSON (or its ``key``), or ``UnreadableAnswer``; ``has``: a field the
-    whole answer must hold (``{}`` or a list came back as the answer itself)."""
-    with unreadable(answer):
-        payload = answer.json()
-        if has is not None and has not in payload:
-            raise KeyError(has)
-        return payload if key is None else payload[key]
-
-
-@dataclass(frozen=True)
-class TopK:
-    """Top-k per row, leading dims as sent; ``logprobs`` when asked, ``tokens`` over JSON."""
-
-    model: str
-    version: int
-    tied: bool
-    token_ids: npt.NDArray[np.int64]
-    logits: npt.NDArray[np.float32]
-    logprobs: npt.NDArray[np.float32] | None = None
-    logsumexp: npt.NDArray[np.float32] | None = None
-    tokens: list[list[str | None]] | None = None
-    sampled_token_ids: npt.NDArray[np.int64] | None = None
-    sampled_logprobs: npt.NDArray[np.float32] | None = None
-    seed: int | None = None
-    """The seed the draws came from (the service's own when none was given): pass it as
-    ``sample={"seed": ...}`` to draw the same tokens again."""
-
-
-@dataclass(frozen=True)
-class Arrays:
-    """Logits or embeddings, and who answered."""
-
-    model: str
-    version: int
-    tied: bool
-    array: npt.NDArray[np.float32]
 
 
 @dataclass(frozen=True)
@@ -118,7 +51,7 @@ class Call:
 
 
 class Calls:
-    """What each method sends, and how its answer is read: shared by both clients."""
+    """What each method sends: shared by both clients (``answers.py`` reads the answers)."""
 
     def __init__(self, binary: bool, token: str | None) -> None:
         self.binary = binary
@@ -138,64 +71,31 @@ class Calls:
         values = {"logprobs": logprobs, "temperature": temperature, **options}
         if k is not None:
             values["k"] = k
-        params = _fitting_query(values) if self.binary and not tokens else None
-        if params is not None:
-            return self._npy("POST", _path(model, "topk", version), _floats(hidden), params, NPZ)
-        # JSON: asked for token strings, or options too long for a URL (thousands of ids)
-        return self._json(_path(model, "topk", version), {"hidden_states": hidden, **values})
+        return self._arrays(_path(model, "topk", version), hidden, values, tokens)
 
-    def read_topk(self, answer: httpx.Response) -> TopK:
-        with unreadable(answer):
-            return self._topk(answer)
-
-    def _topk(self, answer: httpx.Response) -> TopK:
-        model, version, tied = _identity(answer)
-        if answer.headers.get("content-type", "").startswith(NPZ):
-            arrays = read_npz(answer.content)
-            return TopK(
-                model,
-                version,
-                tied,
-                arrays["token_ids"],
-                arrays["logits"],
-                arrays.get("logprobs"),
-                arrays.get("logsumexp"),
-                None,
-                arrays.get("sampled_token_ids"),
-                arrays.get("sampled_logprobs"),
-                int(arrays["seed"]) if "seed" in arrays else None,
-            )
-        payload = answer.json()
-        rows, shape = payload["results"], tuple(payload["shape"])
-
-        def field(name: str, dtype: Any) -> Any:
-            if not rows or name not in rows[0]:
-                return None
-            return np.array([row[name] for row in rows], dtype).reshape(*shape, -1)
-
-        sampled = field("sampled_token_id", np.int64)
-        drawn = field("sampled_logprob", np.float32)
-        return TopK(
-            model,
-            version,
-            tied,
-            field("token_ids", np.int64),
-            field("logits", np.float32),
-            field("logprobs", np.float32),
-            None,
-            [row["tokens"] for row in rows] if rows and "tokens" in rows[0] else None,
-            None if sampled is None else sampled.reshape(shape),
-            None if drawn is None else drawn.reshape(shape),
-            payload.get("seed"),
-        )
+    def lens(
+        self, model: str, hidden: Any, options: dict[str, Any], tokens: bool, version: int | None
+    ) -> Call:
+        """(layers, tokens, d_model) states; ``options`` left None are not sent (the model's
+        default k)."""
+        values = {name: value for name, value in options.items() if value is not None}
+        return self._arrays(_path(model, "lens", version), hidden, values, tokens)
 
     def logits(
-        self, model: str, hidden: Any, temperature: float, version: int | None, allowed: Any
+        self,
+        model: str,
+        hidden: Any,
+        temperature: float,
+        version: int | None,
+        allowed: Any,
+        states: str | None = None,
     ) -> Call:
         """All logits, or only the columns of ``allowed`` token ids (then in that order)."""
         values: dict[str, Any] = {"temperature": temperature}
         if allowed is not None:
             values["allowed_token_ids"] = allowed
+        if states is not None:
+            values["states"] = states
         params = _fitting_query(values)
         path = _path(model, "logits", version)
         if params is not None:
@@ -208,11 +108,6 @@ class Calls:
         if body.dtype.kind in "iu":  # other kinds go as they are: the service says what is wrong
             body = body.astype(np.int64, copy=False)
         return self._npy("POST", _path(model, "embed", version), body, {}, NPY)
-
-    def read_array(self, answer: httpx.Response) -> Arrays:
-        with unreadable(answer):
-            array = read_npy(answer.content).copy()  # writable, as np.load gives it
-            return Arrays(*_identity(answer), array)
 
     def score(
         self, model: str, hidden: Any, targets: Any, version: int | None, **options: Any
@@ -238,6 +133,15 @@ class Calls:
         if self.token is not None:
             headers["authorization"] = f"Bearer {self.token}"
         return Call("POST", path, body, headers, idempotent=False)
+
+    def _arrays(self, path: str, hidden: Any, values: dict[str, Any], tokens: bool) -> Call:
+        """``.npy`` in and ``.npz`` back, the options in the query; JSON both ways when token
+        strings are asked (only JSON carries them), in JSON mode, or when the options would
+        not fit a URL (thousands of ids)."""
+        params = _fitting_query(values) if self.binary and not tokens else None
+        if params is not None:
+            return self._npy("POST", path, _floats(hidden), params, NPZ)
+        return self._json(path, {"hidden_states": hidden, **values})
 
     def _npy(self, method: str, path: str, array: Any, params: dict[str, str], accept: str) -> Call:
         headers = {"content-type": NPY, "accept": accept}
@@ -301,15 +205,6 @@ def model_path(model: str) -> str:
 def _path(model: str, verb: str, version: int | None) -> str:
     where = model_path(model) + ("" if version is None else f"/versions/{version}")
     return f"{where}/{verb}"
-
-
-def _identity(answer: httpx.Response) -> tuple[str, int, bool]:
-    headers = answer.headers
-    return (
-        headers.get("x-lmhead-model", ""),
-        int(headers.get("x-lmhead-version", "0")),
-        headers.get("x-lmhead-tied") == "true",
-    )
 
 
 def _query(value: Any) -> str:

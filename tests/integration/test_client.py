@@ -303,6 +303,8 @@ def test_a_success_that_is_no_answer_is_a_service_error(not_lmhead: str) -> None
         lambda c: c.model("m"),
         lambda c: c.load("m"),
         lambda c: c.unload("m"),
+        lambda c: c.lens("m", HIDDEN),
+        lambda c: c.lens("m", HIDDEN, tokens=True),
     ]
     with Client(not_lmhead, retries=0) as client:
         for call in calls:
@@ -310,7 +312,7 @@ def test_a_success_that_is_no_answer_is_a_service_error(not_lmhead: str) -> None
                 call(client)
         for body in (b"{}", b"[1, 2]"):  # JSON, but not the call's answer: it was returned
             _NotLmhead.body = body
-            for call in (calls[4], calls[5], calls[7], calls[8]):
+            for call in (calls[4], calls[5], calls[7], calls[8], calls[11]):
                 with pytest.raises(UnreadableAnswer):
                     call(client)
         _NotLmhead.body = b"<html>welcome to the proxy</html>"
@@ -319,6 +321,8 @@ def test_a_success_that_is_no_answer_is_a_service_error(not_lmhead: str) -> None
         async with AsyncClient(not_lmhead, retries=0) as client:
             with pytest.raises(UnreadableAnswer, match="application/x-npz"):
                 await client.topk("m", rows)
+            with pytest.raises(UnreadableAnswer, match="/lens"):
+                await client.lens("m", HIDDEN)
             with pytest.raises(ServiceError, match="/v1/models"):
                 await client.models()
 

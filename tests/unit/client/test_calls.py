@@ -6,7 +6,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from service.client.calls import UnreadableAnswer, checked, read_json, retry_after
+from service.client.answers import UnreadableAnswer, read_json
+from service.client.calls import checked, retry_after
 from service.errors import InvalidInput, ModelNotFound, ServiceError
 
 REQUEST = httpx.Request("POST", "http://127.0.0.1:8000/v1/models/m/topk")
