@@ -37,10 +37,7 @@ def demo(args: argparse.Namespace) -> int:
     repository: Path = args.repository
     dtype = args.dtype or DEFAULT_DTYPE
     existing = [repository / name / "1" / MODEL_FILE for name in (TIED_NAME, UNTIED_NAME)]
-    current = all(
-        path.is_file() and (report := inspect_head(path)).format == FORMAT and report.dtype == dtype
-        for path in existing
-    )
+    current = all(_current_demo(path, dtype) for path in existing)
     if current and not args.force:
         print(f"demo models already in {repository} (use --force to rewrite)")
         return 0
@@ -51,6 +48,15 @@ def demo(args: argparse.Namespace) -> int:
     for version_dir in write_demo_models(repository, spec):
         print(f"wrote {version_dir}")
     return 0
+
+
+def _current_demo(path: Path, dtype: str) -> bool:
+    """A demo head as this version writes it: its format, dtype and final norm (heads written
+    before the norm was kept are written again, so residual states and the lens work)."""
+    if not path.is_file():
+        return False
+    report = inspect_head(path)
+    return report.format == FORMAT and report.dtype == dtype and report.final_norm is not None
 
 
 def _demo_checkpoints(args: argparse.Namespace) -> int:
