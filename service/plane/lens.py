@@ -5,9 +5,12 @@ head (the head's own final norm, ``HeadSession.normalize``), before anything els
 top-k, allowed tokens, scoring and comparing then see final states, whatever path they take.
 
 ``read_lens`` reads every layer through the head in runs of a few positions at every layer
-(``service.runtime.layer_runs``), each run's logits within ``scoring.SCORE_BYTES`` as a scoring
-run's: memory stays one run's whatever the layers and tokens, and the runs go through the
-inference executor one at a time, so other requests run in between.
+(``service.runtime.layer_runs``), each run as many rows as a top-k run of the version (its
+logits within ``LMHEAD_MAX_LOGITS_BYTES``, and as long as other requests wait at most): memory
+stays one run's whatever the layers and tokens, and the runs go through the inference
+executor one at a time, so other requests run in between. The matmul of a run costs what a
+top-k run's does; the lens adds the full logits' fetch and one pass over them for the
+entropies and KLs.
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ import numpy.typing as npt
 
 from service.messages import LensResult
 from service.plane.options import CheckedLens
-from service.plane.scoring import score_rows
 from service.repository.loaded_version import LoadedVersion
 from service.runtime.layer_runs import LensPart, lens_run
 from service.runtime.vocabulary import Floats
@@ -49,8 +51,7 @@ async def read_lens(model: LoadedVersion, checked: CheckedLens, tokens: bool) ->
     """Every layer's top-k, entropy, KL to the last layer and targets' log-probs and ranks."""
     states, k = checked.states, checked.k
     layers, positions, _ = states.shape
-    per_run = score_rows(model.vocab_size, model.rows_per_run, model.session.score_copies)
-    step = max(1, per_run // layers)  # positions per run: every layer of each in one run
+    step = max(1, model.rows_per_run // layers)  # positions per run, every layer of each
     parts: list[LensPart] = []
     for start in range(0, positions, step):
         chunk = slice(start, start + step)
