@@ -6,7 +6,10 @@ by one process; ``/lens`` reads LAYERS x TOKENS residual states (``.npy`` body, 
 answer), and ``/topk`` the same rows as final states (normalized here in numpy), in one
 request each (``LMHEAD_MAX_ROWS`` raised to hold them), alternated over ROUNDS rounds.
 Memory: the server's anonymous resident peak (``tests.server.anonymous_peak``) during the
-lens requests, beyond the process loaded and warm, against ``worst_case_extra_bytes``.
+lens requests, beyond the process loaded and warm, against ``worst_case_extra_bytes``. The
+engine's part alone is measured too, in this process on the same file: the lens runs
+(``runtime.layer_runs.lens_run``) against top-k runs (``HeadSession.project``) of the same
+rows, both in the service's run size, alternated.
 
     python -m bench.lens [--size 128256x2048] [--layers 32] [--tokens 512] [--rounds 2]
                          [--output bench/results-lens.md]
@@ -29,11 +32,14 @@ from bench.machine import describe_machine
 from service.heads.files import HeadWeights, save_head
 from service.heads.norm import FinalNorm
 from service.limits import worst_case_extra_bytes
+from service.runtime.layer_runs import lens_run
+from service.runtime.layout import open_head
 from service.settings import Settings
 from tests.server import anonymous_peak, running_server, server_process
 
 MB = 2**20
 K = 5
+RUN_ROWS = 128  # the service's run of this head (LMHEAD_MAX_BATCH_ROWS)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,6 +73,7 @@ def _report(vocab: int, d_model: int, layers: int, tokens: int, rounds: int) -> 
         table = rng.standard_normal((vocab, d_model), dtype=np.float32) * np.float32(0.02)
         save_head(HeadWeights.from_arrays(table, norm=norm), Path(directory) / "head" / "1")
         del table
+        engine = _engine(Path(directory) / "head" / "1" / "model.onnx", states, final, rounds)
         with running_server(Path(directory), **env) as url:
             server = server_process(url)
             lens_body, topk_body = _npy(states), _npy(final)
@@ -102,6 +109,15 @@ def _report(vocab: int, d_model: int, layers: int, tokens: int, rounds: int) -> 
             f"| `/lens`, {layers} x {tokens} residual | {lens_median:.2f} | "
             f"{lens_median / topk_median:.2f}x |",
             "",
+            f"The engine alone (this process, runs of {RUN_ROWS} rows, {rounds} alternated "
+            "rounds, medians):",
+            "",
+            "| runs | seconds | vs top-k |",
+            "|---|---|---|",
+            f"| top-k runs (`HeadSession.project`) | {engine[1]:.2f} | 1.00x |",
+            f"| lens runs (`layer_runs.lens_run`) | {engine[0]:.2f} | "
+            f"{engine[0] / engine[1]:.2f}x |",
+            "",
             "| memory during `/lens` | MB |",
             "|---|---|",
             f"| anonymous resident, loaded and warm | {warm / MB:.0f} |",
@@ -114,6 +130,34 @@ def _report(vocab: int, d_model: int, layers: int, tokens: int, rounds: int) -> 
     )
 
 
+def _engine(
+    path: Path, states: npt.NDArray[np.float32], final: npt.NDArray[np.float32], rounds: int
+) -> tuple[float, float]:
+    """Seconds of the lens runs and of top-k runs over the same rows, medians of ``rounds``."""
+    session = open_head(path)
+    layers, tokens, _ = states.shape
+    residual = np.ones(layers, bool)
+    residual[-1] = False
+    step = max(1, RUN_ROWS // layers)
+
+    def lens() -> None:
+        for start in range(0, tokens, step):
+            lens_run(session, states[:, start : start + step], residual, K, None)
+
+    def topk() -> None:
+        for start in range(0, len(final), RUN_ROWS):
+            session.project(final[start : start + RUN_ROWS], K)
+
+    timings: tuple[list[float], list[float]] = ([], [])
+    for _ in range(rounds):
+        for run, into in ((lens, timings[0]), (topk, timings[1])):
+            started = time.perf_counter()
+            run()
+            into.append(time.perf_counter() - started)
+    session.close()
+    return statistics.median(timings[0]), statistics.median(timings[1])
+
+
 def _npy(array: npt.NDArray[np.float32]) -> bytes:
     stream = io.BytesIO()
     np.save(stream, np.ascontiguousarray(array))
@@ -121,26 +165,24 @@ def _npy(array: npt.NDArray[np.float32]) -> bytes:
 
 
 def _lens(client: httpx.Client, body: bytes) -> tuple[float, tuple[int, ...]]:
-    started = time.perf_counter()
-    answer = client.post(
-        f"/v1/models/head/lens?k={K}",
-        content=body,
-        headers={"content-type": "application/x-npy", "accept": "application/x-npz"},
-    )
-    answer.raise_for_status()
-    seconds = time.perf_counter() - started
-    return seconds, tuple(np.load(io.BytesIO(answer.content))["token_ids"].shape)
+    seconds, answer = _post(client, "lens", body)
+    return seconds, tuple(np.load(io.BytesIO(answer))["token_ids"].shape)
 
 
 def _topk(client: httpx.Client, body: bytes) -> float:
+    return _post(client, "topk", body)[0]
+
+
+def _post(client: httpx.Client, verb: str, body: bytes) -> tuple[float, bytes]:
+    """Seconds of one ``.npy`` request to ``verb`` (k=K, ``.npz`` answer), and the answer."""
     started = time.perf_counter()
     answer = client.post(
-        f"/v1/models/head/topk?k={K}",
+        f"/v1/models/head/{verb}?k={K}",
         content=body,
         headers={"content-type": "application/x-npy", "accept": "application/x-npz"},
     )
     answer.raise_for_status()
-    return time.perf_counter() - started
+    return time.perf_counter() - started, answer.content
 
 
 def _anonymous(pid: int) -> int:
