@@ -24,18 +24,15 @@ class _Options(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
-class _StatesOption(_Options):
-    states: States = "final"
-    """``final``: post-norm hidden states (after the model's last norm); ``residual``: states
-    before it, which the head's final norm (kept by ``lmhead import``) normalizes first."""
-
-
-class LogitsOptions(_StatesOption):
+class LogitsOptions(_Options):
     """Options of ``/logits``: in the JSON body beside ``hidden_states``, or as query
     parameters with a ``.npy`` body."""
 
     temperature: float = 1.0
     """Divides the logits (and so the log-probs); never changes the order."""
+    states: States = "final"
+    """``final``: post-norm hidden states (after the model's last norm); ``residual``: states
+    before it, which the head's final norm (kept by ``lmhead import``) normalizes first."""
 
 
 class SampleBody(_Options):
@@ -72,22 +69,26 @@ class EmbedOptions(_Options):
     """``/embed`` has no options yet; unknown fields are refused all the same."""
 
 
-class ScoreOptions(_StatesOption):
+class ScoreOptions(_Options):
     """Options of ``/score`` beside its arrays; unknown fields are refused."""
 
     k: int = Field(default=0, ge=0)
     """Also return the top-k alternatives at each position."""
     logprobs_over: Literal["candidates", "vocabulary"] | None = None
     """``candidates``: score each target among its row's candidate_ids only (no full run)."""
+    states: States = "final"
+    """``residual``: the head's final norm first (see ``LogitsOptions.states``)."""
 
 
-class CompareOptions(_StatesOption):
+class CompareOptions(_Options):
     models: list[str] = Field(min_length=2, max_length=2)
     """The two served models to compare (same d_model and vocabulary)."""
     k: int = 10
     """k of the top-k overlap."""
     measure_speed: bool = False
     """Also measure each head's bare rows/s on a 64-row batch."""
+    states: States = "final"
+    """``residual``: each head's final norm first (see ``LogitsOptions.states``)."""
 
 
 class LensOptions(_Options):
