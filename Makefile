@@ -27,29 +27,49 @@ REPOSITORY ?= models
 EXTRAS ?= cpu,dev
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# pytest's options in `make test` and `make test-floors`. pytest-xdist runs the suite in
+# WORKERS processes side by side: one more than the cores, at most 8. On 2 cores the suite is
+# CPU-bound (its servers start, load heads and answer; ~6 CPU-minutes) and 3 workers finished
+# first (2, 3, 4, 6: see CONTRIBUTING.md); a worker waiting on a server leaves its core to
+# another. Tests that share a module's fixtures, or are marked xdist_group, run one after
+# another on one worker (tests/conftest.py). -v prints a line per test as it ends.
+WORKERS ?= $(shell $(PYTHON) -c 'import os; print(min((os.cpu_count() or 1) + 1, 8))')
+PYTEST_OPTIONS ?= -n $(WORKERS) --dist loadgroup -v --durations=15
+# Every line a venv build prints is prefixed with the venv's name: `make test` builds three
+# at once. pipefail: pip's failure, not the prefixer's success, is the recipe's.
+SHELL := bash
+.SHELLFLAGS := -o pipefail -c
+TAG = 2>&1 | while IFS= read -r line; do printf '%s: %s\n' "$(@D)" "$$line"; done
+PIP_OPTIONS := --progress-bar off --disable-pip-version-check
+# pip's lines as it writes them, not a pipe's buffer at a time.
+%/.installed: export PYTHONUNBUFFERED = 1
 
 .PHONY: install run demo test test-fast test-floors lint layers typecheck pytest deploy-check ray-test docker-test bench clean
 
 $(STAMP): pyproject.toml
+	@echo "building $(VENV): lmhead and its dependencies ($(EXTRAS)), ~1 min on a first run..."
 	rm -rf $(VENV)
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[$(EXTRAS)]'
+	$(BIN)/python -m pip install $(PIP_OPTIONS) --upgrade pip $(TAG)
+	$(BIN)/python -m pip install $(PIP_OPTIONS) -e '.[$(EXTRAS)]' $(TAG)
 	touch $(STAMP)
 
 install: $(STAMP)
 
 $(OLDEST)/.installed: Makefile
+	@echo "building $(OLDEST): onnxruntime $(ORT_OLDEST), the oldest lmhead supports..."
 	rm -rf $(OLDEST)
 	$(OLDEST_PYTHON) -m venv $(OLDEST)
-	$(OLDEST)/bin/python -m pip install --quiet "onnxruntime==$(ORT_OLDEST)" "numpy<2"
+	$(OLDEST)/bin/python -m pip install $(PIP_OPTIONS) "onnxruntime==$(ORT_OLDEST)" "numpy<2" $(TAG)
 	touch $@
 
 demo: install
+	@echo "demo heads in $(REPOSITORY)/ (written on the first run)..."
 	$(BIN)/lmhead demo --repository $(REPOSITORY)
 
 ## The main job: make the demo heads on first run, then serve the repository on :8000.
 run: demo
+	@echo "serving $(REPOSITORY)/ on http://127.0.0.1:8000 (Ctrl-C stops it)..."
 	$(BIN)/lmhead serve --repository $(REPOSITORY)
 
 lint: install
@@ -66,10 +86,15 @@ layers: install
 
 pytest: install $(if $(OLDEST_PYTHON),$(OLDEST)/.installed) $(DEPLOY)/.installed
 	LMHEAD_OLDEST_PYTHON=$(if $(OLDEST_PYTHON),$(OLDEST)/bin/python) \
-	LMHEAD_KSERVE_PYTHON=$(DEPLOY)/bin/python $(BIN)/pytest
+	LMHEAD_KSERVE_PYTHON=$(DEPLOY)/bin/python $(BIN)/pytest $(PYTEST_OPTIONS)
 
 ## Everything CI checks: install, lint, the layer order, type-check, the whole test suite.
-test: lint layers typecheck pytest
+## The three environments build side by side (pip waits on the network much of the time), the
+## checks run as soon as .venv is there, then the tests.
+test:
+	@$(MAKE) --no-print-directory -j3 lint layers typecheck \
+	$(if $(OLDEST_PYTHON),$(OLDEST)/.installed) $(DEPLOY)/.installed
+	@$(MAKE) --no-print-directory pytest
 
 ## The unit tests alone (tests/unit/<layer>/...: in-process, no servers), in seconds.
 test-fast: install
@@ -80,20 +105,22 @@ test-fast: install
 $(FLOORS)/.installed: pyproject.toml .ci/floors.py Makefile
 	$(if $(OLDEST_PYTHON),,$(error the floors need Python 3.11 or 3.12 (onnxruntime 1.18 has no wheels for \
 	newer ones): none found; name one with OLDEST_PYTHON=...))
+	@echo "building $(FLOORS): every runtime dependency at its floor (.ci/floors.py)..."
 	rm -rf $(FLOORS)
 	$(OLDEST_PYTHON) -m venv $(FLOORS)
-	$(FLOORS)/bin/python -m pip install --quiet --upgrade pip
+	$(FLOORS)/bin/python -m pip install $(PIP_OPTIONS) --upgrade pip $(TAG)
 	$(PYTHON) .ci/floors.py > $(FLOORS)/floors.txt
-	$(FLOORS)/bin/python -m pip install --quiet -e '.[cpu,dev]' -c $(FLOORS)/floors.txt
+	$(FLOORS)/bin/python -m pip install $(PIP_OPTIONS) -e '.[cpu,dev]' -c $(FLOORS)/floors.txt $(TAG)
 	touch $@
 
 test-floors: $(FLOORS)/.installed
-	$(FLOORS)/bin/pytest -p no:cacheprovider
+	$(FLOORS)/bin/pytest -p no:cacheprovider $(PYTEST_OPTIONS)
 
 $(DEPLOY)/.installed: Makefile
+	@echo "building $(DEPLOY): the KServe SDK $(KSERVE_SDK) and kubernetes-validate..."
 	rm -rf $(DEPLOY)
 	$(PYTHON) -m venv $(DEPLOY)
-	$(DEPLOY)/bin/python -m pip install --quiet "kserve==$(KSERVE_SDK)" kubernetes-validate
+	$(DEPLOY)/bin/python -m pip install $(PIP_OPTIONS) "kserve==$(KSERVE_SDK)" kubernetes-validate $(TAG)
 	touch $@
 
 ## Validate every Kubernetes and KServe manifest offline (CI runs it after `make test`).
@@ -101,10 +128,11 @@ deploy-check: $(DEPLOY)/.installed
 	$(DEPLOY)/bin/python deploy/validate.py deploy/kubernetes/*.yaml deploy/kserve/*.yaml
 
 $(RAY_VENV)/.installed: pyproject.toml
+	@echo "building $(RAY_VENV): lmhead with Ray Serve..."
 	rm -rf $(RAY_VENV)
 	$(PYTHON) -m venv $(RAY_VENV)
-	$(RAY_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(RAY_VENV)/bin/python -m pip install --quiet -e '.[cpu,dev,ray]'
+	$(RAY_VENV)/bin/python -m pip install $(PIP_OPTIONS) --upgrade pip $(TAG)
+	$(RAY_VENV)/bin/python -m pip install $(PIP_OPTIONS) -e '.[cpu,dev,ray]' $(TAG)
 	touch $@
 
 ## lmhead on a real three-node Ray cluster (head + two workers on this machine): spread,

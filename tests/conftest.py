@@ -30,13 +30,50 @@ collect_ignore = [] if os.environ.get("LMHEAD_DOCKER_URL") else ["docker"]
 collect_ignore += [] if os.environ.get("LMHEAD_RAY_TESTS") else ["ray"]
 
 
+#: Fixtures of these scopes live once per test process: tests sharing one (a module's server,
+#: its repository and what earlier tests did to them) must run in one process, in order.
+SHARED_SCOPES = {"class", "module", "package"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """tests/unit/... -> unit, tests/integration -> integration: markers by top folder."""
+    """tests/unit/... -> unit, tests/integration -> integration: markers by top folder.
+
+    For ``make test``'s ``pytest -n N --dist loadgroup`` (pytest-xdist), each test is sent on
+    its own to whichever worker is free, except: the tests of a module that use one of its
+    module-scoped fixtures go together, as ``xdist_group(<module>)`` (one server per module,
+    its tests in their order); and a test marked ``xdist_group("measure")`` runs with the other
+    such tests, one after another on one worker: they measure a server's memory or how it
+    batches concurrent requests, and two of them at once would load the machine for each
+    other. xdist starts the largest groups first."""
     tests = Path(__file__).parent
     for item in items:
         folder = Path(str(item.fspath)).relative_to(tests).parts[0]
         if folder in {"unit", "integration", "docker", "ray"}:
             item.add_marker(getattr(pytest.mark, folder))
+        if item.get_closest_marker("xdist_group") is None and _shares_fixtures(item):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Under ``--dist loadgroup`` a worker passes a test's group on in its node id
+    (``...::test@measure``): fail the grouped tests, rather than run each group split up,
+    where it cannot (pytest 9.2 keeps node ids of its own: pytest-xdist#1386)."""
+    grouped = getattr(item.config.option, "loadgroup", False)  # set in xdist's workers
+    if grouped and item.get_closest_marker("xdist_group") is not None and "@" not in item.nodeid:
+        pytest.fail(
+            f"pytest-xdist could not keep this test in its xdist_group (pytest "
+            f"{pytest.__version__}, pytest-xdist#1386): run it without --dist loadgroup",
+            pytrace=False,
+        )
+
+
+def _shares_fixtures(item: pytest.Item) -> bool:
+    """Whether ``item`` uses a fixture that outlives it within its module."""
+    if not isinstance(item, pytest.Function):
+        return False
+    definitions = item._fixtureinfo.name2fixturedefs.values()
+    return any(chain[-1].scope in SHARED_SCOPES for chain in definitions)
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,7 @@ never block on a full pipe.
 from __future__ import annotations
 
 import os
+import random
 import re
 import socket
 import subprocess
@@ -99,20 +100,42 @@ def anonymous_resident(process: psutil.Process) -> int:
     return int(match.group(1)) * 1024
 
 
+#: Where ``free_port`` picks: below Linux's ephemeral range (32768-60999), from which the kernel
+#: hands ports to outgoing connections and to binds on port 0 (another test's probe could get
+#: the port a server of this test is about to bind), cut into one slice per pytest-xdist worker.
+PORTS = range(20000, 32768)
 _HANDED_OUT: set[int] = set()
+_PICK = random.Random()  # its own: a test that seeds the module's never repeats the picks
+
+
+def _worker_ports() -> range:
+    """This process's slice of ``PORTS``: worker ``gwN`` of ``PYTEST_XDIST_WORKER_COUNT`` gets
+    the N-th, so no two workers ever pick the same port; outside xdist, all of them."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    size = len(PORTS) // count
+    start = PORTS.start + int(worker.removeprefix("gw")) * size
+    return range(start, start + size)
 
 
 def free_port() -> int:
-    """A loopback port free now and never handed out before in this test process: the kernel
-    may give the same ephemeral port to two probes in a row, and a test that picks a gRPC
-    port, then starts a server that picks its HTTP port, had both on one port (CI: errno 98)."""
-    while True:
+    """A loopback port free now and never handed out before in this test process, from this
+    worker's slice of ``PORTS``: within one process a port is handed out once (a test that
+    picks a gRPC port, then starts a server that picks its HTTP port, once had both on one
+    port: CI, errno 98), and workers pick from slices of their own. Picked at random in the
+    slice, so two suites running at once on one machine rarely meet."""
+    ports = _worker_ports()
+    for port in _PICK.sample(ports, len(ports)):
+        if port in _HANDED_OUT:
+            continue
+        _HANDED_OUT.add(port)
         with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port: int = probe.getsockname()[1]
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:  # another program's
+                continue
+        return port
+    raise RuntimeError(f"no free port left in {ports}")
 
 
 @contextmanager

@@ -262,6 +262,10 @@ class HeadSession:
         flat = np.ascontiguousarray(ids.reshape(-1), dtype=np.int64)
         if self.rows is not None:
             embeddings = self.rows.rows(flat)
+            # A prompt's ids spread over the table and map most of it (the kernel maps large
+            # folios): an embedding lookup hands its mapped pages back at once (~0.26 ms of
+            # faults per 1,000 rows), where allowed tokens' gathers keep theirs for a while.
+            self.rows.drop()
         else:
             (embeddings,) = self._run(
                 [EMBEDDINGS], self._filler_rows, flat, 1, self._filler_temperature

@@ -16,6 +16,9 @@ from service.heads.reference import output_projection_tied, top_k
 from tests.conftest import D_MODEL
 from tests.server import running_server
 
+# How concurrent requests fall into batches (tests/conftest.py: the measure group).
+pytestmark = pytest.mark.xdist_group("measure")
+
 CLIENTS = 64
 
 

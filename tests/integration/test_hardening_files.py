@@ -85,6 +85,7 @@ def test_truncating_or_overwriting_a_served_version_changes_nothing_it_answers(
     assert _top(client, "ext") == _expected(version) != original
 
 
+@pytest.mark.xdist_group("measure")  # a server's memory (tests/conftest.py)
 def test_a_tied_head_from_a_private_copy_keeps_the_memory_promise(
     tmp_path: Path,
 ) -> None:

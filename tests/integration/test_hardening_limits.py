@@ -98,6 +98,7 @@ def test_shadow_traffic_never_materialises_logits_past_the_limit(url: str) -> No
     assert _metric(text, "lmhead_shadow_requests_total", outcome="too_large", **pair) == 1
 
 
+@pytest.mark.xdist_group("measure")  # a server's memory (tests/conftest.py)
 def test_memory_stays_within_the_documented_bound_under_hostile_load(
     repository: Path,
 ) -> None:

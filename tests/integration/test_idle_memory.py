@@ -16,6 +16,9 @@ import pytest
 from service.heads.files import HeadWeights, save_head
 from tests.server import poll, running_server, server_process
 
+# A server's resident set, grown and given back (tests/conftest.py: the measure group).
+pytestmark = pytest.mark.xdist_group("measure")
+
 VOCAB, D_MODEL, ROWS, K = 16000, 256, 4096, 1000
 
 

@@ -24,6 +24,9 @@ from service.plane.scoring import SCORE_BYTES
 from service.runtime.layout import Placement
 from tests.conftest import skip_unless_runnable
 
+# Memory of fresh processes, one head after another (tests/conftest.py: the measure group).
+pytestmark = pytest.mark.xdist_group("measure")
+
 VOCAB, D_MODEL = 50257, 768
 SHARED_TIED_BOUND = 1.1
 #: Resident / stored bytes of a quantized tied head in shared mode (measured 1.11 int8,

@@ -3,7 +3,12 @@ stay 4xx while versions are swapped, and memory stays within the documented boun
 
 from __future__ import annotations
 
+import pytest
+
 from bench.soak import run_soak
+
+# Traffic for a fixed time, and the server's peak memory (tests/conftest.py: the measure group).
+pytestmark = pytest.mark.xdist_group("measure")
 
 
 def test_valid_and_hostile_traffic_through_swaps() -> None:

@@ -10,9 +10,13 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import pytest
 
 from service.heads.files import HeadWeights, save_head
 from tests.server import running_server
+
+# A server's resident set (tests/conftest.py: the measure group).
+pytestmark = pytest.mark.xdist_group("measure")
 
 VOCAB, D_MODEL = 50257, 768
 WEIGHT_BYTES = VOCAB * D_MODEL * 4
