@@ -18,6 +18,10 @@ BEGIN = "<!-- bench.readme: begin -->"
 END = "<!-- bench.readme: end -->"
 Row = dict[str, str]
 Measure = tuple[str, str, str]  # what, the value, the results file
+LENS_ROW = (
+    "logit lens, 32 layers x 512 tokens, 128256 x 2048 head, vs /topk of the same rows: served;"
+    " engine; peak MB beyond the loaded process (bound)"
+)
 #: The README's rows of the whole table (what a newcomer asks first: speed, batching, swaps).
 README_ROWS = (
     "64-row `.npy` requests, 16 clients, vs a bare onnxruntime session",
@@ -25,6 +29,7 @@ README_ROWS = (
     "failed requests across tied/untied hot swaps under load",
     "demo head, 1000 allowed tokens vs the whole head: 64 rows `.npy`; 1 row JSON",
     "tied 50257 x 768 head resident, `shared` / `fast` mode (x W)",
+    LENS_ROW,
 )
 
 
@@ -83,6 +88,7 @@ def _measures() -> list[Measure]:
     (protocols,) = tables("results-protocols.md")
     served, options, memory, prompt = tables("results-vocabulary.md")
     (client,) = tables("results-client.md")
+    lens_served, lens_engine, lens_memory = tables("results-lens.md")
     workers = tables("results-workers.md")[0]
     (trimmed,) = [row["run"] for row in options if row["run"].startswith("head trimmed")]
     ray_1, ray_2 = {"served by": "Ray Serve, 1 replica"}, {"served by": "Ray Serve, 2 replicas"}
@@ -181,6 +187,12 @@ def _measures() -> list[Measure]:
             f"{pick(prompt, 'peak extra memory MB', run='prompt scoring')} vs "
             f"{pick(prompt, 'peak extra memory MB', run='plain top-10')}",
             "results-vocabulary.md",
+        ),
+        (
+            LENS_ROW,
+            f"{lens_served[1]['vs /topk']}; {lens_engine[1]['vs top-k']}; "
+            f"{lens_memory[1]['MB']} ({lens_memory[2]['MB']})",
+            "results-lens.md",
         ),
         (
             "`service.client` vs a hand-built `.npy` request: 64 rows; overhead at 1 row (ms)",
