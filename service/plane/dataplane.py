@@ -57,7 +57,7 @@ from service.messages import (
     TopKResult,
 )
 from service.metrics import Metrics
-from service.plane import comparison, distribution, grouping, options, scoring
+from service.plane import comparison, distribution, grouping, lens_options, options, scoring
 from service.plane.control import ControlAPI
 from service.plane.lens import final_states, read_lens
 from service.plane.serving import Serving
@@ -153,7 +153,7 @@ class DataPlane(ControlAPI):
         try:
             with serving as (model,):
                 kept, failed = options.group_rows(requests, model, self._limits)
-                if options.residual(first.states, model):
+                if lens_options.residual(first.states, model):
                     kept = [(i, await final_states(model, rows, True)) for i, rows in kept]
                 for index, error in failed:
                     answers[index] = error
@@ -217,7 +217,7 @@ class DataPlane(ControlAPI):
     async def logits(self, request: LogitsRequest) -> LogitsResult:
         with self._serving("logits", request.target) as (model,):
             checked = options.logits(request, model, self._limits)
-            residual = options.residual(request.states, model)
+            residual = lens_options.residual(request.states, model)
             hidden = await final_states(model, checked.hidden, residual)
             ids, temperature = checked.allowed, checked.temperature
             if ids is not None:
@@ -265,7 +265,7 @@ class DataPlane(ControlAPI):
         rows within the row limit, never a (rows x vocab) tensor for the whole request."""
         with self._serving("score", request.target) as (model,):
             checked = options.score(request, model, self._limits)
-            residual = options.residual(request.states, model)
+            residual = lens_options.residual(request.states, model)
             rows = await final_states(model, checked.rows, residual)
             ids = checked.candidates
             candidates = None
@@ -286,7 +286,7 @@ class DataPlane(ControlAPI):
             a, b = heads
             checked = options.compare(request, (a, b), self._limits)
             hidden, targets, k = checked.hidden, checked.targets, checked.k
-            flags = [options.residual(request.states, head) for head in heads]
+            flags = [lens_options.residual(request.states, head) for head in heads]
             states = [await final_states(h, hidden, f) for h, f in zip(heads, flags, strict=True)]
             full = [await self._full(h, rows) for h, rows in zip(heads, states, strict=True)]
             (logits_a, _), (logits_b, _) = full
@@ -308,7 +308,7 @@ class DataPlane(ControlAPI):
     async def lens(self, request: LensRequest) -> LensResult:
         """Every layer's states through the head (the logit lens; ``service.plane.lens``)."""
         with self._serving("lens", request.target) as (model,):
-            checked = options.lens(request, model, self._limits)
+            checked = lens_options.lens(request, model, self._limits)
             return await read_lens(model, checked, request.tokens)
 
     # -- the rules' helpers -----------------------------------------------------------------
@@ -317,7 +317,7 @@ class DataPlane(ControlAPI):
         self, model: LoadedVersion, checked: options.CheckedTopK, states: str
     ) -> options.CheckedTopK:
         """Top-k's rows as final states: residual ones through the head's norm first."""
-        residual = options.residual(states, model)
+        residual = lens_options.residual(states, model)
         return replace(checked, hidden=await final_states(model, checked.hidden, residual))
 
     def _serving(self, verb: str, *targets: Target) -> Serving:

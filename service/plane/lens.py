@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from service.messages import LensResult
-from service.plane.options import CheckedLens
+from service.plane.lens_options import CheckedLens
 from service.repository.loaded_version import LoadedVersion
 from service.runtime.layer_runs import LensPart, lens_run
 from service.runtime.vocabulary import Floats
