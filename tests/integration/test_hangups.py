@@ -5,11 +5,19 @@ where it stands, on one process and through the fronts of LMHEAD_WORKERS > 1.
 Rows computed are read from ``lmhead_batch_rows`` (the sum of every run's rows). Each request
 here is 4096 rows, which the service runs in chunks of 16 (the logits byte limit below), one
 run at a time (one inference thread): all of them used to be computed for nobody.
+
+Two bounds: once the service has counted the calls cancelled (``lmhead_requests_total``
+with outcome ``cancelled``, counted where the call's rows leave the queue), at most the runs
+started or chained then: one chunk of each call, and one more; and between the hang-up and
+that count, a small part of what the calls asked for. Rows computed while the test itself
+reads the metrics and closes its sockets are the clients' (they are still there): counting
+from before the close failed on a loaded machine (22 runs in a scrape's round trip).
 """
 
 from __future__ import annotations
 
 import io
+import re
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -77,6 +85,30 @@ def _send(url: str, body: bytes) -> socket.socket:
     return connection
 
 
+def _seen_gone(url: str, before: float, calls: int) -> tuple[float, float]:
+    """Once the service has counted ``calls`` more calls cancelled than ``before``: that
+    count and the rows computed, read from one scrape (the rows are those of that moment
+    or later, so rows counted after it were computed after the hang-ups were seen)."""
+
+    def scrape() -> tuple[float, float] | None:
+        text = httpx.get(f"{url}/metrics").text
+        gone = _sum(text, "lmhead_requests_total", outcome="cancelled", model="big")
+        rows = _sum(text, "lmhead_batch_rows_sum", model="big")
+        return (gone, rows) if gone >= before + calls else None
+
+    return poll(scrape, "the hang-ups counted")
+
+
+def _sum(text: str, name: str, **labels: str) -> float:
+    samples = re.findall(rf"^{name}\{{(.*)\}} (\S+)$", text, re.MULTILINE)
+    wanted = [f'{k}="{v}"' for k, v in labels.items()]
+    return sum(float(value) for names, value in samples if all(w in names for w in wanted))
+
+
+def _cancelled(url: str) -> float:
+    return metric(url, "lmhead_requests_total", outcome="cancelled", model="big")
+
+
 def _in_flight(url: str, calls: int) -> float:
     """Once ``calls`` requests are being served: the rows computed so far."""
     poll(lambda: metric(url, "lmhead_requests_in_flight") >= calls or None, "calls in flight")
@@ -95,14 +127,19 @@ def test_rows_of_clients_that_hung_up_are_not_computed(served: tuple[str, str]) 
     """The probe's clients: 4096-row requests whose clients close once they are served."""
     url, _ = served
     _settled(url)
+    gone = _cancelled(url)
     body = _npy(ROWS)
     connections = [_send(url, body) for _ in range(CLIENTS)]
     at_hang_up = _in_flight(url, CLIENTS)
     for connection in connections:
         connection.close()
-    computed = _settled(url) - at_hang_up
+    _, at_seen = _seen_gone(url, gone, CLIENTS)
+    settled = _settled(url)
     # the runs started (or chained) when the hang-ups were seen, one chunk of each at most
-    assert computed <= 2 * CLIENTS * CHUNK, f"{computed:.0f} rows computed after the hang-ups"
+    after = settled - at_seen
+    assert after <= 2 * CLIENTS * CHUNK, f"{after:.0f} rows computed after the hang-ups"
+    asked = CLIENTS * ROWS
+    assert settled - at_hang_up < asked / 4, f"{settled - at_hang_up:.0f} of {asked} rows run"
     assert metric(url, "lmhead_http_requests_total", status="499") >= CLIENTS
 
 
@@ -119,11 +156,16 @@ def test_cancelled_grpc_calls_are_not_computed(served: tuple[str, str]) -> None:
     )
     calls = 8
     size = [("grpc.max_send_message_length", 16 * 2**20)]
+    gone = _cancelled(url)
     with grpc.insecure_channel(address, options=size) as channel:
         stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
         futures = [stub.ModelInfer.future(request) for _ in range(calls)]
         at_cancel = _in_flight(url, calls)
         for future in futures:
             future.cancel()
-    computed = _settled(url) - at_cancel
-    assert computed <= 2 * calls * CHUNK, f"{computed:.0f} rows computed after the cancels"
+        _, at_seen = _seen_gone(url, gone, calls)
+    settled = _settled(url)
+    after = settled - at_seen
+    assert after <= 2 * calls * CHUNK, f"{after:.0f} rows computed after the cancels"
+    asked = calls * ROWS
+    assert settled - at_cancel < asked / 4, f"{settled - at_cancel:.0f} of {asked} rows run"
