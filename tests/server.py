@@ -52,8 +52,13 @@ def poll(check: Callable[[], T | None], what: str, timeout_s: float = 30.0) -> T
 
 def metric(url: str, name: str, **labels: str) -> float:
     """The sum of a metric's samples whose labels include ``labels``."""
+    return metric_in(httpx.get(f"{url}/metrics").text, name, **labels)
+
+
+def metric_in(scrape: str, name: str, **labels: str) -> float:
+    """``metric`` read from one scrape's text (several metrics of one moment)."""
     total = 0.0
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
+    for line in scrape.splitlines():
         named = line.startswith((name + "{", name + " "))  # a metric without labels too
         if named and all(f'{k}="{v}"' in line for k, v in labels.items()):
             total += float(line.rsplit(" ", 1)[1])

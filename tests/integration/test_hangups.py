@@ -17,7 +17,6 @@ from before the close failed on a loaded machine (22 runs in a scrape's round tr
 from __future__ import annotations
 
 import io
-import re
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,7 +29,7 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
 from service.heads.files import HeadWeights, save_head
-from tests.server import free_port, metric, poll, running_server
+from tests.server import free_port, metric, metric_in, poll, running_server
 
 VOCAB, D_MODEL = 16000, 256
 CHUNK = 16  # rows per run: LMHEAD_MAX_LOGITS_BYTES / (2 x vocab x 4 bytes)
@@ -85,28 +84,33 @@ def _send(url: str, body: bytes) -> socket.socket:
     return connection
 
 
-def _seen_gone(url: str, before: float, calls: int) -> tuple[float, float]:
-    """Once the service has counted ``calls`` more calls cancelled than ``before``: that
-    count and the rows computed, read from one scrape (the rows are those of that moment
-    or later, so rows counted after it were computed after the hang-ups were seen)."""
+def _seen_gone(url: str, before: float, calls: int) -> float:
+    """Once the service has counted ``calls`` more calls cancelled than ``before``: the rows
+    computed, read from the same scrape (the rows of that moment or later, so rows counted
+    after it were computed after the hang-ups were seen)."""
 
-    def scrape() -> tuple[float, float] | None:
+    def scrape() -> float | None:
         text = httpx.get(f"{url}/metrics").text
-        gone = _sum(text, "lmhead_requests_total", outcome="cancelled", model="big")
-        rows = _sum(text, "lmhead_batch_rows_sum", model="big")
-        return (gone, rows) if gone >= before + calls else None
+        gone = metric_in(text, "lmhead_requests_total", outcome="cancelled", model="big")
+        if gone < before + calls:
+            return None
+        return metric_in(text, "lmhead_batch_rows_sum", model="big")
 
     return poll(scrape, "the hang-ups counted")
 
 
-def _sum(text: str, name: str, **labels: str) -> float:
-    samples = re.findall(rf"^{name}\{{(.*)\}} (\S+)$", text, re.MULTILINE)
-    wanted = [f'{k}="{v}"' for k, v in labels.items()]
-    return sum(float(value) for names, value in samples if all(w in names for w in wanted))
-
-
 def _cancelled(url: str) -> float:
     return metric(url, "lmhead_requests_total", outcome="cancelled", model="big")
+
+
+def _check_stopped(url: str, at_gone: float, at_seen: float, calls: int) -> None:
+    """Rows computed once the service saw the calls go: the runs started (or chained) then,
+    one chunk of each at most; since they went (``at_gone``), a small part of the asked."""
+    settled = _settled(url)
+    after = settled - at_seen
+    assert after <= 2 * calls * CHUNK, f"{after:.0f} rows computed after the calls went"
+    asked = calls * ROWS
+    assert settled - at_gone < asked / 4, f"{settled - at_gone:.0f} of {asked} rows run"
 
 
 def _in_flight(url: str, calls: int) -> float:
@@ -133,13 +137,7 @@ def test_rows_of_clients_that_hung_up_are_not_computed(served: tuple[str, str]) 
     at_hang_up = _in_flight(url, CLIENTS)
     for connection in connections:
         connection.close()
-    _, at_seen = _seen_gone(url, gone, CLIENTS)
-    settled = _settled(url)
-    # the runs started (or chained) when the hang-ups were seen, one chunk of each at most
-    after = settled - at_seen
-    assert after <= 2 * CLIENTS * CHUNK, f"{after:.0f} rows computed after the hang-ups"
-    asked = CLIENTS * ROWS
-    assert settled - at_hang_up < asked / 4, f"{settled - at_hang_up:.0f} of {asked} rows run"
+    _check_stopped(url, at_hang_up, _seen_gone(url, gone, CLIENTS), CLIENTS)
     assert metric(url, "lmhead_http_requests_total", status="499") >= CLIENTS
 
 
@@ -163,9 +161,5 @@ def test_cancelled_grpc_calls_are_not_computed(served: tuple[str, str]) -> None:
         at_cancel = _in_flight(url, calls)
         for future in futures:
             future.cancel()
-        _, at_seen = _seen_gone(url, gone, calls)
-    settled = _settled(url)
-    after = settled - at_seen
-    assert after <= 2 * calls * CHUNK, f"{after:.0f} rows computed after the cancels"
-    asked = calls * ROWS
-    assert settled - at_cancel < asked / 4, f"{settled - at_cancel:.0f} of {asked} rows run"
+        at_seen = _seen_gone(url, gone, calls)
+    _check_stopped(url, at_cancel, at_seen, calls)
