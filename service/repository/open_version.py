@@ -21,17 +21,14 @@ from service.heads import MODEL_FILE
 from service.heads.external import external_extents
 from service.heads.inspector import HeadReport, inspect_head, read_model
 from service.limits import Limits
-from service.repository.disk import (
+from service.repository.disk import VOCAB_MAP_FILE, ModelConfig, ModelSource, RepositoryError
+from service.repository.loaded_version import LoadedVersion
+from service.repository.side_files import (
     MAP_BYTES_PER_ROW,
     MAX_LABELS_BYTES,
-    VOCAB_MAP_FILE,
-    ModelConfig,
-    ModelSource,
-    RepositoryError,
     read_labels,
     read_space,
 )
-from service.repository.loaded_version import LoadedVersion
 from service.repository.staging import PrivateCopy, private_copy
 from service.runtime.layout import Placement, open_head
 from service.runtime.session import HeadSession

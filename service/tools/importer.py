@@ -20,7 +20,8 @@ from service.heads import MODEL_FILE
 from service.heads.files import HeadWeights, dtype_name, read_head, save_head
 from service.heads.quantize import QuantSpec
 from service.repository import staging
-from service.repository.disk import LABELS_FILE, VOCAB_MAP_FILE, read_labels, read_space
+from service.repository.disk import LABELS_FILE, VOCAB_MAP_FILE
+from service.repository.side_files import read_labels, read_space
 from service.runtime.vocabulary import TokenSpace
 from service.tools.checkpoints import Checkpoint, CheckpointError, tokenizer_tokens
 from service.tools.final_norms import NO_NORM, final_norm

@@ -22,7 +22,8 @@ import numpy.typing as npt
 from service.errors import InvalidInput
 from service.heads import MODEL_FILE
 from service.heads.files import HeadWeights, read_head, save_head
-from service.repository.disk import LABELS_FILE, VOCAB_MAP_FILE, read_space
+from service.repository.disk import LABELS_FILE, VOCAB_MAP_FILE
+from service.repository.side_files import read_space
 from service.tools.checkpoints import CheckpointError
 from service.tools.importer import (
     EXTERNAL_DATA_ABOVE_BYTES,

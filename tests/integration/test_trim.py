@@ -15,7 +15,8 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from service.repository.disk import VOCAB_MAP_FILE, read_space
+from service.repository.disk import VOCAB_MAP_FILE
+from service.repository.side_files import read_space
 from service.tools.demo import demo_tokens
 from tests.conftest import D_MODEL, VOCAB, initializers, reference_logits, write_tied_and_untied
 from tests.server import running_server

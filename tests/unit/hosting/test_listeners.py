@@ -1,5 +1,5 @@
 """The ports, taken before models load (``service.hosting.listeners``), and answers written whole
-(``service.hosting.connection.CoalescedWrites``), on real sockets."""
+(``service.hosting.coalesced_writes``), on real sockets."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from service.hosting.connection import COALESCE_BYTES, CoalescedWrites
+from service.hosting.coalesced_writes import COALESCE_BYTES, CoalescedWrites
 from service.hosting.listeners import check_free, describe, listening_sockets, reserve
 
 

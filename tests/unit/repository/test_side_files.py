@@ -8,13 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from service.repository.disk import (
-    MAX_LABEL_CHARS,
-    ModelConfig,
-    RepositoryError,
-    read_labels,
-    read_space,
-)
+from service.repository.disk import ModelConfig, RepositoryError
+from service.repository.side_files import MAX_LABEL_CHARS, read_labels, read_space
 
 
 @pytest.mark.parametrize(

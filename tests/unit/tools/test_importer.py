@@ -17,7 +17,7 @@ from service.cli import main
 from service.heads.files import HeadWeights, save_head
 from service.heads.inspector import inspect_head
 from service.heads.quantize import QuantSpec
-from service.repository.disk import read_labels
+from service.repository.side_files import read_labels
 from service.tools.checkpoints import CheckpointError
 from service.tools.importer import ImportOptions, import_checkpoint, quantize_version
 from tests.conftest import initializers

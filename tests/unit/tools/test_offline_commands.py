@@ -20,7 +20,8 @@ from service.heads.files import HeadWeights, save_head
 from service.heads.graph import EMBEDDING_WEIGHT
 from service.heads.inspector import HeadInspectionError, inspect_head
 from service.heads.quantize import QuantSpec
-from service.repository.disk import LABELS_FILE, VOCAB_MAP_FILE, read_space
+from service.repository.disk import LABELS_FILE, VOCAB_MAP_FILE
+from service.repository.side_files import read_space
 from service.repository.staging import STAGING_PREFIX, hold
 from service.tools.checkpoints import CheckpointError, tokenizer_tokens
 from service.tools.importer import (
