@@ -6,8 +6,11 @@ has a docstring; ``settings_table()`` renders them for the README (a test keeps 
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import socket
 from collections.abc import Mapping
+from functools import lru_cache
 from pathlib import Path
 from typing import Literal, Self
 
@@ -18,7 +21,6 @@ LogLevel = Literal["critical", "error", "warning", "info", "debug"]
 ControlMode = Literal["none", "explicit", "poll"]
 MemoryMode = Literal["shared", "fast"]
 ProviderChoice = Literal["auto", "cpu", "cuda"]
-LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 #: The Host names of a loopback service: its names, and an IPv6 literal as Host writes it.
 LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
 HOUR_S = 3600.0
@@ -161,9 +163,25 @@ class Settings(PlaceSettings):
     @classmethod
     def _real_token(cls, value: SecretStr | None) -> SecretStr | None:
         """A token of spaces guards nothing a client cannot guess (and a stray space in a
-        file of variables is no token)."""
-        if value is not None and not value.get_secret_value().strip():
+        file of variables is no token). A token HTTP cannot carry would lock everyone out:
+        a header value is ASCII (non-ASCII bytes are read as Latin-1, never as the UTF-8 the
+        variable held) and its surrounding spaces are dropped by every parser."""
+        if value is None:
+            return None
+        token = value.get_secret_value()
+        if not token.strip():
             raise ValueError("LMHEAD_ADMIN_TOKEN is only whitespace: set a real token, or none")
+        if token != token.strip():
+            raise ValueError(
+                "LMHEAD_ADMIN_TOKEN starts or ends with whitespace, which an HTTP header "
+                "cannot carry (a client's 'Authorization: Bearer <token>' loses it): remove it"
+            )
+        if not (token.isascii() and token.isprintable()):
+            raise ValueError(
+                "LMHEAD_ADMIN_TOKEN must be printable ASCII (letters, digits, punctuation, "
+                "inner spaces): an HTTP header cannot carry other characters, so no client "
+                "could send it"
+            )
         return value
 
     @field_validator("allowed_hosts")
@@ -212,7 +230,9 @@ class Settings(PlaceSettings):
 
     @property
     def loopback(self) -> bool:
-        return self.host in LOOPBACK_HOSTS
+        """Bound to loopback addresses only, however the host is spelled (``127.0.0.2``,
+        ``LOCALHOST``, ``0:0:0:0:0:0:0:1``, a name that resolves only to loopback)."""
+        return is_loopback(self.host)
 
     @property
     def trusted_hosts(self) -> list[str]:
@@ -221,11 +241,71 @@ class Settings(PlaceSettings):
             return _patterns(self.allowed_hosts)
         if not self.loopback:
             return ["*"]
-        return sorted(LOOPBACK_NAMES)
+        return sorted(LOOPBACK_NAMES | _host_spellings(self.host))
 
     @property
     def admin_api_writable(self) -> bool:
         return self.control_mode != "none" and not self.read_only
+
+
+def is_loopback(host: str) -> bool:
+    """Whether every address ``host`` names is a loopback one: 127.0.0.0/8 and ::1 in any
+    spelling (bracketed, zero-padded, IPv4-mapped), ``localhost`` in any case or with its
+    trailing dot, or a name that resolves to loopback addresses alone. An empty host (every
+    interface) and names that do not resolve are not."""
+    name = _bare(host)
+    if not name:
+        return False
+    if name == "localhost":
+        return True
+    address = _address(name)
+    if address is not None:
+        return _loopback_address(address)
+    return _resolves_to_loopback(name)
+
+
+def _bare(host: str) -> str:
+    """A host as written, lower-cased, without brackets or a trailing dot."""
+    name = host.strip().lower()
+    if name.startswith("[") and name.endswith("]"):
+        name = name[1:-1]
+    return name.removesuffix(".") if name != "." else ""
+
+
+def _address(name: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address(name.split("%", 1)[0])  # an IPv6 zone id is no address
+    except ValueError:
+        return None
+
+
+def _loopback_address(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    mapped = address.ipv4_mapped if isinstance(address, ipaddress.IPv6Address) else None
+    return address.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+@lru_cache(maxsize=16)
+def _resolves_to_loopback(name: str) -> bool:
+    """A name binds every address it resolves to (``service.hosting.listeners``): loopback
+    only when all of them are."""
+    try:
+        found = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return False
+    addresses = [_address(str(entry[4][0])) for entry in found]
+    return bool(addresses) and all(a is not None and _loopback_address(a) for a in addresses)
+
+
+def _host_spellings(host: str) -> frozenset[str]:
+    """What a client of a loopback bind puts in Host: the bind as written and, for an
+    address, its canonical form (bracketed for IPv6, as Host writes it)."""
+    name = _bare(host)
+    address = _address(name)
+    if address is None:
+        return frozenset({name})
+    if isinstance(address, ipaddress.IPv6Address):
+        return frozenset({f"[{name}]", f"[{address.compressed}]"})
+    return frozenset({name, address.compressed})
 
 
 def _patterns(value: str) -> list[str]:
