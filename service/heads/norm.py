@@ -40,6 +40,9 @@ NORM_BIAS = "final_norm.bias"
 NORM_EPSILON = "final_norm.epsilon"
 #: Metadata: ``{"kind": "rms", "epsilon": 1e-05, "source": "model.norm.weight"}``.
 FINAL_NORM = "lmhead.final_norm"
+#: Residual rows whose largest |value| is past 2 ** NORM_SAFE_EXPONENT are scaled by a power
+#: of two to below it before the norm runs (``within_norm_range``).
+NORM_SAFE_EXPONENT = 40
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,27 @@ class FinalNorm:
         scaled = centred / np.sqrt(np.mean(centred**2, axis=-1, keepdims=True) + self.epsilon)
         shifted = scaled * self.weight + (0.0 if self.bias is None else self.bias)
         return np.asarray(shifted, np.float64)
+
+
+def within_norm_range(rows: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+    """``rows`` (rows, d_model), each row whose largest |value| passes 2^40 scaled by a power
+    of two to just below it (exact: only exponents change); other rows as they are.
+
+    Both norms are scale-invariant (``x / sqrt(mean(x^2) + eps)``, and the same of ``x -
+    mean``) wherever ``eps`` is negligible beside ``mean(x^2)``, which at 2^39 and above it is
+    by ~20 orders of magnitude. Unscaled, their float32 sum of squares overflows once |x|
+    passes ~1.8e19 / sqrt(d_model): rows of magnitude 1e18 came out of an RMS norm as zeros
+    and got all-zero logits (a uniform distribution), where the float64 reference ranks
+    tokens as usual. A copy only when some row needs it; no (rows, d_model) temporary else.
+    """
+    peak = np.maximum(rows.max(axis=-1), -rows.min(axis=-1))
+    big = peak > 2.0**NORM_SAFE_EXPONENT
+    if not big.any():
+        return rows
+    _, exponents = np.frexp(peak[big])  # peak = m * 2^e, m in [0.5, 1)
+    scaled = rows.copy()
+    scaled[big] = np.ldexp(rows[big], (NORM_SAFE_EXPONENT - exponents)[:, None])
+    return scaled
 
 
 def norm_graph_parts(

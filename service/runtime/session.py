@@ -43,7 +43,7 @@ from service.heads.graph import (
     K,
 )
 from service.heads.lse_graph import LSE_IN_CHUNKS
-from service.heads.norm import NORMED_STATES, RESIDUAL_STATES
+from service.heads.norm import NORMED_STATES, RESIDUAL_STATES, within_norm_range
 from service.runtime.providers import (
     CUDA,
     provider_entries,
@@ -274,10 +274,11 @@ class HeadSession:
 
     def normalize(self, residual: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
         """(rows, d_model) residual states through the head's final norm (its graph's norm
-        side, ``service.heads.norm``): what the model's last layer hands its head."""
+        side, ``service.heads.norm``): what the model's last layer hands its head. Rows too
+        large for its float32 sum of squares are scaled first (``within_norm_range``)."""
         if not self.has_norm:
             raise ValueError(f"{self.path.parent.name} holds no final norm")
-        rows = np.ascontiguousarray(residual, dtype=np.float32)
+        rows = within_norm_range(np.ascontiguousarray(residual, dtype=np.float32))
         (normed,) = self._run(
             [NORMED_STATES],
             self._filler_rows,
