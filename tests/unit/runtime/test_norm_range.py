@@ -39,8 +39,8 @@ def test_the_norm_matches_the_float64_reference_at_any_magnitude(
     normed_head: tuple[HeadSession, FinalNorm, npt.NDArray[np.float32]], scale: float
 ) -> None:
     session, norm, table = normed_head
-    rows = np.random.default_rng(4).standard_normal((6, D_MODEL)) * scale
-    rows = rows.astype(np.float32)
+    drawn = np.random.default_rng(4).standard_normal((6, D_MODEL)) * scale
+    rows = drawn.astype(np.float32)
     assert np.isfinite(rows).all()
     want = norm.apply(rows)
     got = session.normalize(rows)
