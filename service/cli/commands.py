@@ -21,14 +21,9 @@ from service.heads.graph import FORMAT
 from service.heads.inspector import HeadReport, inspect_head
 from service.heads.quantize import QuantSpec
 from service.tools.demo import TIED_NAME, UNTIED_NAME, DemoSpec, write_demo_models
-from service.tools.importer import (
-    ImportOptions,
-    import_checkpoint,
-    quantize_version,
-    source_version,
-)
+from service.tools.importer import ImportOptions, import_checkpoint, quantize_version
 from service.tools.retie import retie
-from service.tools.trim import id_space_size, trim_version
+from service.tools.trim import trim_version
 
 
 def demo(args: argparse.Namespace) -> int:
@@ -212,8 +207,9 @@ def quantize(args: argparse.Namespace) -> int:
 
 
 def trim(args: argparse.Namespace) -> int:
-    source = source_version(Path(args.repository) / args.model, args.version)
-    keep = _token_ids(args.keep, id_space_size(source))
+    def keep(size: int) -> npt.NDArray[np.int64]:  # checked against the version's ids
+        return _token_ids(args.keep, size)
+
     written = trim_version(
         args.repository, args.model, args.version, keep, args.name, args.to_version
     )

@@ -18,24 +18,15 @@ import numpy as np
 
 from service.allocator import trim_heap
 from service.heads import MODEL_FILE
-from service.heads.external import external_extents
-from service.heads.inspector import HeadReport, inspect_head, read_model
+from service.heads.inspector import HeadReport
 from service.limits import Limits
-from service.repository.disk import VOCAB_MAP_FILE, ModelConfig, ModelSource, RepositoryError
+from service.repository.disk import ModelConfig, ModelSource, RepositoryError
 from service.repository.loaded_version import LoadedVersion
-from service.repository.side_files import (
-    MAP_BYTES_PER_ROW,
-    MAX_LABELS_BYTES,
-    read_labels,
-    read_space,
-)
-from service.repository.staging import PrivateCopy, private_copy
+from service.repository.side_files import read_labels, read_space
+from service.repository.staging import private_copy
 from service.runtime.layout import Placement, open_head
 from service.runtime.session import HeadSession
 from service.settings import MemoryMode
-
-#: The largest graph onnx reads (protobuf's limit): a larger model.onnx is not copied at all.
-MAX_MODEL_BYTES = 2**31
 
 
 @dataclass(frozen=True)
@@ -65,7 +56,7 @@ def load_version(source: ModelSource, version: int, options: LoadOptions) -> Loa
     directory, config = source.versions[version], source.config
     with private_copy(directory, root, options.scratch) as private:
         try:
-            report = _bring_head(private, config)
+            report = private.bring_head(config.labels)
             private.check_unchanged(source.files[version])
             session = open_head(
                 private.path / MODEL_FILE, options.placement, report=report, scratch=private.path
@@ -93,21 +84,6 @@ def load_version(source: ModelSource, version: int, options: LoadOptions) -> Loa
         signature=source.signature(version),
         token_space=space if space.kept is not None else None,
     )
-
-
-def _bring_head(private: PrivateCopy, config: ModelConfig) -> HeadReport:
-    """Copy what the head uses, reading its graph once: the graph says which data files it
-    needs and how much of each; the inspector says how large its vocabulary is, which bounds
-    its id map."""
-    if not private.bring(MODEL_FILE, refuse_past=MAX_MODEL_BYTES):
-        raise RepositoryError(f"{MODEL_FILE} is gone from the version")
-    model = read_model(private.path / MODEL_FILE)
-    for location, extent in external_extents(model).items():
-        private.bring(location, most=extent)
-    report = inspect_head(private.path / MODEL_FILE, model)
-    private.bring(config.labels, refuse_past=MAX_LABELS_BYTES)
-    private.bring(VOCAB_MAP_FILE, refuse_past=MAP_BYTES_PER_ROW * report.vocab_size + 1024)
-    return report
 
 
 def _check_shapes(session: HeadSession, report: HeadReport, config: ModelConfig) -> None:

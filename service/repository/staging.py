@@ -3,6 +3,11 @@ be swept by the next one: the private copies a version loads from (``private_cop
 staging directories new versions are written in (``write_whole``), and a split
 service's private directory, which all its processes hold (``split.supervisor``).
 
+A private copy is the one way a version's files are read, by the loader and by the commands
+that make a version of another (``lmhead quantize``, ``lmhead trim``): ``bring_head`` copies
+the files its head uses, each opened once, never through a link; nothing else of the version
+is read.
+
 The lock is an ``flock`` on a file inside the directory, named only once held: a directory
 whose lock file can be opened and locked is nobody's, whatever process or container made it.
 """
@@ -19,13 +24,25 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
-from service.repository.disk import RepositoryError, Signature, open_regular, signature
+from service.heads import MODEL_FILE
+from service.heads.external import external_extents
+from service.heads.inspector import HeadReport, inspect_head, read_model
+from service.repository.disk import (
+    VOCAB_MAP_FILE,
+    RepositoryError,
+    Signature,
+    open_regular,
+    signature,
+)
+from service.repository.side_files import MAP_BYTES_PER_ROW, MAX_LABELS_BYTES
 
 LOCK_FILE = ".lmhead-lock"
 #: A new version's directory while it is written (hidden from the service and the poller).
 STAGING_PREFIX = ".writing-"
 #: A version's private copy, locked by its loader while it loads from it.
 COPY_PREFIX = "lmhead-version-"
+#: The largest graph onnx reads (protobuf's limit): a larger model.onnx is not copied at all.
+MAX_MODEL_BYTES = 2**31
 
 
 def hold(directory: Path, shared: bool = False) -> BinaryIO:
@@ -144,6 +161,20 @@ class PrivateCopy:
                 raise RepositoryError(f"{where} has {size} bytes; at most {refuse_past}")
             _copy(opened, copy, size if most is None else min(most, size))
         return True
+
+    def bring_head(self, labels: str) -> HeadReport:
+        """Copy what the head uses, reading its graph once: the graph says which data files it
+        needs and how much of each; the inspector says how large its vocabulary is, which
+        bounds its id map. ``labels``: the labels file's name (``ModelConfig.labels``)."""
+        if not self.bring(MODEL_FILE, refuse_past=MAX_MODEL_BYTES):
+            raise RepositoryError(f"{MODEL_FILE} is gone from the version")
+        model = read_model(self.path / MODEL_FILE)
+        for location, extent in external_extents(model).items():
+            self.bring(location, most=extent)
+        report = inspect_head(self.path / MODEL_FILE, model)
+        self.bring(labels, refuse_past=MAX_LABELS_BYTES)
+        self.bring(VOCAB_MAP_FILE, refuse_past=MAP_BYTES_PER_ROW * report.vocab_size + 1024)
+        return report
 
     def check_unchanged(self, expected: Signature) -> None:
         """Fail the load if the version's files changed while they were copied (``expected``:

@@ -5,7 +5,6 @@ family has one (``service.tools.final_norms``; ``--no-norm`` leaves it out)."""
 from __future__ import annotations
 
 import errno
-import shutil
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -16,15 +15,13 @@ import numpy as np
 import numpy.typing as npt
 
 from service.digits import decimal
-from service.heads import MODEL_FILE
-from service.heads.files import HeadWeights, dtype_name, read_head, save_head
+from service.heads.files import HeadWeights, save_head
 from service.heads.quantize import QuantSpec
 from service.repository import staging
-from service.repository.disk import LABELS_FILE, VOCAB_MAP_FILE
-from service.repository.side_files import read_labels, read_space
-from service.runtime.vocabulary import TokenSpace
+from service.repository.disk import LABELS_FILE
 from service.tools.checkpoints import Checkpoint, CheckpointError, tokenizer_tokens
 from service.tools.final_norms import NO_NORM, final_norm
+from service.tools.sources import opened_version
 
 #: Above this the weights go to model.onnx.data: written straight from the numpy buffers (no
 #: protobuf copy, so the import peak stays near the checkpoint tensor plus its float32 copy)
@@ -239,77 +236,23 @@ def quantize_version(
     quantize_table: bool = False,
 ) -> Path:
     """Write a block-quantized copy of ``name``'s version (the newest by default) as a new
-    version, its labels and token map (a trimmed head's original ids) included; it appears
-    complete (renamed into place) or not at all."""
-    model_dir = Path(repository) / name
-    source = source_version(model_dir, version)
-    weights = read_float_head(source)
-    copy_companions = companions(source, len(weights.embedding))
+    version, its labels and token map (a trimmed head's original ids) included, each as the
+    service would load it (``sources.opened_version``); it appears complete (renamed into
+    place) or not at all."""
+    with opened_version(repository, name, version) as source:
 
-    def write(staging: Path) -> None:
-        stored = weights.stored_nbytes(spec, quantize_table)
-        external = stored > EXTERNAL_DATA_ABOVE_BYTES
-        save_head(
-            weights,
-            staging,
-            external_data=external,
-            quantization=spec,
-            quantize_table=quantize_table,
-        )
-        copy_companions(staging)
+        def write(staging: Path) -> None:
+            stored = source.weights.stored_nbytes(spec, quantize_table)
+            save_head(
+                source.weights,
+                staging,
+                external_data=stored > EXTERNAL_DATA_ABOVE_BYTES,
+                quantization=spec,
+                quantize_table=quantize_table,
+            )
+            source.copy_side_files(staging)
 
-    return write_version(model_dir, to_version, write, flag="--to-version")
-
-
-def source_version(model_dir: Path, version: int | None) -> Path:
-    """A model's version directory (the newest by default) that holds a head file."""
-    versions = {n: p for p in model_dir.glob("*") if (n := decimal(p.name)) is not None}
-    if not versions:
-        raise CheckpointError(f"no versions of {model_dir.name!r} in {model_dir.parent}")
-    number = version if version is not None else max(versions)
-    source = versions.get(number, model_dir / str(number))  # "001" is version 1
-    if not (source / MODEL_FILE).is_file():
-        raise CheckpointError(f"{source} holds no {MODEL_FILE}")
-    return source
-
-
-def read_float_head(source: Path) -> HeadWeights:
-    """A float head of the repository, checked as an import checks a checkpoint (finite
-    float32, float16 or bfloat16 weights), so that what is made of it loads."""
-    try:
-        read = read_head(source / MODEL_FILE, root=source.parent.parent)
-        return HeadWeights.from_arrays(
-            read.embedding,
-            read.output,
-            bias=read.bias,
-            transforms=read.transforms,
-            twin=read.twin,
-            dtype=dtype_name(read.embedding.dtype),
-            norm=read.norm,
-        )
-    except ValueError as error:  # already quantized, or not a head the service would load
-        raise CheckpointError(f"{error} (--version picks another)") from None
-
-
-def read_companions(source: Path, vocab_size: int) -> tuple[list[str] | None, TokenSpace]:
-    """A version's labels and token space, read as the service reads them."""
-    try:
-        return read_labels(source, LABELS_FILE, vocab_size), read_space(source, vocab_size)
-    except ValueError as error:  # UnicodeDecodeError is one (an OSError is the machine's)
-        raise CheckpointError(f"{source}: {error}") from None
-
-
-def companions(source: Path, vocab_size: int) -> Callable[[Path], None]:
-    """What copies a version's labels and token map into a new version of the same rows,
-    once checked (now: never after the work is done)."""
-    read_companions(source, vocab_size)
-
-    def copy(staging: Path) -> None:
-        for name in (LABELS_FILE, VOCAB_MAP_FILE):
-            if (source / name).is_file():
-                shutil.copyfile(source / name, staging / name)
-
-    return copy
+        return write_version(Path(repository) / name, to_version, write, flag="--to-version")
 
 
 def write_version(

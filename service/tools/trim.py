@@ -13,74 +13,64 @@ trimmed head's answers equal the full head's restricted to the kept ids.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from service.errors import InvalidInput
-from service.heads import MODEL_FILE
-from service.heads.files import HeadWeights, read_head, save_head
+from service.heads.files import HeadWeights, save_head
 from service.repository.disk import LABELS_FILE, VOCAB_MAP_FILE
-from service.repository.side_files import read_space
 from service.tools.checkpoints import CheckpointError
-from service.tools.importer import (
-    EXTERNAL_DATA_ABOVE_BYTES,
-    read_companions,
-    read_float_head,
-    source_version,
-    write_version,
-)
+from service.tools.importer import EXTERNAL_DATA_ABOVE_BYTES, write_version
+from service.tools.sources import opened_version
 
-
-def id_space_size(source: Path) -> int:
-    """The ids a version answers in: its rows, or a trimmed head's original vocabulary (read
-    without touching the weights' bytes)."""
-    try:
-        rows = len(read_head(source / MODEL_FILE).embedding)
-        return read_space(source, rows).size
-    except ValueError as error:
-        raise CheckpointError(f"{error} (--version picks another)") from None
+#: The ids to keep, or what makes them of the number of ids the version answers in.
+Keep = npt.ArrayLike | Callable[[int], npt.ArrayLike]
 
 
 def trim_version(
     repository: str | Path,
     name: str,
     version: int | None,
-    keep: npt.NDArray[Any],
+    keep: Keep,
     new_name: str,
     to_version: int | None = None,
 ) -> Path:
     """Write ``name``'s version (the newest by default) trimmed to the ``keep`` ids (original
-    ids; repeats and order do not matter) as a version of ``new_name``."""
-    source = source_version(Path(repository) / name, version)
-    weights = read_float_head(source)
-    labels, space = read_companions(source, len(weights.embedding))
-    kept = np.unique(np.asarray(keep).reshape(-1))
-    if kept.dtype.kind not in "iu" or not len(kept):
-        raise CheckpointError("--keep must name at least one integer token id")
-    if kept[0] < 0 or kept[-1] >= space.size:
-        raise CheckpointError(f"--keep ids must be in [0, {space.size})")
-    try:
-        columns = space.local(kept.astype(np.int64), "--keep")
-    except InvalidInput as error:
-        raise CheckpointError(str(error)) from None
-    trimmed = HeadWeights(
-        np.ascontiguousarray(weights.embedding[columns]),
-        None if weights.output is None else np.ascontiguousarray(weights.output[columns]),
-        None if weights.bias is None else weights.bias[columns],
-        weights.transforms,
-        weights.twin,
-        weights.norm,  # over d_model, which trimming keeps: residual states still read
-    )
+    ids; repeats and order do not matter) as a version of ``new_name``. ``keep`` may be a
+    function of the number of ids the version answers in (its rows, or a trimmed head's
+    original vocabulary): the command line's ranges are checked against it, from the version
+    read once, as the service would load it (``sources.opened_version``)."""
+    with opened_version(repository, name, version) as source:
+        space, weights, labels = source.space, source.weights, source.labels
+        kept = np.unique(np.asarray(keep(space.size) if callable(keep) else keep).reshape(-1))
+        if kept.dtype.kind not in "iu" or not len(kept):
+            raise CheckpointError("--keep must name at least one integer token id")
+        if kept[0] < 0 or kept[-1] >= space.size:
+            raise CheckpointError(f"--keep ids must be in [0, {space.size})")
+        try:
+            columns = space.local(kept.astype(np.int64), "--keep")
+        except InvalidInput as error:
+            raise CheckpointError(str(error)) from None
+        trimmed = HeadWeights(
+            np.ascontiguousarray(weights.embedding[columns]),
+            None if weights.output is None else np.ascontiguousarray(weights.output[columns]),
+            None if weights.bias is None else weights.bias[columns],
+            weights.transforms,
+            weights.twin,
+            weights.norm,  # over d_model, which trimming keeps: residual states still read
+        )
 
-    def write(staging: Path) -> None:
-        save_head(trimmed, staging, external_data=trimmed.nbytes > EXTERNAL_DATA_ABOVE_BYTES)
-        mapping = {"vocab_size": space.size, "token_ids": space.original(columns).tolist()}
-        (staging / VOCAB_MAP_FILE).write_text(json.dumps(mapping), encoding="utf-8")
-        if labels is not None:
-            kept_labels = [labels[i] if i < len(labels) else "" for i in columns.tolist()]
-            (staging / LABELS_FILE).write_text("\n".join(kept_labels) + "\n", encoding="utf-8")
+        def write(staging: Path) -> None:
+            external = trimmed.nbytes > EXTERNAL_DATA_ABOVE_BYTES
+            save_head(trimmed, staging, external_data=external)
+            mapping = {"vocab_size": space.size, "token_ids": space.original(columns).tolist()}
+            (staging / VOCAB_MAP_FILE).write_text(json.dumps(mapping), encoding="utf-8")
+            if labels is not None:
+                kept_labels = [labels[i] if i < len(labels) else "" for i in columns.tolist()]
+                text = "\n".join(kept_labels) + "\n"
+                (staging / LABELS_FILE).write_text(text, encoding="utf-8")
 
-    return write_version(Path(repository) / new_name, to_version, write, flag="--to-version")
+        return write_version(Path(repository) / new_name, to_version, write, flag="--to-version")
