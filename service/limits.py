@@ -283,6 +283,17 @@ def charge(nbytes: int) -> None:
         reservation.grow(nbytes)
 
 
+def ran(nbytes: int) -> None:
+    """The current request runs a tensor of ``nbytes`` (its largest run's logits): never
+    charged against the in-flight capacity (each inference thread's run is its own term of
+    the worst case), but counted toward handing memory back once the service is idle, however
+    small the request's own charge (a 16 KB lens body ran 1 GB of logits, and the process
+    kept them idle)."""
+    reservation = _held.get()
+    if reservation is not None:
+        reservation.note_run(nbytes)
+
+
 class Reservation:
     """One request's share of the budget; released whole when the request is done."""
 
@@ -307,6 +318,11 @@ class Reservation:
             budget.used += nbytes
             budget.grown += nbytes
             self.bytes += nbytes
+
+    def note_run(self, nbytes: int) -> None:
+        budget = self._budget
+        with budget.lock:
+            budget.grown += nbytes
 
     def release(self) -> None:
         budget = self._budget

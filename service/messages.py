@@ -114,6 +114,8 @@ class LogitsRequest:
     temperature: float = 1.0
     allowed_token_ids: npt.NDArray[Any] | None = None
     states: str = "final"
+    #: The answer is JSON text (up to 16 bytes a value), not binary (4): its declared cost.
+    text: bool = False
 
 
 @dataclass(frozen=True)

@@ -31,13 +31,7 @@ import numpy.typing as npt
 
 from service.allocator import IdleRelease, release_free_memory
 from service.errors import LogitsOverflow, ServiceError
-from service.limits import (
-    LOGIT_BYTES,
-    Limits,
-    MemoryBudget,
-    Reservation,
-    charge,
-)
+from service.limits import Limits, MemoryBudget, Reservation
 from service.messages import (
     CandidateScores,
     CompareRequest,
@@ -57,7 +51,15 @@ from service.messages import (
     TopKResult,
 )
 from service.metrics import Metrics
-from service.plane import comparison, distribution, grouping, lens_options, options, scoring
+from service.plane import (
+    comparison,
+    costs,
+    distribution,
+    grouping,
+    lens_options,
+    options,
+    scoring,
+)
 from service.plane.control import ControlAPI
 from service.plane.lens import final_states, read_lens
 from service.plane.serving import Serving
@@ -71,8 +73,6 @@ from service.settings import Settings
 SPEED_ROWS = 64
 SPEED_RUNS = 5
 SHADOW_CLOSE_S = 2.0
-#: Full logits held per answer: the tensor and its encoding (JSON text is ~3x the floats).
-ANSWER_COPIES = 4
 
 
 class DataPlane(ControlAPI):
@@ -130,7 +130,18 @@ class DataPlane(ControlAPI):
     async def topk(self, request: TopKRequest) -> TopKResult:
         with self._serving("topk", request.target) as (model,):
             checked = options.topk(request, model, self._limits)
-            checked = await self._final(model, checked, request.states)
+            residual = lens_options.residual(request.states, model)
+            self._admit(
+                costs.topk(
+                    model,
+                    checked,
+                    logprobs=request.logprobs,
+                    tokens=request.tokens,
+                    residual=residual,
+                ),
+                "topk",
+            )
+            checked = await self._final(model, checked, residual)
             if checked.shape is not None:
                 shaped = await self._shaped(model, checked, checked.shape, request.tokens)
                 return shaped if request.logprobs else replace(shaped, logprobs=None)
@@ -153,15 +164,17 @@ class DataPlane(ControlAPI):
         try:
             with serving as (model,):
                 kept, failed = options.group_rows(requests, model, self._limits)
-                if lens_options.residual(first.states, model):
-                    kept = [(i, await final_states(model, rows, True)) for i, rows in kept]
+                k, temperature = options.group_options(first, model, self._limits)
+                residual = lens_options.residual(first.states, model)
+                each_alone = len(kept) > 1 and grouping.rows(kept) > model.group_room()
+                if not each_alone:  # alone, each call is admitted by ``topk``
+                    kept, refused = await self._admit_each(model, kept, k, first, residual)
+                    failed += refused
                 for index, error in failed:
                     answers[index] = error
                     serving.record(error.code)
                 serving.calls = len(kept)
-                k, temperature = options.group_options(first, model, self._limits)
                 outcomes: list[Any] = []
-                each_alone = len(kept) > 1 and grouping.rows(kept) > model.group_room()
                 if kept and not each_alone:
                     try:
                         outcomes = await self._grouped(model, kept, k, temperature, first)
@@ -218,6 +231,9 @@ class DataPlane(ControlAPI):
         with self._serving("logits", request.target) as (model,):
             checked = options.logits(request, model, self._limits)
             residual = lens_options.residual(request.states, model)
+            count = math.prod(checked.hidden.shape[:-1])
+            width = model.vocab_size if checked.allowed is None else checked.allowed.shape[-1]
+            self._admit(costs.logits(model, count, width, residual, request.text), "logits")
             hidden = await final_states(model, checked.hidden, residual)
             ids, temperature = checked.allowed, checked.temperature
             if ids is not None:
@@ -238,14 +254,17 @@ class DataPlane(ControlAPI):
     async def embed(self, request: EmbedRequest) -> EmbedResult:
         with self._serving("embed", request.target) as (model,):
             ids = options.embed(request.input_ids, model, self._limits)
+            self._admit(costs.embed(model, ids.size), "embed")
             return EmbedResult(model.info, await model.embed(ids))
 
     async def infer(self, request: InferRequest) -> InferResult:
         """Projection and/or embeddings from one version (the V2 protocol's infer)."""
         with self._serving("infer", request.target) as (model,):
             checked = options.infer(request, model, self._limits)
+            residual = checked.topk is not None and lens_options.residual(request.states, model)
+            self._admit(costs.infer(model, checked, request.tokens, residual), "infer")
             if checked.topk is not None:
-                final = await self._final(model, checked.topk, request.states)
+                final = await self._final(model, checked.topk, residual)
                 checked = replace(checked, topk=final)
             topk, logits = None, None
             if checked.topk is not None and checked.topk.shape is not None:
@@ -266,6 +285,9 @@ class DataPlane(ControlAPI):
         with self._serving("score", request.target) as (model,):
             checked = options.score(request, model, self._limits)
             residual = lens_options.residual(request.states, model)
+            width = 0 if checked.candidates is None else checked.candidates.shape[-1]
+            cost = costs.score(model, len(checked.rows), checked.k, width, residual)
+            self._admit(cost, "score")
             rows = await final_states(model, checked.rows, residual)
             ids = checked.candidates
             candidates = None
@@ -287,6 +309,8 @@ class DataPlane(ControlAPI):
             checked = options.compare(request, (a, b), self._limits)
             hidden, targets, k = checked.hidden, checked.targets, checked.k
             flags = [lens_options.residual(request.states, head) for head in heads]
+            rows = math.prod(hidden.shape[:-1])
+            self._admit(costs.compare((a, b), rows, any(flags)), "compare")
             states = [await final_states(h, hidden, f) for h, f in zip(heads, flags, strict=True)]
             full = [await self._full(h, rows) for h, rows in zip(heads, states, strict=True)]
             (logits_a, _), (logits_b, _) = full
@@ -309,16 +333,47 @@ class DataPlane(ControlAPI):
         """Every layer's states through the head (the logit lens; ``service.plane.lens``)."""
         with self._serving("lens", request.target) as (model,):
             checked = lens_options.lens(request, model, self._limits)
+            layers, tokens, _ = checked.states.shape
+            targets = checked.targets is not None
+            cost = costs.lens(model, layers, tokens, checked.k, targets, request.tokens)
+            self._admit(cost, "lens")
             return await read_lens(model, checked, request.tokens)
 
     # -- the rules' helpers -----------------------------------------------------------------
 
     async def _final(
-        self, model: LoadedVersion, checked: options.CheckedTopK, states: str
+        self, model: LoadedVersion, checked: options.CheckedTopK, residual: bool
     ) -> options.CheckedTopK:
         """Top-k's rows as final states: residual ones through the head's norm first."""
-        residual = lens_options.residual(states, model)
         return replace(checked, hidden=await final_states(model, checked.hidden, residual))
+
+    def _admit(self, cost: costs.Cost, verb: str) -> None:
+        """The request's declared cost, admitted or refused before any run (``costs``)."""
+        costs.admit(cost, self._limits, verb)
+
+    async def _admit_each(
+        self,
+        model: LoadedVersion,
+        kept: list[grouping.Kept],
+        k: int,
+        first: TopKRequest,
+        residual: bool,
+    ) -> tuple[list[grouping.Kept], list[tuple[int, ServiceError]]]:
+        """Calls served as one, each admitted by its own declared cost (a call the budget
+        refuses fails alone), their rows as final states."""
+        admitted, refused = [], []
+        for index, hidden in kept:
+            checked = options.CheckedTopK(hidden, k, 1.0)
+            cost = costs.topk(
+                model, checked, logprobs=first.logprobs, tokens=first.tokens, residual=residual
+            )
+            try:
+                self._admit(cost, "topk")
+            except ServiceError as error:
+                refused.append((index, error))
+            else:
+                admitted.append((index, await final_states(model, hidden, residual)))
+        return admitted, refused
 
     def _serving(self, verb: str, *targets: Target) -> Serving:
         """Look up and lease each target (no ``await`` between), and record the call."""
@@ -331,8 +386,6 @@ class DataPlane(ControlAPI):
         (full logits asked by the request were checked against the byte limit already)."""
         hidden, k, temperature = checked.hidden, checked.k, checked.temperature
         rows = math.prod(hidden.shape[:-1])
-        if full_logits:
-            charge(rows * model.vocab_size * LOGIT_BYTES * ANSWER_COPIES)
         affordable = self._limits.fits_logits(rows, model.vocab_size, copies=2)
         sampled = self._shadow.wants(model, affordable)
         projection = await model.project(
@@ -371,7 +424,6 @@ class DataPlane(ControlAPI):
     ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
         """Full (rows, vocab) logits and log-sum-exp (``options.compare`` checked their bytes)."""
         rows = hidden.reshape(-1, model.d_model)
-        charge(len(rows) * model.vocab_size * LOGIT_BYTES)
         projection = await model.project(rows, 1, full_logits=True)
         assert projection.logits is not None
         refuse_overflow(projection.logsumexp, projection.logits)

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from service.limits import LOGIT_BYTES, charge
 from service.messages import Sampled, TopKResult
 from service.repository.loaded_version import LoadedVersion
 from service.runtime.vocabulary import (
@@ -71,7 +70,6 @@ async def candidate_logits(
         return found
     every = np.broadcast_to(ids, (len(rows), ids.shape[-1])) if ids.ndim == 1 else ids
     step = model.rows_per_run  # one run's full logits at a time, never (rows x vocab)
-    charge(min(len(rows), step) * model.vocab_size * LOGIT_BYTES)
     parts = []
     for start in range(0, len(rows), step):
         part = slice(start, start + step)
@@ -84,8 +82,7 @@ async def candidate_logits(
 
 
 async def full_logits(model: LoadedVersion, rows: Floats, temperature: float) -> Floats:
-    """Full logits of a few rows (the exact fallback), charged to the request."""
-    charge(len(rows) * model.vocab_size * LOGIT_BYTES)
+    """Full logits of a few rows (the exact fallback; ``costs.topk`` declared them)."""
     projection = await model.project(rows, 1, temperature=temperature, full_logits=True)
     assert projection.logits is not None
     refuse_overflow(projection.logsumexp, projection.logits, temperature=temperature)

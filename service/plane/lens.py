@@ -5,9 +5,10 @@ head (the head's own final norm, ``HeadSession.normalize``), before anything els
 top-k, allowed tokens, scoring and comparing then see final states, whatever path they take.
 
 ``read_lens`` reads every layer through the head in runs of a few positions at every layer
-(``service.runtime.layer_runs``), each run as many rows as a top-k run of the version (its
-logits within ``LMHEAD_MAX_LOGITS_BYTES``, and as long as other requests wait at most): memory
-stays one run's whatever the layers and tokens, and the runs go through the inference
+(``service.runtime.layer_runs``), each run as many rows as a top-k run of the version, and at
+least every layer of one position (``costs.lens_run_rows``: a request whose run would pass
+``LMHEAD_MAX_LOGITS_BYTES`` is refused before it starts): memory stays one run's whatever the
+layers and tokens, and the runs go through the inference
 executor one at a time, so other requests run in between. The matmul of a run costs what a
 top-k run's does; the lens adds the full logits' fetch and one pass over them for the
 entropies and KLs.
@@ -23,6 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from service.messages import LensResult
+from service.plane.costs import lens_run_rows
 from service.plane.lens_options import CheckedLens
 from service.repository.loaded_version import LoadedVersion
 from service.runtime.layer_runs import LensPart, lens_run
@@ -51,7 +53,7 @@ async def read_lens(model: LoadedVersion, checked: CheckedLens, tokens: bool) ->
     """Every layer's top-k, entropy, KL to the last layer and targets' log-probs and ranks."""
     states, k = checked.states, checked.k
     layers, positions, _ = states.shape
-    step = max(1, model.rows_per_run // layers)  # positions per run, every layer of each
+    step = lens_run_rows(model, layers) // layers  # positions per run, every layer of each
     parts: list[LensPart] = []
     for start in range(0, positions, step):
         chunk = slice(start, start + step)

@@ -1,0 +1,229 @@
+"""Every verb's cost is declared before it runs (``service.plane.costs``), and it is a real
+bound: a sweep of request shapes (rows, layers x tokens, k, vocabulary, label lengths) served by
+a real process, each request's measured peak resident set against its declared cost and the
+documented worst case; requests whose cost no setting allows are refused before any run."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import math
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import orjson
+import pytest
+
+from service.heads.files import HeadWeights, save_head
+from service.heads.norm import FinalNorm
+from service.limits import BODY_EXPANSION, JSON_ARRAY_BYTES, JSON_NUMBER_BYTES
+from service.limits import worst_case_extra_bytes as worst_case
+from service.metrics import Metrics
+from service.plane import costs
+from service.plane.options import CheckedTopK
+from service.repository.disk import LABELS_FILE
+from service.repository.loaded_version import LoadedVersion
+from service.repository.registry import Registry
+from service.settings import Settings
+from tests.server import running_server, server_process
+
+# Resident sets of one server, measured request by request (tests/conftest.py: measure group).
+pytestmark = pytest.mark.xdist_group("measure")
+
+D_MODEL = 16
+#: Interpreter and allocator churn of one request beside what it declares (small requests).
+SLACK = 24 * 2**20
+HEADS = {"short": 4096, "long": 65536}  # vocabulary sizes; "long" has long, escaped labels
+
+
+def _labels(vocab: int, long: bool) -> str:
+    """Token strings; the long head's longest escapes to ~180 bytes of JSON."""
+    if not long:
+        return "".join(f"t{i}\n" for i in range(vocab))
+    return "".join(f"{i}{chr(1) * 28}{'é' * 20}\n" for i in range(vocab))
+
+
+@pytest.fixture(scope="module")
+def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("costs")
+    rng = np.random.default_rng(7)
+    for name, vocab in HEADS.items():
+        table = rng.standard_normal((vocab, D_MODEL), dtype=np.float32)
+        norm = FinalNorm("rms", np.ones(D_MODEL, np.float32), 1e-5)
+        for model in (name, f"{name}-twin"):
+            version = save_head(HeadWeights.from_arrays(table, norm=norm), root / model / "1")
+            (version.parent / LABELS_FILE).write_text(_labels(vocab, name == "long"))
+    return root
+
+
+SETTINGS = {"max_k": "1000", "max_rows": "4096"}
+
+
+@pytest.fixture(scope="module")
+def heads(repository: Path) -> Iterator[dict[str, LoadedVersion]]:
+    """The heads as the server loads them, loaded in this process: the declared costs'
+    facts (run size, score copies, longest label) are the server's."""
+    settings = Settings(repository=repository, **SETTINGS)  # type: ignore[arg-type]
+    loop = asyncio.new_event_loop()
+    with ThreadPoolExecutor(1) as executor:
+        registry = Registry(settings, executor, Metrics())
+        loop.run_until_complete(registry.load_all())
+        try:
+            yield {name: registry.get(name) for name in HEADS}
+        finally:
+            loop.run_until_complete(registry.close())
+            loop.close()
+
+
+@pytest.fixture(scope="module")
+def url(repository: Path) -> Iterator[str]:
+    with running_server(repository, **SETTINGS) as served:
+        yield served
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    path: str
+    body: bytes
+    content_type: str
+    declared: Callable[[LoadedVersion], costs.Cost]
+    accept: str = "application/json"
+
+
+def _states(*shape: int) -> np.ndarray:
+    return np.random.default_rng(math.prod(shape)).standard_normal(shape, dtype=np.float32)
+
+
+def _json(payload: dict[str, Any]) -> bytes:
+    return orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def _npy(array: np.ndarray) -> bytes:
+    stream = io.BytesIO()
+    np.save(stream, array)
+    return stream.getvalue()
+
+
+def _topk(rows: int, k: int, residual: bool) -> Case:
+    """A JSON answer: token strings in it."""
+    hidden = _states(rows, D_MODEL)
+    payload = {"hidden_states": hidden, "k": k, "logprobs": True}
+    payload["states"] = "residual" if residual else "final"
+    return Case(
+        f"topk-{rows}x{k}{'-residual' if residual else ''}",
+        "topk",
+        _json(payload),
+        "application/json",
+        lambda m: costs.topk(
+            m, CheckedTopK(hidden, k, 1.0), logprobs=True, tokens=True, residual=residual
+        ),
+    )
+
+
+def _logits(rows: int, text: bool) -> Case:
+    hidden = _states(rows, D_MODEL)
+    return Case(
+        f"logits-{rows}-{'json' if text else 'npy'}",
+        "logits",
+        _npy(hidden),
+        "application/x-npy",
+        lambda m: costs.logits(m, rows, m.vocab_size, False, text),
+        "application/json" if text else "application/x-npy",
+    )
+
+
+def _score(rows: int, k: int) -> Case:
+    hidden = _states(rows, D_MODEL)
+    body = _json({"hidden_states": hidden, "target_ids": list(range(rows)), "k": k})
+    return Case(
+        f"score-{rows}x{k}",
+        "score",
+        body,
+        "application/json",
+        lambda m: costs.score(m, rows, k, 0, False),
+    )
+
+
+def _lens(layers: int, tokens: int, k: int) -> Case:
+    states = _states(layers, tokens, D_MODEL)
+    return Case(
+        f"lens-{layers}x{tokens}x{k}",
+        f"lens?k={k}",
+        _npy(states),
+        "application/x-npy",
+        lambda m: costs.lens(m, layers, tokens, k, False, True),
+    )
+
+
+def _embed(ids: int) -> Case:
+    return Case(
+        f"embed-{ids}",
+        "embed",
+        _json({"input_ids": [i % 4096 for i in range(ids)]}),
+        "application/json",
+        lambda m: costs.embed(m, ids),
+    )
+
+
+CASES = [
+    _topk(1, 5, False),
+    _topk(64, 1000, False),
+    _topk(1024, 1000, True),
+    _topk(4096, 100, False),
+    _logits(64, True),
+    _logits(256, True),
+    _logits(512, False),
+    _score(1024, 0),
+    _score(4096, 100),
+    _lens(8, 64, 5),
+    _lens(32, 128, 100),
+    _embed(4096),
+]
+
+
+def _body_cost(case: Case) -> int:
+    """What the body costs as it is read and decoded (charged by the front ends)."""
+    cost = BODY_EXPANSION * len(case.body)
+    if case.content_type == "application/json":
+        cost += JSON_NUMBER_BYTES * case.body.count(b",") + JSON_ARRAY_BYTES * case.body.count(b"[")
+    return cost
+
+
+def _peak(url: str, model: str, case: Case) -> int:
+    """The server's resident peak beyond its resident set before the request, in bytes."""
+    server = server_process(url)
+    Path(f"/proc/{server.pid}/clear_refs").write_text("5")  # VmHWM := VmRSS
+    before = server.memory_info().rss
+    answer = httpx.post(
+        f"{url}/v1/models/{model}/{case.path}",
+        content=case.body,
+        headers={"content-type": case.content_type, "accept": case.accept},
+        timeout=120,
+    )
+    assert answer.status_code == 200, answer.text[:300]
+    for line in Path(f"/proc/{server.pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024 - before
+    raise AssertionError("no VmHWM")
+
+
+@pytest.mark.parametrize("model", list(HEADS))
+@pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
+def test_a_served_request_stays_within_its_declared_cost(
+    url: str, heads: dict[str, LoadedVersion], model: str, case: Case
+) -> None:
+    declared = case.declared(heads[model])
+    _peak(url, model, case)  # the first of a shape sets up what every later one reuses
+    measured = _peak(url, model, case)
+    bound = declared.held + declared.run + _body_cost(case) + SLACK
+    assert measured <= bound, f"{case.name}: measured {measured} > declared {bound}"
+    settings = Settings(**SETTINGS)  # type: ignore[arg-type]
+    assert declared.held <= settings.max_inflight_bytes
+    assert declared.run <= settings.max_logits_bytes
+    assert bound <= worst_case(settings)
