@@ -25,7 +25,7 @@ from service.limits import BODY_EXPANSION, JSON_ARRAY_BYTES, JSON_NUMBER_BYTES
 from service.limits import worst_case_extra_bytes as worst_case
 from service.metrics import Metrics
 from service.plane import costs
-from service.plane.options import CheckedTopK
+from service.plane.options import CheckedInfer, CheckedTopK
 from service.repository.disk import LABELS_FILE
 from service.repository.loaded_version import LoadedVersion
 from service.repository.registry import Registry
@@ -171,6 +171,39 @@ def _embed(ids: int) -> Case:
     )
 
 
+def _compare(rows: int) -> Case:
+    """The case's head against its twin (the path names both; see ``_peak``)."""
+    hidden = _states(rows, D_MODEL)
+    return Case(
+        f"compare-{rows}",
+        "/v1/compare",
+        _json({"models": ["{model}", "{model}-twin"], "hidden_states": hidden, "k": 10}),
+        "application/json",
+        lambda m: costs.compare((m, m), rows, False),
+    )
+
+
+def _v2(rows: int, k: int, logits: bool) -> Case:
+    """V2 infer in JSON: top-k outputs (token strings as classification), full logits."""
+    hidden = _states(rows, D_MODEL)
+    outputs = [{"name": "topk_token_ids"}, {"name": "topk_logprobs"}]
+    if logits:
+        outputs.append({"name": "logits"})
+    else:
+        outputs.append({"name": "logits", "parameters": {"classification": k}})
+    tensor = {"name": "hidden_states", "shape": [rows, D_MODEL], "datatype": "FP32"}
+    payload = {"inputs": [{**tensor, "data": hidden}], "outputs": outputs}
+    payload["parameters"] = {"k": k}
+    checked = CheckedInfer(None, CheckedTopK(hidden, k, 1.0), logits)
+    return Case(
+        f"v2-{rows}x{k}{'-logits' if logits else '-classification'}",
+        "/v2/models/{model}/infer",
+        _json(payload),
+        "application/json",
+        lambda m: costs.infer(m, checked, True, False),
+    )
+
+
 CASES = [
     _topk(1, 5, False),
     _topk(64, 1000, False),
@@ -184,6 +217,9 @@ CASES = [
     _lens(8, 64, 5),
     _lens(32, 128, 100),
     _embed(4096),
+    _compare(512),
+    _v2(256, 1000, False),
+    _v2(64, 5, True),
 ]
 
 
@@ -200,9 +236,10 @@ def _peak(url: str, model: str, case: Case) -> int:
     server = server_process(url)
     Path(f"/proc/{server.pid}/clear_refs").write_text("5")  # VmHWM := VmRSS
     before = server.memory_info().rss
+    path = case.path if case.path.startswith("/") else f"/v1/models/{{model}}/{case.path}"
     answer = httpx.post(
-        f"{url}/v1/models/{model}/{case.path}",
-        content=case.body,
+        url + path.format(model=model),
+        content=case.body.replace(b"{model}", model.encode()),
         headers={"content-type": case.content_type, "accept": case.accept},
         timeout=120,
     )
