@@ -85,7 +85,7 @@ def _id_text(model: LoadedVersion) -> int:
 
 def _label_text(model: LoadedVersion, tokens: bool) -> int:
     """A token string's JSON with its separator; per entry, its list slot too."""
-    return getattr(model, "label_bytes", 64) + 1 + SLOT_BYTES if tokens else 0  # TEMP
+    return model.label_bytes + 1 + SLOT_BYTES if tokens else 0
 
 
 def topk_answer(
