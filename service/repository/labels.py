@@ -10,6 +10,10 @@ engine's share went from 130 us (the lookup, then pickling 640 strings) to 59 us
 from 98 to 78 us; the frame from 7.4 kB to 0.5 kB. That is the engine's time a GPU waits on
 (a 64-row run of a Llama-sized head takes 0.35-0.62 ms there); vLLM detokenizes in its
 API-server processes for the same reason.
+
+A token string is bounded in bytes as a JSON answer encodes it (``MAX_LABEL_BYTES``, quotes
+and escapes included), and a table knows its longest (``LabelTable.encoded_bytes``): an
+answer repeats its tokens' strings, so what a request may ask for is counted with it.
 """
 
 from __future__ import annotations
@@ -24,29 +28,78 @@ from typing import Any, overload
 
 import numpy as np
 import numpy.typing as npt
+import orjson
 
 #: Tables a front holds per engine connection (~8 MB each for a 128k vocabulary).
 TABLES_PER_PEER = 8
+#: The most bytes one token string may take in a JSON answer, quotes and escapes included (as
+#: the service's encoder, orjson, writes it: UTF-8, a control character as six bytes,
+#: ``\u0001``). Real vocabularies stay well below: the demo heads' and checkpoints' longest
+#: take 15 bytes, a byte-level BPE token (GPT-2's longest are 128 characters, each at most 2
+#: bytes) at most 258.
+#: 32,000 labels of 1,024 control characters (6,146 bytes each, within the old bound of 1,024
+#: characters) made a 64-row k=1000 answer 394 MB; within this bound it is at most 33 MB, and
+#: counted in the answer's declared size (``LoadedVersion.label_bytes``).
+MAX_LABEL_BYTES = 512
+#: What a column without a token string takes in a JSON answer: ``null``.
+NULL_BYTES = 4
 _keys = itertools.count(1)
 
 Row = list[str | None]
 
 
+def encoded_bytes(label: str | None) -> int:
+    """The bytes ``label`` takes in a JSON answer, quotes and escapes included (``null`` for
+    None): what the service's encoder writes (Python's ``json.dumps(label, ensure_ascii=False)``
+    writes the same; the service never writes ``ensure_ascii`` JSON)."""
+    return len(orjson.dumps(label))
+
+
+def first_over_bound(labels: Sequence[str]) -> tuple[int, int] | None:
+    """The first label past ``MAX_LABEL_BYTES`` as (its index, its encoded bytes), or None.
+    A character takes at most 6 bytes, so only labels longer than a sixth of the bound are
+    encoded to be measured: a real vocabulary has none, and costs a pass over lengths."""
+    shortest_over = (MAX_LABEL_BYTES - 2) // 6 + 1  # quotes, then 6 bytes per character
+    for index, label in enumerate(labels):
+        if len(label) >= shortest_over and (size := encoded_bytes(label)) > MAX_LABEL_BYTES:
+            return index, size
+    return None
+
+
 class LabelTable:
     """One head's token strings by column (None past its labels file, e.g. padded vocabularies).
 
-    ``key`` names it on a connection: unique in the process that made it."""
+    ``key`` names it on a connection: unique in the process that made it. ``encoded_bytes``:
+    the most bytes one of its columns takes in a JSON answer (``null`` included, for a column
+    without a string), computed once, in one pass, when a loaded version makes the table
+    (``of``); a table a front receives measures itself only if asked."""
 
-    __slots__ = ("__weakref__", "key", "strings")
+    __slots__ = ("__weakref__", "_encoded_bytes", "key", "strings")
 
-    def __init__(self, strings: npt.NDArray[np.object_], key: int | None = None) -> None:
+    def __init__(
+        self,
+        strings: npt.NDArray[np.object_],
+        key: int | None = None,
+        encoded_bytes: int | None = None,
+    ) -> None:
         self.strings = strings
         self.key = next(_keys) if key is None else key
+        self._encoded_bytes = encoded_bytes
 
     @classmethod
     def of(cls, labels: Sequence[str], vocab_size: int) -> LabelTable:
         padding = [None] * (vocab_size - len(labels))
-        return cls(np.array([*labels, *padding], dtype=object))
+        largest = max(map(len, map(orjson.dumps, labels)), default=0)  # ~20 ms for 128k
+        if padding:
+            largest = max(largest, NULL_BYTES)
+        return cls(np.array([*labels, *padding], dtype=object), encoded_bytes=largest)
+
+    @property
+    def encoded_bytes(self) -> int:
+        """The most bytes one of its strings (or ``null``) takes in a JSON answer."""
+        if self._encoded_bytes is None:
+            self._encoded_bytes = max(map(encoded_bytes, self.strings.tolist()), default=0)
+        return self._encoded_bytes
 
 
 class TokenStrings(Sequence[Row]):

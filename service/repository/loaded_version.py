@@ -266,6 +266,14 @@ class LoadedVersion:
             return None
         return TokenStrings(self._label_table, ids)
 
+    @property
+    def label_bytes(self) -> int:
+        """The most bytes one returned token's string takes in a JSON answer, quotes and
+        escapes included (``null``, 4, for a column without one), measured once at load and at
+        most ``labels.MAX_LABEL_BYTES``; 0 when the head has no labels. An answer repeats a
+        string per returned token, so its declared size counts this per token."""
+        return 0 if self._label_table is None else self._label_table.encoded_bytes
+
     def details(self) -> VersionDetails:
         """What a client sees of this version (model descriptions, compare's blocks)."""
         report = self.report

@@ -12,19 +12,22 @@ from pathlib import Path
 import numpy as np
 
 from service.repository.disk import VOCAB_MAP_FILE, RepositoryError
+from service.repository.labels import MAX_LABEL_BYTES, first_over_bound
 from service.runtime.vocabulary import TokenSpace
 
-#: Labels files: a token string per row (a 262k vocabulary takes ~3 MB), none very long.
+#: Labels files: a token string per row (a 262k vocabulary takes ~3 MB), none very long
+#: (``labels.MAX_LABEL_BYTES`` each).
 MAX_LABELS_BYTES = 64 * 2**20
-MAX_LABEL_CHARS = 1024
 #: A trimmed head's map: ``"123456789, "`` per id at most, in JSON.
 MAP_BYTES_PER_ROW = 24
 
 
 def read_labels(version_dir: Path, filename: str, vocab_size: int) -> list[str] | None:
     """Token strings for a version, or None without a labels file; never more than the vocab,
-    none longer than ``MAX_LABEL_CHARS`` (each answer repeats its tokens' strings: one 10 MB
-    line made a 200-row answer 2 GB), no file above ``MAX_LABELS_BYTES``."""
+    none past ``MAX_LABEL_BYTES`` as a JSON answer encodes it (each answer repeats its tokens'
+    strings: one 10 MB line made a 200-row answer 2 GB, and 32,000 lines of 1,024 control
+    characters, six bytes each in JSON, a 64-row answer 394 MB), no file above
+    ``MAX_LABELS_BYTES``."""
     path = version_dir / filename
     if not path.exists():
         return None
@@ -51,11 +54,13 @@ def read_labels(version_dir: Path, filename: str, vocab_size: int) -> list[str] 
         raise RepositoryError(
             f"{filename} has {len(labels)} labels but the head has vocab_size {vocab_size}"
         )
-    longest = max(range(len(labels)), key=lambda i: len(labels[i]), default=None)
-    if longest is not None and len(labels[longest]) > MAX_LABEL_CHARS:
+    over = first_over_bound(labels)
+    if over is not None:
+        index, size = over
         raise RepositoryError(
-            f"{filename} line {longest + 1} has {len(labels[longest])} characters; a token "
-            f"string has at most {MAX_LABEL_CHARS}"
+            f"{filename} line {index + 1} (token id {index}) takes {size} bytes in a JSON "
+            f"answer (quotes and escapes included); a token string takes at most "
+            f"{MAX_LABEL_BYTES}"
         )
     return labels
 

@@ -19,6 +19,7 @@ from service.heads.files import HeadWeights, save_head
 from service.heads.quantize import QuantSpec
 from service.repository import staging
 from service.repository.disk import LABELS_FILE
+from service.repository.labels import MAX_LABEL_BYTES, first_over_bound
 from service.tools.checkpoints import Checkpoint, CheckpointError, tokenizer_tokens
 from service.tools.final_norms import NO_NORM, final_norm
 from service.tools.sources import opened_version
@@ -109,7 +110,7 @@ def import_checkpoint(
         found = final_norm(checkpoint, table.shape[1])
         weights = replace(weights, norm=found.norm)
         notes += found.notes
-    labels = tokenizer_tokens(checkpoint.directory, table.shape[0], notes)  # fails before writing
+    labels = _bounded(tokenizer_tokens(checkpoint.directory, table.shape[0], notes), checkpoint)
     external = options.external_data
     stored = weights.stored_nbytes(options.quantization, options.quantize_table)
     if external is None:
@@ -139,6 +140,19 @@ def import_checkpoint(
     return ImportResult(
         directory, weights.tied, vocab_size, d_model, labels is not None, notes, dtypes, kept
     )
+
+
+def _bounded(labels: list[str] | None, checkpoint: Checkpoint) -> list[str] | None:
+    """The tokenizer's strings, refused before anything is written when one is past the bound
+    the service loads labels with (the version would fail every load)."""
+    over = None if labels is None else first_over_bound(labels)
+    if over is not None:
+        index, size = over
+        raise CheckpointError(
+            f"{checkpoint.directory}: the tokenizer's string of token id {index} takes {size} "
+            f"bytes in a JSON answer; lmhead serves token strings of at most {MAX_LABEL_BYTES}"
+        )
+    return labels
 
 
 def _weights(

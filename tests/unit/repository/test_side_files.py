@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from service.repository.disk import ModelConfig, RepositoryError
-from service.repository.side_files import MAX_LABEL_CHARS, read_labels, read_space
+from service.repository.labels import MAX_LABEL_BYTES
+from service.repository.side_files import read_labels, read_space
 
 
 @pytest.mark.parametrize(
@@ -28,8 +29,8 @@ def test_labels_read_as_written(tmp_path: Path, content: bytes, labels: list[str
 
 def test_labels_that_would_swell_every_answer_are_refused(tmp_path: Path) -> None:
     """A 10 MB line was repeated in each answer that named its token: 2 GB for 200 rows."""
-    (tmp_path / "vocab.txt").write_text("a\n" + "x" * (MAX_LABEL_CHARS + 1) + "\n")
-    with pytest.raises(RepositoryError, match=r"vocab.txt line 2 has 1025 characters"):
+    (tmp_path / "vocab.txt").write_text("a\n" + "x" * (MAX_LABEL_BYTES - 1) + "\n")
+    with pytest.raises(RepositoryError, match=r"vocab.txt line 2 \(token id 1\) takes 513 bytes"):
         read_labels(tmp_path, "vocab.txt", 10)
     (tmp_path / "vocab.txt").write_bytes(b"ok\n\xff\n")
     with pytest.raises(RepositoryError, match=r"vocab.txt is not UTF-8 text \(invalid start"):
