@@ -39,19 +39,29 @@ PYTEST_OPTIONS ?= -n $(WORKERS) --dist loadgroup -v --durations=15
 # at once. pipefail: pip's failure, not the prefixer's success, is the recipe's.
 SHELL := bash
 .SHELLFLAGS := -o pipefail -c
-TAG = 2>&1 | while IFS= read -r line; do printf '%s: %s\n' "$(@D)" "$$line"; done
+TAG = $(call TAG_AS,$(@D))
+TAG_AS = 2>&1 | while IFS= read -r line; do printf '%s: %s\n' "$(1)" "$$line"; done
 PIP_OPTIONS := --progress-bar off --disable-pip-version-check
 # pip's lines as it writes them, not a pipe's buffer at a time.
-%/.installed: export PYTHONUNBUFFERED = 1
+%/.installed venv-locked: export PYTHONUNBUFFERED = 1
 
 .PHONY: install run demo test test-fast test-floors lint layers typecheck pytest deploy-check ray-test docker-test bench clean
 
+# `make run` and `make test` may start together on a fresh clone: one builds .venv while the
+# other waits on the lock, then finds it built (the stamp newer than pyproject.toml) and uses
+# it; before, both removed and rebuilt it, and one died. flock is util-linux's (Debian's
+# essential set, the image's base included).
 $(STAMP): pyproject.toml
-	@echo "building $(VENV): lmhead and its dependencies ($(EXTRAS)), ~1 min on a first run..."
-	rm -rf $(VENV)
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install $(PIP_OPTIONS) --upgrade pip $(TAG)
-	$(BIN)/python -m pip install $(PIP_OPTIONS) -e '.[$(EXTRAS)]' $(TAG)
+	@flock $(VENV).lock $(MAKE) --no-print-directory venv-locked
+
+.PHONY: venv-locked
+venv-locked:
+	@if [ $(STAMP) -nt pyproject.toml ]; then echo "$(VENV) was built meanwhile"; exit 0; fi; \
+	echo "building $(VENV): lmhead and its dependencies ($(EXTRAS)), ~1 min on a first run..."; \
+	set -e; rm -rf $(VENV); \
+	$(PYTHON) -m venv $(VENV); \
+	$(BIN)/python -m pip install $(PIP_OPTIONS) --upgrade pip $(call TAG_AS,$(VENV)); \
+	$(BIN)/python -m pip install $(PIP_OPTIONS) -e '.[$(EXTRAS)]' $(call TAG_AS,$(VENV)); \
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -162,4 +172,4 @@ bench: install
 	$(BIN)/python -m bench.import_head
 
 clean:
-	rm -rf $(VENV) $(OLDEST) $(DEPLOY) $(FLOORS) $(RAY_VENV) .mypy_cache .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VENV).lock $(OLDEST) $(DEPLOY) $(FLOORS) $(RAY_VENV) .mypy_cache .pytest_cache .ruff_cache
