@@ -421,7 +421,7 @@ def test_an_answer_never_read_keeps_its_budget_until_the_client_is_dropped(
         **LIMITS,
         "max_rows": "8000",
         "max_logits_bytes": str(2**27),
-        "max_inflight_bytes": str(48 * 2**20),
+        "max_inflight_bytes": str(100 * 2**20),  # one answer's declared ~69 MB, not two
         "body_timeout_s": "1",
     }
     body = _npy(_rows(8000, seed=5))
@@ -510,7 +510,12 @@ def test_an_upgrade_request_ends_the_connection_after_its_answer(url: str) -> No
 def test_a_refusal_behind_a_long_answer_waits_for_all_of_it(repository: Path) -> None:
     """The deferred refusal's backstop aborted the connection ``body_timeout_s`` after it was
     decided: an earlier answer still being read (at a good rate) was cut short."""
-    settings = {**LIMITS, "max_logits_bytes": str(2**25), "max_body_bytes": str(2**20)}
+    settings = {
+        **LIMITS,
+        "max_logits_bytes": str(2**25),
+        "max_body_bytes": str(2**20),
+        "max_inflight_bytes": str(2**26),  # the answer's declared cost, ~16 MB
+    }
     body = _npy(_rows(2048, seed=6))
     valid = (
         b"POST /v1/models/tied/logits HTTP/1.1\r\nHost: localhost\r\n"
