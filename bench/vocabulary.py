@@ -40,8 +40,9 @@ from service.heads.files import HeadWeights, save_head
 from service.limits import Limits
 from service.plane.scoring import score_rows
 from service.runtime.layout import Placement, open_head
+from service.runtime.logmath import logsumexp
 from service.runtime.session import HeadSession
-from service.runtime.vocabulary import SampleSpec, logsumexp, sample_sorted, top_sorted
+from service.runtime.vocabulary import SampleSpec, sample_sorted, top_sorted
 from service.tools.memory import resident_bytes
 from service.tools.trim import trim_version
 

@@ -1,7 +1,10 @@
 """Reference math for language-model heads, in plain numpy.
 
 Every number the service returns is checked against these functions in the tests, so they
-favour clarity and exactness over speed. The numerics contract lives here:
+favour clarity and exactness over speed. They are the tests' oracle only: the service computes
+with ``service.runtime.logmath`` and never imports this module (a serving path that shared
+the oracle's code would pass the tests whatever that code got wrong); ``service`` re-exports
+the two projections as the documented reference API. The numerics contract lives here:
 
 * projection: ``logits = hidden_states @ matrix.T`` with ``matrix`` shaped (vocab_size, d_model);
 * top-k: values sorted descending, ties broken toward the lower token id, k clamped to the vocab;

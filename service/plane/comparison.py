@@ -1,7 +1,8 @@
 """Statistics that compare two heads, or a head with the real next tokens (numpy, exact).
 
-The data plane's score and compare, and shadow traffic, use them. Log-probabilities always
-use the full-vocabulary log-sum-exp; KL is taken over the full softmax in float64. Rows are
+The data plane's score and compare, and shadow traffic, use them; the math itself (ranks,
+KL) is ``service.runtime.logmath``'s. Log-probabilities always use the full-vocabulary
+log-sum-exp; KL is taken over the full softmax in float64. Rows are
 processed in chunks of ``CHUNK_BYTES`` of logits (``service.limits``, which counts what they
 hold in the worst case): the float64 and index temporaries of a chunk are ~10x its bytes.
 """
@@ -16,8 +17,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from service.heads.reference import log_softmax
 from service.limits import CHUNK_BYTES
+from service.runtime.logmath import kl_divergence, target_ranks
 
 #: The largest x whose exp float64 holds.
 MAX_EXP = math.log(np.finfo(np.float64).max)
@@ -69,12 +70,8 @@ def score(
 def _score(
     logits: npt.NDArray[np.float32], lse: npt.NDArray[np.float32], targets: npt.NDArray[np.int64]
 ) -> tuple[npt.NDArray[Any], ...]:
-    rows = np.arange(len(targets))
-    target_logit = logits[rows, targets]
-    above = (logits > target_logit[:, None]).sum(axis=1)
-    ids = np.arange(logits.shape[1])
-    tied_before = ((logits == target_logit[:, None]) & (ids[None, :] < targets[:, None])).sum(1)
-    return target_logit, target_logit - lse, (above + tied_before).astype(np.int64)
+    target_logit, rank = target_ranks(logits, targets)
+    return target_logit, target_logit - lse, rank
 
 
 def summary(values: npt.NDArray[np.floating]) -> dict[str, float]:
@@ -90,12 +87,7 @@ def summary(values: npt.NDArray[np.floating]) -> dict[str, float]:
 
 def kl_rows(logits_p: npt.NDArray[np.floating], logits_q: npt.NDArray[np.floating]) -> Any:
     """KL(P || Q) per row over the full softmax, in float64."""
-    return _by_rows(lambda p, q: (_kl(p, q),), logits_p, logits_q)[0]
-
-
-def _kl(logits_p: npt.NDArray[np.floating], logits_q: npt.NDArray[np.floating]) -> Any:
-    log_p, log_q = log_softmax(logits_p), log_softmax(logits_q)
-    return np.sum(np.exp(log_p) * (log_p - log_q), axis=-1)
+    return _by_rows(lambda p, q: (kl_divergence(p, q),), logits_p, logits_q)[0]
 
 
 def row_agreement(
@@ -117,7 +109,7 @@ def _row_agreement(
     in_a, in_b = top_k_sets(logits_a, k), top_k_sets(logits_b, k)
     overlap = (in_a & in_b).sum(axis=1) / (in_a | in_b).sum(axis=1)
     agree = logits_a.argmax(axis=1) == logits_b.argmax(axis=1)
-    return agree, overlap, _kl(logits_a, logits_b)
+    return agree, overlap, kl_divergence(logits_a, logits_b)
 
 
 def top_k_sets(logits: npt.NDArray[np.floating], k: int) -> npt.NDArray[np.bool_]:

@@ -27,6 +27,7 @@ import numpy.typing as npt
 
 from service.messages import Sampled, TopKResult
 from service.repository.loaded_version import LoadedVersion
+from service.runtime.logmath import logsumexp
 from service.runtime.vocabulary import (
     Bias,
     CandidateLogits,
@@ -35,7 +36,6 @@ from service.runtime.vocabulary import (
     Shape,
     apply_bias,
     biased_topk,
-    logsumexp,
     refuse_overflow,
     sample_sorted,
     swap_lse,

@@ -18,8 +18,9 @@ from service.limits import LOGIT_BYTES
 from service.messages import CandidateScores, HeadInfo, ScoreResult
 from service.plane.comparison import perplexity
 from service.repository.loaded_version import LoadedVersion
+from service.runtime.logmath import logsumexp, target_ranks
 from service.runtime.session import Scored
-from service.runtime.vocabulary import Floats, Ids, TokenSpace, logsumexp, refuse_overflow
+from service.runtime.vocabulary import Floats, Ids, TokenSpace, refuse_overflow
 
 #: The rows x vocab float32 tensors of one scoring run.
 SCORE_BYTES = 48 * 2**20
@@ -59,12 +60,10 @@ def score_within(
 ) -> ScoreResult:
     """Score each row's target among its candidates only (classification with an LM); each
     target is one of its row's candidates (``service.plane.options.score`` checked it)."""
-    found = candidates.ids == targets[:, None]
+    columns = (candidates.ids == targets[:, None]).argmax(axis=1)
     logits = candidates.logits
     lse = logsumexp(logits)
-    target = logits[np.arange(len(targets)), found.argmax(axis=1)]
-    level = (logits == target[:, None]) & (candidates.ids < targets[:, None])  # ids in order
-    rank = ((logits > target[:, None]) | level).sum(axis=1).astype(np.int64)
+    target, rank = target_ranks(logits, columns, candidates.ids)  # equal logits: ids in order
     logprob = target - lse
     within = CandidateScores(space.original(candidates.ids), logits, logits - lse[:, None])
     return ScoreResult(

@@ -44,6 +44,7 @@ from service.heads.graph import (
 )
 from service.heads.lse_graph import LSE_IN_CHUNKS
 from service.heads.norm import NORMED_STATES, RESIDUAL_STATES, within_norm_range
+from service.runtime.logmath import target_ranks
 from service.runtime.providers import (
     CUDA,
     provider_entries,
@@ -82,8 +83,6 @@ class Scored:
     rank: npt.NDArray[np.int64]
 
 
-#: Rows whose ranks are counted at once (a rows x vocab boolean temporary).
-RANK_ROWS = 8
 #: This onnxruntime's (major, minor) version.
 RUNTIME_VERSION = tuple(int(part) for part in ort.__version__.split(".")[:2])
 #: onnxruntime before 1.31 divides by zero (SIGFPE: the process dies) in TopK on 0 rows with
@@ -149,10 +148,18 @@ class HeadSession:
         self._filler_rows = np.zeros((_FILLER_ROWS, self.d_model), np.float32)
         self._filler_temperature = np.ones((_FILLER_ROWS, 1), np.float32)
         self._no_ids = np.zeros((0,), np.int64)
+        #: Given to every run: ``terminate`` ends them all (onnxruntime checks between nodes).
+        self._run_options = ort.RunOptions()
 
     @property
     def providers(self) -> list[str]:
         return [] if self._session is None else list(self._session.get_providers())
+
+    def terminate(self) -> None:
+        """End this session's runs now, from any thread, and fail every later one: a warm-up
+        past its deadline, or a stopping service's runs (``repository.warm_up``, ``Registry``).
+        A run ends at its next node, not mid-kernel."""
+        self._run_options.terminate = True
 
     def close(self) -> None:
         """Release the onnxruntime session (weights, arena) now rather than at GC time."""
@@ -213,8 +220,8 @@ class HeadSession:
         self, rows: npt.NDArray[np.float32], targets: npt.NDArray[np.int64], k: int
     ) -> Scored:
         """Top-k, log-sum-exp and each row's target logit and rank (tokens scoring strictly
-        higher, and equal ones with lower ids) for (rows, d_model) rows at temperature 1.
-        Ranks are counted ``RANK_ROWS`` rows at a time (a small boolean temporary).
+        higher, and equal ones with lower ids: ``logmath.target_ranks``) for (rows, d_model)
+        rows at temperature 1.
 
         With ``score_copies == 1`` the run writes its logits into one buffer per calling
         thread, kept for the next call (as onnxruntime's arena keeps a run's buffers): fresh
@@ -332,7 +339,7 @@ class HeadSession:
         if self._session is None:
             raise RuntimeError(f"session for {self.path} was closed")
         if not self.io_binding and logits_into is None:
-            return list(self._session.run(names, feeds))
+            return list(self._session.run(names, feeds, self._run_options))
         binding = self._session.io_binding()
         for name, array in feeds.items():
             binding.bind_cpu_input(name, array)
@@ -342,39 +349,12 @@ class HeadSession:
                 binding.bind_output(name, "cpu", 0, np.float32, shape, logits_into.ctypes.data)
             else:
                 binding.bind_output(name, "cpu")  # only what was asked crosses to the host
-        self._session.run_with_iobinding(binding)
+        self._session.run_with_iobinding(binding, self._run_options)
         outputs = binding.get_outputs()
         return [
             logits_into if name == LOGITS and logits_into is not None else value.numpy()
             for name, value in zip(names, outputs, strict=True)
         ]
-
-
-def target_ranks(
-    logits: npt.NDArray[np.float32], targets: npt.NDArray[np.int64]
-) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int64]]:
-    """Each row's target logit and rank (tokens scoring strictly higher, and equal ones with
-    lower ids), counted ``RANK_ROWS`` rows at a time (a small boolean temporary)."""
-    target = logits[np.arange(len(logits)), targets]
-    rank = np.empty(len(logits), np.int64)
-    for start in range(0, len(logits), RANK_ROWS):
-        chunk = slice(start, start + RANK_ROWS)
-        rank[chunk] = _ranks(logits[chunk], target[chunk], targets[chunk])
-    return target, rank
-
-
-def _ranks(
-    logits: npt.NDArray[np.float32],
-    target: npt.NDArray[np.float32],
-    targets: npt.NDArray[np.int64],
-) -> npt.NDArray[np.int64]:
-    """Tokens scoring strictly higher than each row's target, plus equal ones with lower ids
-    (two passes over the rows; positions are looked at only in rows that have ties)."""
-    mark = target[:, None]
-    rank: npt.NDArray[np.int64] = np.count_nonzero(logits > mark, axis=1).astype(np.int64)
-    for row in np.flatnonzero(np.count_nonzero(logits == mark, axis=1) > 1):
-        rank[row] += np.count_nonzero(logits[row, : targets[row]] == target[row])
-    return rank
 
 
 def _check_per_row_temperature(session: ort.InferenceSession, path: Path) -> None:

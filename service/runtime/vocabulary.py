@@ -30,6 +30,7 @@ import numpy.typing as npt
 
 from service.errors import InvalidInput, LogitsOverflow
 from service.runtime.gemm import matmul_transposed, top_of_product
+from service.runtime.logmath import logsumexp
 
 if TYPE_CHECKING:  # onnx stays out of the processes that only name the type (the fronts)
     from service.runtime.rows import RowSource
@@ -186,21 +187,6 @@ def refuse_overflow(
     )
 
 
-def logsumexp(logits: Floats) -> Floats:
-    """Row-wise log-sum-exp (rows, n) -> (rows,), -inf for a row that is all -inf."""
-    result: Floats = _logsumexp(logits).astype(np.float32)
-    return result
-
-
-def _logsumexp(terms: npt.NDArray[np.floating]) -> npt.NDArray[np.floating]:
-    """``logsumexp`` in the terms' own precision."""
-    top = terms.max(axis=1, keepdims=True)
-    safe = np.where(np.isfinite(top), top, 0.0)
-    with np.errstate(divide="ignore"):
-        total: npt.NDArray[np.floating] = np.log(np.exp(terms - safe).sum(axis=1)) + safe[:, 0]
-    return total
-
-
 def top_sorted(logits: Floats, ids: Ids, k: int) -> tuple[Floats, Ids]:
     """The k largest of (rows, n) logits, descending, with their ids ((n,) or (rows, n));
     equal logits in id order, as the graph's TopK gives them (not in column order: a biased
@@ -254,7 +240,7 @@ def swap_lse(lse: Floats, raw_b: Floats, bias: Bias) -> tuple[Floats, npt.NDArra
     share = np.exp(shifted).sum(axis=1)
     with np.errstate(divide="ignore", invalid="ignore"):
         outside = np.log(np.maximum(1.0 - share, 0.0))
-        total = np.logaddexp(outside, _logsumexp(shifted + bias.values.astype(np.float64)))
+        total = np.logaddexp(outside, logsumexp(shifted + bias.values.astype(np.float64)))
         swapped = lse + total
         error = share * LOGIT_RTOL * np.maximum(1.0, np.abs(lse)) * np.exp(-total)
     return swapped.astype(np.float32), error < LSE_TOLERANCE

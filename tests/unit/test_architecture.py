@@ -74,6 +74,25 @@ def test_no_two_layers_share_a_module_name_and_none_shadows_the_standard_library
     assert not set(layers_of) & sys.stdlib_module_names
 
 
+def test_only_the_package_root_imports_the_reference_math() -> None:
+    """``heads.reference`` is the tests' oracle: a serving path that computed with it would
+    pass every test checked against it, right or wrong. The service computes with
+    ``runtime.logmath``; ``service/__init__.py`` re-exports the two projections alone, the
+    documented reference API (``from service import output_projection_tied``)."""
+    importers = grimp.build_graph("service").find_modules_that_directly_import(
+        "service.heads.reference"
+    )
+    assert importers == {"service"}, f"serving code imports the test oracle: {importers}"
+    root = ast.parse((PACKAGE / "__init__.py").read_text(encoding="utf-8"))
+    taken = {
+        alias.name
+        for node in ast.walk(root)
+        if isinstance(node, ast.ImportFrom) and node.module == "service.heads.reference"
+        for alias in node.names
+    }
+    assert taken == {"output_projection_tied", "output_projection_untied"}
+
+
 def _map(text: str) -> set[Path]:
     """The files CONTRIBUTING.md's map names: its ``service/`` tree, two spaces a level."""
     block = text.split("\nservice/", 1)[1].split("```", 1)[0]

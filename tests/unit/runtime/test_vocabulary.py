@@ -11,13 +11,13 @@ import pytest
 from service.heads.files import HeadWeights, save_head
 from service.heads.graph import HeadTransforms
 from service.runtime.layout import Placement, open_head
+from service.runtime.logmath import logsumexp
 from service.runtime.session import HeadSession
 from service.runtime.vocabulary import (
     Bias,
     SampleSpec,
     apply_bias,
     biased_topk,
-    logsumexp,
     sample_sorted,
     swap_lse,
     top_sorted,
