@@ -6,9 +6,49 @@ import math
 import re
 
 import numpy as np
+import pytest
 
 from service.cli.compare import format_comparison
-from service.plane.comparison import Scores, perplexity, row_agreement, top_k_sets, wins
+from service.heads.reference import log_softmax, logsumexp, top_k
+from service.plane.comparison import (
+    Scores,
+    agreement,
+    kl_rows,
+    perplexity,
+    row_agreement,
+    score,
+    top_k_sets,
+    wins,
+)
+
+
+def test_scores_are_the_references_log_probs_and_ranks_ties_to_the_lower_id() -> None:
+    """Rows of small integers (ties everywhere): each target's log-prob over the row's
+    log-sum-exp, its rank its place in the reference's top-k list; NLL their mean."""
+    rng = np.random.default_rng(3)
+    logits = rng.integers(-3, 3, (21, 300)).astype(np.float32)
+    targets = rng.integers(0, 300, 21)
+    scores = score(logits, logsumexp(logits).astype(np.float32), targets)
+    log_p = log_softmax(logits)[np.arange(21), targets]
+    np.testing.assert_allclose(scores.logprob, log_p, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(scores.logit, logits[np.arange(21), targets])
+    _, order = top_k(logits, 300)
+    np.testing.assert_array_equal(scores.rank, np.argmax(order == targets[:, None], axis=1))
+    assert scores.nll == pytest.approx(-log_p.mean(), rel=1e-6)
+
+
+def test_kl_both_ways_is_the_references_over_the_full_softmax() -> None:
+    rng = np.random.default_rng(4)
+    a = rng.standard_normal((9, 400)).astype(np.float32) * 3
+    b = a + rng.standard_normal((9, 400)).astype(np.float32)
+    log_a, log_b = log_softmax(a), log_softmax(b)
+    want_ab = (np.exp(log_a) * (log_a - log_b)).sum(axis=1)
+    np.testing.assert_allclose(kl_rows(a, b), want_ab, rtol=1e-10)
+    report = agreement(a, b, 5)
+    want_ba = (np.exp(log_b) * (log_b - log_a)).sum(axis=1)
+    assert report["kl_ab"]["max"] == pytest.approx(want_ab.max(), rel=1e-10)
+    assert report["kl_ba"]["mean"] == pytest.approx(want_ba.mean(), rel=1e-10)
+    assert report["top1_agreement"] == float(np.mean(a.argmax(1) == b.argmax(1)))
 
 
 def test_top_k_sets_take_tied_logits_in_id_order() -> None:

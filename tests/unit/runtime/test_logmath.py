@@ -94,7 +94,8 @@ def _reference_ranks(
 ) -> npt.NDArray[np.int64]:
     """Each target's place in the oracle's full top-k list (ties: the lower id first)."""
     _, order = top_k(logits, logits.shape[-1])
-    return np.argmax(order == targets[:, None], axis=1).astype(np.int64)
+    places: npt.NDArray[np.int64] = np.argmax(order == targets[:, None], axis=1).astype(np.int64)
+    return places
 
 
 @pytest.mark.parametrize("rows", [1, RANK_ROWS, 3 * RANK_ROWS + 5])

@@ -243,3 +243,21 @@ def test_top_sorted_by_partition_matches_a_whole_sort_ties_included(k: int) -> N
     values, got = top_sorted(logits, ids, k)
     np.testing.assert_array_equal(got, np.take_along_axis(every, order, axis=1))
     np.testing.assert_array_equal(values, np.take_along_axis(logits, order, axis=1))
+
+
+def test_top_sorted_takes_the_lower_id_when_exactly_one_equal_token_is_left_out() -> None:
+    """The (k+1)-th value equals the k-th and every other value is distinct: of the two, the
+    lower id is in, in every row, whichever the partition picked (k * 4 <= n)."""
+    rng = np.random.default_rng(11)
+    rows, n, k = 32, 40, 5
+    logits = np.stack([rng.permutation(n) for _ in range(rows)]).astype(np.float32)
+    order = np.argsort(-logits, axis=1)
+    kth = logits[np.arange(rows), order[:, k - 1]]
+    logits[np.arange(rows), order[:, k]] = kth  # one token past the k ties the k-th
+    ids = rng.permutation(1000)[:n].astype(np.int64)
+    values, got = top_sorted(logits, ids, k)
+    every = np.broadcast_to(ids, logits.shape)
+    want = np.lexsort((every, -logits), axis=1)[:, :k]
+    np.testing.assert_array_equal(got, np.take_along_axis(every, want, axis=1))
+    np.testing.assert_array_equal(values, np.take_along_axis(logits, want, axis=1))
+    assert (values[:, -1] == kth).all()
