@@ -149,7 +149,11 @@ class Settings(PlaceSettings):
     """Refuse repository load/unload calls with 403 (poll mode still follows the disk)."""
     drain_timeout_s: float = Field(default=30.0, ge=0, le=HOUR_S, allow_inf_nan=False)
     """How long admitted requests may finish: of a replaced or unloaded version before it is
-    released, and of the whole service when it stops (SIGTERM; 10 s at least)."""
+    released, and of the whole service when it stops (SIGTERM; 10 s at least, then 5 s for
+    the rest before the process exits whatever still runs)."""
+    warmup_timeout_s: float = Field(default=60.0, ge=0.1, le=HOUR_S, allow_inf_nan=False)
+    """A loading version's warm-up (one row through its head) must end within this, else its
+    run is ended and the version fails: a graph whose run takes longer is not a head's."""
 
     @field_validator("admin_token", "scratch_dir", "grpc_port", "allowed_hosts", mode="before")
     @classmethod

@@ -7,7 +7,8 @@ checkpoints ship a redundant ``lm_head`` copy. Such a file has two initializers 
 content; it is reported as *duplicated*, not as tied, with the bytes a re-tie would save.
 
 Weights are compared without loading the file twice: external data is memory-mapped. A final
-norm, when the head holds one, is checked and described by ``service.heads.norm_side``.
+norm, when the head holds one, is checked and described by ``service.heads.norm_side``. A graph
+holding any operator lmhead's heads do not use is refused (``service.heads.operators``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from service.heads.external import (
 )
 from service.heads.graph import HIDDEN_STATES, UNTIED_ON_PURPOSE, HeadTransforms
 from service.heads.norm_side import inspect_norm, norm_summary
+from service.heads.operators import check_operators
 
 PROJECTION_OPS = frozenset({"Gemm", "MatMul", "FusedMatMul"})
 PASS_THROUGH_OPS = frozenset({"Identity", "Cast"})
@@ -125,11 +127,11 @@ def inspect_head(path: str | Path, model: onnx.ModelProto | None = None) -> Head
     initializers = {tensor.name: tensor for tensor in graph.initializer}
     inputs = {value.name for value in graph.input}
     weights = {name: t for name, t in initializers.items() if t.dims and name not in inputs}
-    _check_stored(stored_tensors(graph), model_path.parent)
     producers = {out: node for node in graph.node for out in node.output}
     gather = _find_gather(graph, producers, weights)
     vocab_size, d_model = _table_shape(graph, gather, weights)
     projection = _find_projection(graph, producers, weights, vocab_size, d_model)
+    _check_contents(model, model_path.parent)
     props = {prop.key: prop.value for prop in model.metadata_props}
     try:
         final_norm = inspect_norm(model, model_path.parent, d_model)
@@ -250,7 +252,8 @@ def _report(
     weight_bytes = table_bytes + (0 if tied else _bytes_of(weights, projection))
     duplicate = None if tied else _duplicate(model_path.parent, weights, gather, projection)
     external = any(t.data_location == onnx.TensorProto.EXTERNAL for t in weights.values())
-    data_bytes = sum(f.stat().st_size for f in _external_files(model_path.parent, weights))
+    files = {e.value for t in weights.values() for e in t.external_data if e.key == "location"}
+    data_bytes = sum((model_path.parent / name).stat().st_size for name in files)
     return HeadReport(
         path=str(model_path),
         tied=tied,
@@ -377,23 +380,16 @@ def _finite_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _check_stored(tensors: Iterable[onnx.TensorProto], base_dir: Path) -> None:
+def _check_contents(model: onnx.ModelProto, base_dir: Path) -> None:
     """Every tensor's values where onnxruntime would look for them, as many as its dims take
-    (inline or in external data): the service's runtime refuses a head where they are not."""
-    for tensor in tensors:
-        try:
+    (inline or in external data), else the runtime refuses the head; and a head's operators
+    only (``service.heads.operators``): a graph that is any other program is not served."""
+    try:
+        for tensor in stored_tensors(model.graph):
             check_stored(tensor)
             check_location(tensor)
             if tensor.data_location == onnx.TensorProto.EXTERNAL:
                 external_source(tensor, base_dir)
-        except ValueError as error:
-            raise HeadInspectionError(str(error)) from None
-
-
-def _external_files(base_dir: Path, weights: dict[str, onnx.TensorProto]) -> set[Path]:
-    return {
-        base_dir / entry.value
-        for tensor in weights.values()
-        for entry in tensor.external_data
-        if entry.key == "location"
-    }
+        check_operators(model)
+    except ValueError as error:
+        raise HeadInspectionError(str(error)) from None

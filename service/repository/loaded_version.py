@@ -1,8 +1,8 @@
 """A loaded model version: its session, what the inspector found, labels, and its batcher.
 
-``load_version`` is synchronous and runs in the loader thread: inspect the file, open the
-session with the memory mode that fits (tied or not), read labels, and warm the session with
-one real run whose output shapes are checked. Requests hold a reference to a
+``open_version`` is synchronous and runs in the loader thread: inspect the file, open the
+session with the memory mode that fits (tied or not), read labels; ``warm_up`` then runs it
+once, under a deadline, and checks the output shapes. Requests hold a reference to a
 ``LoadedVersion``, never a name, so a request always finishes on the version it started on.
 """
 

@@ -2,6 +2,11 @@
 version policy selects (reusing versions whose files are unchanged, falling back where a
 load fails), and say why in the record's reason and notes. ``service.repository.registry``
 publishes it.
+
+A load holds the one loading thread only while it copies, inspects and opens its version
+(time bounded by its files' sizes): its directory is read, and its warm-up runs, on other
+threads, the warm-up under a deadline (``service.repository.warm_up``). So a slow load keeps
+no other model's load waiting (issue 43: one warm-up that never ended held every load).
 """
 
 from __future__ import annotations
@@ -14,12 +19,14 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
+from service.allocator import trim_heap
 from service.limits import Limits
 from service.metrics import Metrics
 from service.repository.disk import ModelSource, RepositoryError, read_source
 from service.repository.loaded_version import LoadedVersion
-from service.repository.open_version import LoadOptions, VersionLoadError, load_version
+from service.repository.open_version import LoadOptions, VersionLoadError, open_version
 from service.repository.records import ModelRecord, ModelState
+from service.repository.warm_up import WarmUps
 from service.runtime.batcher import BatchLimits
 from service.runtime.pending import BatchStats
 from service.runtime.providers import select_providers
@@ -27,17 +34,21 @@ from service.settings import Settings
 
 logger = logging.getLogger("lmhead")
 MAX_REASON_CHARS = 500
+#: Warm-ups that run at once (one per model loading, each bounded by its deadline).
+MAX_WARMING = 32
 
 
 class RecordBuilder:
     """Builds records; one loader thread creates every onnxruntime session (concurrent
-    creation has been reported to race), off the event loop."""
+    creation has been reported to race), off the event loop; warm-ups run beside it."""
 
     def __init__(self, settings: Settings, executor: Executor, metrics: Metrics) -> None:
         self._settings = settings
         self._executor = executor
         self._metrics = metrics
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="lmhead-load")
+        self._warming = ThreadPoolExecutor(MAX_WARMING, thread_name_prefix="lmhead-warm")
+        self._warm_ups = WarmUps(settings.warmup_timeout_s)
         self._options = LoadOptions(
             settings.memory_mode,
             settings.intra_op_threads,
@@ -55,21 +66,33 @@ class RecordBuilder:
             max_queue_rows=settings.max_queue_rows,
         )
 
+    def stopping(self) -> None:
+        """The service is stopping: warm-ups running end now (their loads fail, saying so),
+        and none starts later."""
+        self._warm_ups.stop()
+
     def close(self) -> None:
+        self._warm_ups.stop()
         self._loader.shutdown(wait=False, cancel_futures=True)
+        self._warming.shutdown(wait=False, cancel_futures=True)
+
+    def cancel(self, name: str) -> None:
+        """End ``name``'s warm-ups now, and those that would start until ``resume``: it is
+        being unloaded, and its loads fail at once rather than at their deadline."""
+        self._warm_ups.cancel(name)
+
+    def resume(self, name: str) -> None:
+        self._warm_ups.resume(name)
 
     async def build(
         self, name: str, previous: ModelRecord | None, pin: int | None, fallback: tuple[int, ...]
     ) -> ModelRecord:
         """``name``'s next record; ``previous`` serves on where nothing new loads."""
-        loop = asyncio.get_running_loop()
         # Served versions refused now (an operator's slip beside them) count as there: the
         # policy picks as before (no roll-back) and they serve on from their loaded copies.
         served = frozenset(previous.versions if previous else ())
         try:
-            source = await loop.run_in_executor(
-                self._loader, read_source, self._settings.repository, name
-            )
+            source = await asyncio.to_thread(read_source, self._settings.repository, name)
             selected = source.selected(pin, present=served)
             wanted = source.selected(pin, present=frozenset(source.refused))
         except RepositoryError as error:
@@ -158,8 +181,19 @@ class RecordBuilder:
     async def _load_version(self, source: ModelSource, version: int) -> LoadedVersion:
         loop = asyncio.get_running_loop()
         model = await loop.run_in_executor(
-            self._loader, load_version, source, version, self._options
+            self._loader, open_version, source, version, self._options
         )
+        try:
+            await loop.run_in_executor(
+                self._warming, self._warm_ups.run, source.name, model.session
+            )
+        except BaseException as error:  # failed, or the load cancelled: no run of it goes on
+            model.session.terminate()
+            model.session.close()
+            if not isinstance(error, Exception):  # a stopping service cancels what loads
+                logger.warning("loading %s was cancelled: its warm-up was ended", model.label)
+            raise
+        trim_heap()  # the file's bytes passed through the heap on the way in
         rejected = self._metrics.queue_full.labels(source.name, str(version))
         rows_per_run = self._options.limits.rows_per_run(model.vocab_size)
         model.start(self._executor, self._limits, rows_per_run, self._observer(model), rejected.inc)

@@ -1,4 +1,4 @@
-"""Open one version of a model: copy the files its head uses, inspect, open, label and warm.
+"""Open one version of a model: copy the files its head uses, inspect, open and label it.
 
 Everything is read from a private copy of the version (``staging.private_copy``): what is
 served is what was inspected, whatever happens to the repository's files afterwards. Only
@@ -6,7 +6,8 @@ the files the head uses are copied, each no further than the head reads it: the 
 external data files it names (up to the last byte a tensor takes), the labels file and a
 trimmed head's id map (each refused past its size limit before a byte is copied). Any other
 file in the version is left where it is: a stray file, however large or sparse, costs no
-scratch space.
+scratch space. Its warm-up runs apart, under a deadline (``service.repository.warm_up``): this
+part's time is bounded by the files' sizes, a run's by nothing but the graph.
 """
 
 from __future__ import annotations
@@ -14,9 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
-from service.allocator import trim_heap
 from service.heads import MODEL_FILE
 from service.heads.inspector import HeadReport
 from service.limits import Limits
@@ -50,8 +48,9 @@ class VersionLoadError(ValueError):
     """A version could not be opened; the message names the model and version, not a path."""
 
 
-def load_version(source: ModelSource, version: int, options: LoadOptions) -> LoadedVersion:
-    """Copy, inspect, open, label and warm one version (blocking; run it off the event loop)."""
+def open_version(source: ModelSource, version: int, options: LoadOptions) -> LoadedVersion:
+    """Copy, inspect, open and label one version, not yet warmed up (blocking; run it off the
+    event loop, on the one thread that opens sessions)."""
     root = options.repository.resolve()
     directory, config = source.versions[version], source.config
     with private_copy(directory, root, options.scratch) as private:
@@ -71,8 +70,6 @@ def load_version(source: ModelSource, version: int, options: LoadOptions) -> Loa
     _check_shapes(session, report, config)
     default_k = config.default_k or options.default_k
     options.limits.check_default_k(default_k)
-    _warm(session)
-    trim_heap()  # the file's bytes passed through the heap on the way in
     return LoadedVersion(
         name=source.name,
         version=version,
@@ -96,20 +93,3 @@ def _check_shapes(session: HeadSession, report: HeadReport, config: ModelConfig)
         raise ValueError(
             f"head has d_model {report.d_model} but config.json requires {config.d_model}"
         )
-
-
-def _warm(session: HeadSession) -> None:
-    """One real run of each side; a head that cannot answer is not published."""
-    k = min(5, session.vocab_size)
-    result = session.project(np.zeros((1, session.d_model), np.float32), k, full_logits=True)
-    if result.topk_token_ids.shape != (1, k) or result.logsumexp.shape != (1,):
-        raise ValueError(f"warm-up returned shapes {result.topk_token_ids.shape}")
-    assert result.logits is not None
-    if not np.isfinite(result.logits).all():  # 0 x NaN (or Inf) is NaN: any such weight
-        raise ValueError(
-            "the head's logits for a zero hidden state are not all finite: its weights hold "
-            "NaN/Inf, or its output bias masks tokens with -inf (lmhead takes finite biases, "
-            "as its import does; drop padded rows with lmhead trim)"
-        )
-    if session.embed(np.zeros(1, np.int64)).shape != (1, session.d_model):
-        raise ValueError("warm-up embedding has the wrong shape")

@@ -1,7 +1,8 @@
 """Memory side of the repository: model name -> loaded versions, with state and reasons.
 
 Loading is serialized per name (and onnxruntime session creation runs in one loader thread:
-concurrent creation has been reported to race) and happens off the event loop. A swap is
+concurrent creation has been reported to race) and happens off the event loop; models load
+side by side (a slow warm-up holds up no other model, ``service.repository.loading``). A swap is
 *load before you retire*: the new version is read, inspected, opened, warmed and only then
 published by replacing the model's record in one assignment. Requests hold a lease on the
 ``LoadedVersion`` they were given, so they finish on it; the replaced version is released once
@@ -101,22 +102,25 @@ class Registry:
         for name in unloaded:  # an engine before this one had it unloaded
             if name in on_disk:
                 self._records[name] = ModelRecord(name, ModelState.UNAVAILABLE, UNLOADED_BY_CALL)
-        for name, served in wanted.items():
-            if name not in on_disk:
-                continue
-            try:
-                await self._load_as_left(name, served)
-            except Exception as error:  # one bad model must not keep the service unready
-                logger.exception("loading %s failed", name)
-                self._records[name] = ModelRecord(
-                    name, ModelState.FAILED, self._builder.reason(error)
-                )
+        # Side by side: a model that is slow to load keeps none of the others unready (their
+        # files are still copied and opened one at a time, in this order, on the loader thread).
+        await asyncio.gather(
+            *(self._start(name, served) for name, served in wanted.items() if name in on_disk)
+        )
         self.started_with = frozenset(name for name in wanted if name in on_disk)
         self.ready = True
         states = {record.name: record.state.value for record in self.records()}
         if not states:
             logger.warning("the repository %s has no models: nothing is served", repository)
         logger.info("lmhead ready: %s", states or "no models")
+
+    async def _start(self, name: str, served: Served) -> None:
+        """One model's start-up load; a bad model must not keep the service unready."""
+        try:
+            await self._load_as_left(name, served)
+        except Exception as error:
+            logger.exception("loading %s failed", name)
+            self._records[name] = ModelRecord(name, ModelState.FAILED, self._builder.reason(error))
 
     async def _load_as_left(self, name: str, served: Served) -> None:
         """Load as the engine before this one served it: its pinned version may be gone, and
@@ -219,6 +223,14 @@ class Registry:
         _check_name(name)
         if name not in self._records:  # before a lock is made for it: names are the client's
             raise ModelNotFound(f"model {name!r} is not loaded")
+        # Its loads warming up now, or queued before this, fail at once (not at their deadline).
+        self._builder.cancel(name)
+        try:
+            return await self._unload(name, removed)
+        finally:  # done (or the call was dropped): loads asked for since may warm up
+            self._builder.resume(name)
+
+    async def _unload(self, name: str, removed: bool) -> ModelRecord:
         async with self._locks.setdefault(name, asyncio.Lock()):
             previous = self._records.get(name)
             if previous is None:
@@ -278,12 +290,21 @@ class Registry:
             raise ModelNotFound(f"model {name[:64]!r} not found")
         return self._records[name]
 
+    def stopping(self) -> None:
+        """A stop has begun (a signal; call it on the event loop): loads end their warm-ups
+        now, rather than hold the drain, and the stop, until their deadline."""
+        self._builder.stopping()
+
     async def close(self) -> None:
-        for record in self._records.values():
-            for version in record.versions.values():
-                await version.close()
-        await self.retired()
+        """Stop: the service has drained, so runs still going (a client's gone, a warm-up)
+        are ended now rather than waited for, and every session is released."""
+        versions = [v for record in self._records.values() for v in record.versions.values()]
+        for version in versions:
+            version.session.terminate()
         self._builder.close()
+        for version in versions:
+            await version.close()
+        await self.retired()
 
     async def retired(self) -> None:
         """Wait until the versions replaced or unloaded so far have drained and left memory."""

@@ -90,7 +90,7 @@ def measure_load(
     gc.collect()
     before = resident_bytes()
     session = open_head(path, Placement(memory_mode), report=report)
-    trim_heap()  # as ``load_version`` does
+    trim_heap()  # as a load does (``RecordBuilder``)
     loaded = resident_bytes() - before
     rng = np.random.default_rng(0)
     session.project(rng.standard_normal((1, session.d_model), dtype=np.float32), 10)

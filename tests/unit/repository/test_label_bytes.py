@@ -19,7 +19,7 @@ from service.limits import Limits
 from service.repository.disk import LABELS_FILE, RepositoryError, read_source
 from service.repository.labels import MAX_LABEL_BYTES, LabelTable
 from service.repository.loaded_version import LoadedVersion
-from service.repository.open_version import LoadOptions, load_version
+from service.repository.open_version import LoadOptions, open_version
 from service.repository.side_files import read_labels
 from service.tools.checkpoints import CheckpointError
 from service.tools.demo import demo_tokens
@@ -75,7 +75,7 @@ def _version(repository: Path, labels: list[str] | None) -> Path:
 
 def _load(repository: Path) -> LoadedVersion:
     options = LoadOptions(**OPTIONS, limits=LIMITS, repository=repository)  # type: ignore[arg-type]
-    return load_version(read_source(repository, "m"), 1, options)
+    return open_version(read_source(repository, "m"), 1, options)
 
 
 def test_a_version_with_a_label_over_the_bound_fails_its_load(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ from service.heads.files import HeadWeights, save_head
 from service.limits import Limits
 from service.repository import staging
 from service.repository.disk import RepositoryError, read_source
-from service.repository.open_version import LoadOptions, load_version
+from service.repository.open_version import LoadOptions, open_version
 from service.repository.staging import private_copy
 
 OPTIONS = {"memory_mode": "shared", "intra_op_threads": 1, "default_k": 5}
@@ -71,11 +71,11 @@ def test_a_version_loads_what_it_held_when_opened_never_the_link(
     _swap_for_a_link(version, monkeypatch)
     options = LoadOptions(**OPTIONS, limits=LIMITS, repository=root)  # type: ignore[arg-type]
     with pytest.raises(RepositoryError, match="m/1 changed while being loaded"):
-        load_version(source, 1, options)
+        open_version(source, 1, options)
     (version / "vocab.txt").unlink()  # put back as it was: it loads, with its own labels
     (version / "vocab.txt").write_text("".join(f"t{i}\n" for i in range(3)))
     monkeypatch.undo()
-    loaded = load_version(read_source(root, "m"), 1, options)
+    loaded = open_version(read_source(root, "m"), 1, options)
     assert loaded.labels == ["t0", "t1", "t2"]
 
 
@@ -116,7 +116,7 @@ def test_files_the_head_does_not_use_cost_no_scratch(
     root = version.parents[1]
     options = LoadOptions(**OPTIONS, limits=LIMITS, repository=root)  # type: ignore[arg-type]
     with small_files(64 * 2**20):
-        loaded = load_version(read_source(root, "m"), 1, options)
+        loaded = open_version(read_source(root, "m"), 1, options)
     hidden = np.random.default_rng(0).standard_normal((2, table.shape[1]), dtype=np.float32)
     top = loaded.session.project(hidden, 3)
     np.testing.assert_array_equal(top.topk_token_ids, np.argsort(-(hidden @ table.T))[:, :3])
