@@ -31,6 +31,7 @@ import numpy.typing as npt
 from service.errors import InvalidInput, LogitsOverflow
 from service.runtime.gemm import matmul_transposed, top_of_product
 from service.runtime.logmath import logsumexp
+from service.runtime.processors import Processors
 
 if TYPE_CHECKING:  # onnx stays out of the processes that only name the type (the fronts)
     from service.runtime.rows import RowSource
@@ -262,13 +263,15 @@ def apply_bias(logits: Floats, ids: Ids | None, bias: Bias) -> Floats:
 
 @dataclass(frozen=True)
 class SampleSpec:
-    """How to draw one token per row; ``temperature`` 0 means greedy."""
+    """How to draw ``n`` tokens per row (one unless the decoding step asks more,
+    ``service.runtime.filters``); ``temperature`` 0 means greedy."""
 
     temperature: float = 1.0
     top_k: int | None = None
     top_p: float | None = None
     min_p: float | None = None
     seed: int = 0
+    n: int = 1
 
     def uniforms(self, rows: int) -> npt.NDArray[np.float64]:
         """One u per row: Philox keyed by the seed, so row i draws the same u whatever else
@@ -316,10 +319,13 @@ def sample_sorted(
 @dataclass(frozen=True)
 class Shape:
     """The distribution a request asks for, checked (``service.plane.options`` builds it):
-    allowed columns, bias and bans, which distribution log-probs are over, and sampling."""
+    allowed columns, bias and bans, which distribution log-probs are over, and sampling;
+    ``processors``: the decoding step's (penalties, stop rules, a bitmask, ...), which need
+    each row whole (``service.plane.decoding``)."""
 
     allowed: Ids | None = None
     """(n,) for every row or (rows, n) per row; sorted by nothing."""
     bias: Bias | None = None
     over: Over = "vocabulary"
     sample: SampleSpec | None = None
+    processors: Processors | None = None

@@ -1,0 +1,80 @@
+"""One run of a decoding step: a run's full logits processed in place, their top and
+log-sum-exp, the filters and the draws (``service.plane.decoding`` runs it per run of rows,
+in the inference executor).
+
+The run's logits (rows x vocab float32, divided by the temperature by the graph) are the one
+large array: the bias and every processor write into it (``Processors.apply``), ``selection``
+reads it for the top ``width`` and the log-sum-exp, and a row whose filters or draws reach
+past that prefix (``filters``) is sorted whole from it. Nothing here copies it, and nothing
+turns it into float64: the float64 arrays are (rows x width) at most.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from service.runtime.filters import drawn, filtered_prefix
+from service.runtime.processors import Processors
+from service.runtime.selection import selector
+from service.runtime.vocabulary import Bias, SampleSpec, refuse_overflow
+
+Floats = npt.NDArray[np.float32]
+Ids = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True)
+class StepRun:
+    """A run's answer: the processed distribution's top ``width`` per row (``values`` and
+    ``ids``, before the filters) and its log-sum-exp; which of them the filters keep and the
+    kept set's log-sum-exp (``kept_lse``: the distribution draws come from); the draws
+    (rows, n) and their values, when sampling."""
+
+    values: Floats
+    ids: Ids
+    lse: Floats
+    keep: npt.NDArray[np.bool_]
+    kept_lse: Floats
+    sampled: Ids | None = None
+    sampled_values: Floats | None = None
+
+
+def step_run(
+    logits: Floats,
+    temperature: float,
+    processors: Processors,
+    bias: Bias | None,
+    sample: SampleSpec | None,
+    width: int,
+    u: npt.NDArray[np.float64] | None,
+) -> StepRun:
+    """The step over one run's ``logits`` (modified in place: afterwards they are the
+    processed logits, before the filters); ``u`` the run's rows' uniforms (rows, n)."""
+    if bias is not None:  # the bias is divided by the temperature already (``Bias.at``)
+        logits[:, bias.ids] += bias.values
+    processors.apply(logits, temperature)
+    values, ids, lse = selector().top(logits, width)
+    refuse_overflow(lse, lse, temperature=temperature)
+    vocab = logits.shape[1]
+    kept = filtered_prefix(values, lse, sample, processors.order, vocab)
+    sampled = picked = None
+    redo = ~kept.known if kept.filtered else np.zeros(len(values), np.bool_)
+    if sample is not None and u is not None:
+        index, inside = drawn(kept, sample, u)
+        sampled = np.take_along_axis(ids, index, axis=1)
+        picked = np.take_along_axis(values, index, axis=1)
+        redo |= ~inside
+    keep, mass = kept.keep, kept.mass
+    for row in np.flatnonzero(redo).tolist():  # the whole row, sorted: rare, and one at a time
+        order = np.argsort(-logits[row], kind="stable")  # equal values in id order
+        ranked = logits[row, order][None, :]
+        whole = filtered_prefix(ranked, lse[row : row + 1], sample, processors.order, vocab)
+        keep[row], mass[row] = whole.keep[0, : values.shape[1]], whole.mass[0]
+        if sample is not None and u is not None and sampled is not None and picked is not None:
+            (index,), _ = drawn(whole, sample, u[row : row + 1])
+            sampled[row], picked[row] = order[index], ranked[0, index]
+    with np.errstate(divide="ignore"):
+        kept_lse = (lse + np.log(mass)).astype(np.float32)
+    return StepRun(values, ids, lse, keep, kept_lse, sampled, picked)
