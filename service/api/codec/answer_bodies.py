@@ -1,9 +1,10 @@
 """The bodies of the native API's large answers: top-k and score as JSON, encoded a piece at a
 time, and top-k as ``.npy`` records.
 
-A piece is a few rows (``JSON_PIECE_VALUES`` values), so one encoder call holds the GIL for a
-few milliseconds, not the ~0.6 s of a 113 MB answer, and the event loop gets it back between
-pieces. Arrays go to the encoder as numpy rows, not as Python lists: a 4096-row, k=1000 score
+A piece is a few rows (``PIECE_VALUES`` values), so one encoder call holds the GIL for a few
+milliseconds, not the ~0.6 s of a 113 MB answer, and the event loop gets it back between
+pieces; the pieces are sent as they are (``service.api.codec.pieces``), never joined into one
+buffer. Arrays go to the encoder as numpy rows, not as Python lists: a 4096-row, k=1000 score
 answer made 12 million Python objects (~400 MB, beyond the memory budget's account, and left
 in the allocator's arenas after).
 """
@@ -16,31 +17,29 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from service.api.codec.pieces import PIECE_VALUES, Piece, joined
 from service.api.codec.wire import json_bytes
 from service.messages import CandidateScores, HeadInfo, ScoreResult, TopKResult
-
-#: Values a top-k JSON answer encodes per encoder call (``topk_json``): ~2.5 ms of GIL each.
-JSON_PIECE_VALUES = 1 << 16
 
 
 def identity(head: HeadInfo) -> dict[str, Any]:
     return {"model": head.name, "version": head.version, "tied": head.tied}
 
 
-def topk_json(result: TopKResult) -> bytes:
-    """The JSON answer, its rows encoded a few at a time: one encoder call for a 4096-row,
-    k=1000 answer (113 MB) held the GIL for ~0.6 s, and with it the event loop of the process
-    (other requests, health checks); between pieces of ~64k values the loop gets it back."""
+def topk_json(result: TopKResult) -> list[Piece]:
+    """The JSON answer, its rows encoded a few at a time (``PIECE_VALUES`` values, ~1-2 ms of
+    GIL each): one encoder call for a 4096-row, k=1000 answer (113 MB) held the GIL for
+    ~0.6 s, and with it the event loop of the process (other requests, health checks)."""
     k = result.token_ids.shape[-1]
     rows = result.token_ids.size // max(1, k)
-    step = max(1, JSON_PIECE_VALUES // max(1, k))
-    pieces = [
-        json_bytes(_topk_items(result, start, min(rows, start + step)))[1:-1]  # no brackets
-        for start in range(0, rows, step)
-    ]
     leading = list(result.token_ids.shape[:-1])
     head = json_bytes({**identity(result.head), "k": k, "shape": leading} | shaping(result))
-    return b"".join((head[:-1], b',"results":[', b",".join(pieces), b"]}"))
+    step = max(1, PIECE_VALUES // max(1, k))
+    fragments: list[Piece] = [head[:-1] + b',"results":[']
+    for start in range(0, rows, step):
+        items = json_bytes(_topk_items(result, start, min(rows, start + step)))
+        fragments += [b"," if start else b"", memoryview(items)[1:-1]]  # no brackets
+    return joined([*fragments, b"]}"])
 
 
 def _topk_items(result: TopKResult, start: int, stop: int) -> list[dict[str, Any]]:
@@ -51,14 +50,15 @@ def _topk_items(result: TopKResult, start: int, stop: int) -> list[dict[str, Any
     logprobs = None if result.logprobs is None else result.logprobs.reshape(-1, k)[start:stop]
     sampled = result.sampled
     drawn = None if sampled is None else sampled.token_ids.reshape(-1)[start:stop].tolist()
+    tokens = None if result.tokens is None else result.tokens[start:stop]  # the piece's rows
     items = []
     for offset, row_ids in enumerate(ids.tolist()):  # one tolist for the piece: 3x cheaper
         row = start + offset
         item: dict[str, Any] = {"token_ids": row_ids, "logits": values[offset]}
         if logprobs is not None:
             item["logprobs"] = logprobs[offset]
-        if result.tokens is not None:
-            item["tokens"] = result.tokens[row]
+        if tokens is not None:
+            item["tokens"] = tokens[offset]
         if sampled is not None and drawn is not None:
             item["sampled_token_id"] = drawn[offset]
             item["sampled_logprob"] = float(sampled.logprobs.reshape(-1)[row])
@@ -99,11 +99,20 @@ def topk_records(result: TopKResult) -> npt.NDArray[Any]:
     return records
 
 
-def score_json(result: ScoreResult) -> bytes:
+def score_json(result: ScoreResult) -> list[Piece]:
     """``/score``'s JSON answer: per row its target's logit, log-prob and rank, then the
     candidates and alternatives asked for, each written a piece of rows at a time."""
     rows = len(result.logit)
-    scored = _pieces(
+    head = json_bytes(
+        {
+            **identity(result.head),
+            "nll": result.nll,
+            "perplexity": result.perplexity,
+            "logprobs_over": result.logprobs_over,
+        }
+    )
+    fragments: list[Piece] = [head[:-1], b',"results":[']
+    fragments += _pieces(
         rows,
         1,
         lambda start, stop: [
@@ -116,22 +125,14 @@ def score_json(result: ScoreResult) -> bytes:
             )
         ],
     )
-    parts = [b'"results":[' + scored + b"]"]
+    fragments.append(b"]")
     for name, found in (("candidates", result.candidates), ("alternatives", result.alternatives)):
         if found is not None:
-            parts.append(b'"' + name.encode() + b'":[' + _scores(found) + b"]")
-    head = json_bytes(
-        {
-            **identity(result.head),
-            "nll": result.nll,
-            "perplexity": result.perplexity,
-            "logprobs_over": result.logprobs_over,
-        }
-    )
-    return b"".join((head[:-1], b",", b",".join(parts), b"}"))
+            fragments += [b',"' + name.encode() + b'":[', *_scores(found), b"]"]
+    return joined([*fragments, b"}"])
 
 
-def _scores(found: CandidateScores) -> bytes:
+def _scores(found: CandidateScores) -> list[Piece]:
     width = found.ids.shape[-1] if found.ids.ndim > 1 else 1
     return _pieces(
         len(found.ids),
@@ -148,9 +149,12 @@ def _scores(found: CandidateScores) -> bytes:
     )
 
 
-def _pieces(rows: int, width: int, items: Callable[[int, int], list[Any]]) -> bytes:
-    """The JSON of ``items(start, stop)`` for every piece of rows, joined without brackets."""
-    step = max(1, JSON_PIECE_VALUES // max(1, width))
-    return b",".join(
-        json_bytes(items(start, min(rows, start + step)))[1:-1] for start in range(0, rows, step)
-    )
+def _pieces(rows: int, width: int, items: Callable[[int, int], list[Any]]) -> list[Piece]:
+    """The JSON of ``items(start, stop)`` for every piece of rows, comma-separated, without
+    brackets."""
+    step = max(1, PIECE_VALUES // max(1, width))
+    fragments: list[Piece] = []
+    for start in range(0, rows, step):
+        encoded = json_bytes(items(start, min(rows, start + step)))
+        fragments += [b"," if start else b"", memoryview(encoded)[1:-1]]
+    return fragments

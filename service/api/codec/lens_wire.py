@@ -14,7 +14,8 @@ from starlette.responses import Response
 
 from service.api.codec.answer_bodies import identity
 from service.api.codec.native import hidden_and_options, reply
-from service.api.codec.wire import JSON, NPZ, json_bytes, npz_bytes, off_loop, response_type, target
+from service.api.codec.pieces import json_pieces
+from service.api.codec.wire import JSON, NPZ, npz_bytes, off_loop, response_type, target
 from service.api.schemas import LensOptions
 from service.messages import LensRequest, LensResult
 
@@ -65,4 +66,4 @@ def _lens_response(result: LensResult, answer: str) -> Response:
         payload["token_strings"] = [
             rows[layer * tokens : (layer + 1) * tokens] for layer in range(layers)
         ]
-    return reply(result.head, json_bytes(payload), JSON)
+    return reply(result.head, json_pieces(payload), JSON)  # a few rows per encoder call

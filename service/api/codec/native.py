@@ -19,7 +19,9 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
 
+from service.api.codec import pieces
 from service.api.codec.answer_bodies import identity, score_json, topk_json, topk_records
+from service.api.codec.pieces import Piece, json_pieces, npy_pieces
 from service.api.codec.wire import (
     JSON,
     NPY,
@@ -29,7 +31,6 @@ from service.api.codec.wire import (
     float_array,
     int_array,
     json_bytes,
-    npy_bytes,
     npz_bytes,
     off_loop,
     options,
@@ -212,7 +213,7 @@ def _topk_response(result: TopKResult, answer: str) -> Response:
             arrays["sampled_logprobs"] = result.sampled.logprobs
             arrays["seed"] = np.array(result.sampled.seed, np.uint64)  # to draw them again
         return reply(result.head, npz_bytes({**arrays, "logsumexp": result.logsumexp}), NPZ)
-    return reply(result.head, npy_bytes(topk_records(result)), NPY)
+    return reply(result.head, npy_pieces(topk_records(result)), NPY)
 
 
 def _logits_response(result: LogitsResult, answer: str) -> Response:
@@ -220,15 +221,15 @@ def _logits_response(result: LogitsResult, answer: str) -> Response:
         payload = {**identity(result.head), "logits": result.logits}
         if result.token_ids is not None:  # restricted: the columns' ids (npy: as requested)
             payload["token_ids"] = result.token_ids
-        return reply(result.head, json_bytes(payload), JSON)
-    return reply(result.head, npy_bytes(result.logits), NPY)
+        return reply(result.head, json_pieces(payload), JSON)
+    return reply(result.head, npy_pieces(result.logits), NPY)
 
 
 def _embed_response(result: EmbedResult, answer: str) -> Response:
     if answer == NPY:
-        return reply(result.head, npy_bytes(result.embeddings), NPY)
+        return reply(result.head, npy_pieces(result.embeddings), NPY)
     payload = {**identity(result.head), "embeddings": result.embeddings}
-    return reply(result.head, json_bytes(payload), JSON)
+    return reply(result.head, json_pieces(payload), JSON)
 
 
 def _score_response(result: ScoreResult) -> Response:
@@ -312,10 +313,12 @@ def _required(payload: dict[str, Any], field: str, expected: str) -> Any:
     return payload.pop(field)
 
 
-def reply(head: HeadInfo, body: bytes, media_type: str) -> Response:
+def reply(head: HeadInfo, body: bytes | list[Piece], media_type: str) -> Response:
+    """An inference answer with the headers that name its head; a body made in pieces (a
+    large one) is sent as they are (``service.api.codec.pieces``)."""
     headers = {
         "x-lmhead-model": head.name,
         "x-lmhead-version": str(head.version),
         "x-lmhead-tied": "true" if head.tied else "false",
     }
-    return Response(body, media_type=media_type, headers=headers)
+    return pieces.reply([body] if isinstance(body, bytes) else body, media_type, headers)

@@ -20,6 +20,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
+from service.api.codec.pieces import Piece, array_pieces, json_pieces, reply, size
 from service.api.codec.v2outputs import (
     PROJECTION_OUTPUTS,
     OutputPlan,
@@ -32,7 +33,6 @@ from service.api.codec.wire import (
     float_array,
     header,
     int_array,
-    json_bytes,
     json_type,
     off_loop,
     read_body,
@@ -70,13 +70,15 @@ async def decode_http(request: Request, body_limit: int) -> tuple[InferRequest, 
 async def encode_http(result: InferResult, plan: OutputPlan) -> Response:
     """The answer, with the headers every lmhead inference answer carries."""
     size = sum(a.nbytes for a in (result.logits, result.embeddings) if a is not None) * 3
-    payload, headers = await off_loop(size, encode, result, plan)
+    if result.topk is not None:  # classification strings are made from it too
+        size += result.topk.token_ids.size * 32
+    pieces, headers = await off_loop(size, encode, result, plan)
     headers |= {
         "x-lmhead-model": result.head.name,
         "x-lmhead-version": str(result.head.version),
         "x-lmhead-tied": "true" if result.head.tied else "false",
     }
-    return Response(payload, headers=headers)
+    return reply(pieces, None, headers)
 
 
 def decode(body: bytes, header_length: str | None, to: Target) -> tuple[InferRequest, OutputPlan]:
@@ -131,19 +133,22 @@ def decode_header(
     return request, OutputPlan(request_id, outputs)
 
 
-def encode(result: InferResult, plan: OutputPlan) -> tuple[bytes, dict[str, str]]:
-    """JSON answer, or a JSON header + binary tensors when any output asked for binary."""
-    outputs, blobs = [], []
+def encode(result: InferResult, plan: OutputPlan) -> tuple[list[Piece], dict[str, str]]:
+    """JSON answer, or a JSON header + binary tensors when any output asked for binary; in
+    pieces (``service.api.codec.pieces``): a large tensor's JSON a few rows per encoder call,
+    its binary data as views of its memory."""
+    outputs: list[dict[str, Any]] = []
+    blobs: list[Piece] = []
     for request in plan.outputs:
         array = np.require(select(request, result), requirements="C")  # k-cut views are strided
         kind = "BYTES" if array.dtype.kind in "OUS" else datatype(array.dtype)
         entry: dict[str, Any] = {"name": request.name, "datatype": kind, "shape": list(array.shape)}
         if request.binary:
-            blob = bytes_blob(array) if kind == "BYTES" else array.tobytes()
-            entry["parameters"] = {"binary_data_size": len(blob)}
-            blobs.append(blob)
-        else:
-            entry["data"] = array.reshape(-1).tolist() if kind == "BYTES" else array.reshape(-1)
+            blob = [bytes_blob(array)] if kind == "BYTES" else array_pieces(array)
+            entry["parameters"] = {"binary_data_size": size(blob)}
+            blobs += blob
+        else:  # a few rows per encoder call (strings: as lists)
+            entry["data"] = array.reshape(-1)
         outputs.append(entry)
     payload: dict[str, Any] = {
         "model_name": result.head.name,
@@ -152,11 +157,11 @@ def encode(result: InferResult, plan: OutputPlan) -> tuple[bytes, dict[str, str]
     }
     if plan.request_id is not None:
         payload["id"] = plan.request_id
-    header = json_bytes(payload)
+    header = json_pieces(payload)
     if not blobs:
         return header, {"content-type": "application/json"}
-    headers = {"content-type": "application/octet-stream", HEADER_LENGTH: str(len(header))}
-    return header + b"".join(blobs), headers
+    headers = {"content-type": "application/octet-stream", HEADER_LENGTH: str(size(header))}
+    return [*header, *blobs], headers
 
 
 def model_metadata(head: HeadInfo, versions: list[int]) -> dict[str, Any]:

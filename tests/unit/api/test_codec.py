@@ -92,7 +92,7 @@ def test_a_large_topk_answer_is_encoded_in_pieces_that_read_as_one() -> None:
     values = -np.sort(rng.random((rows, k), dtype=np.float32), axis=1)
     lse = np.zeros(rows, np.float32)
     result = TopKResult(HEAD, ids.reshape(3, 100, k), values.reshape(3, 100, k), lse, values)
-    document = orjson.loads(topk_json(result))
+    document = orjson.loads(b"".join(topk_json(result)))
     assert (document["model"], document["k"], document["shape"]) == ("m", k, [3, 100])
     assert [row["token_ids"] for row in document["results"]] == ids.tolist()
     logprobs = np.array([row["logprobs"] for row in document["results"]], np.float32)

@@ -31,7 +31,8 @@ def test_the_header_length_counts_the_json_header_alone() -> None:
         "r1",
         [OutputRequest("topk_token_ids", binary=True), OutputRequest("topk_logits", binary=True)],
     )
-    body, headers = encode(result, plan)
+    pieces, headers = encode(result, plan)
+    body = b"".join(pieces)
     length = int(headers[HEADER_LENGTH])
     header = json.loads(body[:length])
     sizes = [output["parameters"]["binary_data_size"] for output in header["outputs"]]
@@ -48,7 +49,8 @@ def test_the_header_length_counts_the_json_header_alone() -> None:
 
 
 def test_an_answer_without_binary_outputs_is_plain_json() -> None:
-    body, headers = encode(_result(), OutputPlan(None, [OutputRequest("logsumexp", False)]))
+    pieces, headers = encode(_result(), OutputPlan(None, [OutputRequest("logsumexp", False)]))
+    body = b"".join(pieces)
     assert HEADER_LENGTH not in headers
     assert headers["content-type"] == "application/json"
     assert json.loads(body)["outputs"][0]["data"] == [1.5, 1.5]
