@@ -47,13 +47,52 @@ class HeadInfo:
 @dataclass(frozen=True)
 class SampleOptions:
     """Draw one token per row: ``temperature`` (0: greedy; the request's when absent),
-    ``top_k``, ``top_p``, ``min_p`` filters, and a ``seed`` (a random one when absent)."""
+    ``top_k``, ``top_p``, ``min_p`` filters, and a ``seed`` (a random one when absent);
+    ``n`` draws per row (each from its own stream of the seed) when given."""
 
     temperature: float | None = None
     top_k: int | None = None
     top_p: float | None = None
     min_p: float | None = None
     seed: int | None = None
+    n: int | None = None
+
+
+@dataclass(frozen=True)
+class TokenLists:
+    """Lists of token ids of any lengths, as decoded: every list's ids in one array and each
+    list's length (one list per row for histories, one per word for ``bad_words_ids``)."""
+
+    values: npt.NDArray[Any]
+    lengths: npt.NDArray[Any]
+
+    @classmethod
+    def of(cls, lists: Sequence[Sequence[int]]) -> TokenLists:
+        """From lists (JSON's lists of lists, tests)."""
+        lengths = np.array([len(tokens) for tokens in lists], np.int64)
+        values = np.fromiter((t for tokens in lists for t in tokens), np.int64, int(lengths.sum()))
+        return cls(values, lengths)
+
+
+@dataclass(frozen=True)
+class DecodingOptions:
+    """The decoding step's options, named as vLLM's ``SamplingParams`` and transformers name
+    them (``service.plane.decoding_options`` checks them): token histories, penalties, stop
+    rules, a grammar's token bitmask (int32, (rows or 1, ceil(vocab / 32))), which
+    distribution log-probs are of (``raw`` or ``processed``) and the filters' order
+    (``transformers`` or ``vllm``)."""
+
+    prompt_token_ids: TokenLists | None = None
+    output_token_ids: TokenLists | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    min_tokens: int | None = None
+    stop_token_ids: npt.NDArray[Any] | None = None
+    bad_words_ids: TokenLists | None = None
+    token_bitmask: npt.NDArray[Any] | None = None
+    logprobs_mode: str | None = None
+    processor_order: str | None = None
 
 
 @dataclass(frozen=True)
@@ -65,6 +104,7 @@ class VocabularyOptions:
     banned_token_ids: npt.NDArray[Any] | None = None
     logprobs_over: str | None = None
     sample: SampleOptions | None = None
+    decoding: DecodingOptions | None = None
 
 
 @dataclass(frozen=True)
@@ -94,17 +134,23 @@ class TopKResult:
     """Which distribution log-probs (and ``logsumexp``) are over: the whole vocabulary, or
     only the allowed tokens."""
     sampled: Sampled | None = None
+    logprobs_mode: str | None = None
+    """With decoding options: ``raw`` (every processor and the temperature) or ``processed``
+    (the filters too: filtered tokens' logits and log-probs are -inf)."""
 
 
 @dataclass(frozen=True)
 class Sampled:
     """One drawn token per row (leading dims as sent), its log-prob (over ``logprobs_over``
-    at the sampling temperature, before filters), and the seed that reproduces it."""
+    at the sampling temperature, before filters; after them in ``processed`` mode), and the
+    seed that reproduces it. With ``n`` (``sample.n``) the arrays have a last axis of n
+    draws, and ``tokens`` a list per row."""
 
     token_ids: npt.NDArray[np.int64]
     logprobs: npt.NDArray[np.float32]
     seed: int
-    tokens: list[str | None] | None = None
+    tokens: list[Any] | None = None
+    n: int | None = None
 
 
 @dataclass(frozen=True)
@@ -116,6 +162,8 @@ class LogitsRequest:
     states: str = "final"
     #: The answer is JSON text (up to 16 bytes a value), not binary (4): its declared cost.
     text: bool = False
+    decoding: DecodingOptions | None = None
+    """The logits after the decoding step's processors (masked tokens at -inf)."""
 
 
 @dataclass(frozen=True)

@@ -34,8 +34,10 @@ from service.messages import (
     TopKRequest,
     VocabularyOptions,
 )
+from service.plane import decoding_options
 from service.plane.grouping import Kept
 from service.repository.loaded_version import LoadedVersion
+from service.runtime.processors import Processors
 from service.runtime.vocabulary import OVERS, Bias, Floats, Ids, SampleSpec, Shape, TokenSpace
 
 #: A logit_bias key as JSON object keys write token ids: ASCII digits, no sign or leading zero.
@@ -55,11 +57,13 @@ class CheckedTopK:
 
 @dataclass(frozen=True)
 class CheckedLogits:
-    """Full logits of ``hidden``, or of the ``allowed`` columns only."""
+    """Full logits of ``hidden``, or of the ``allowed`` columns only; after the decoding
+    step's ``processors`` when asked."""
 
     hidden: Floats
     temperature: float
     allowed: Ids | None = None
+    processors: Processors | None = None
 
 
 @dataclass(frozen=True)
@@ -123,11 +127,15 @@ def logits(request: LogitsRequest, model: LoadedVersion, limits: Limits) -> Chec
     hidden = limits.hidden_states(request.hidden_states, model.d_model)
     temperature = limits.temperature(request.temperature)
     rows = math.prod(hidden.shape[:-1])
+    processors = None
+    if request.decoding is not None:  # the whole rows run, whatever the answer's columns
+        limits.logits(rows, model.vocab_size)
+        processors = decoding_options.processors(request.decoding, rows, model.space, limits)
     if request.allowed_token_ids is None:
         limits.logits(rows, model.vocab_size)
-        return CheckedLogits(hidden, temperature)
+        return CheckedLogits(hidden, temperature, None, processors)
     allowed = token_lists(request.allowed_token_ids, rows, model.space, limits, "allowed_token_ids")
-    return CheckedLogits(hidden, temperature, allowed)
+    return CheckedLogits(hidden, temperature, allowed, processors)
 
 
 def embed(input_ids: npt.NDArray[Any], model: LoadedVersion, limits: Limits) -> Ids:
@@ -253,9 +261,10 @@ def vocabulary_shape(
     sample = None
     if options.sample is not None:
         sample, temperature = _sample_spec(options.sample, vocab, limits, temperature)
+    processors = decoding_options.of_vocabulary(options, rows, space, limits, allowed, banned)
     if bias is not None:  # added to the logits before temperature, as in transformers and
         bias = bias.at(temperature)  # vLLM: the run's logits are already divided by it
-    return Shape(allowed, bias, over, sample), temperature
+    return Shape(allowed, bias, over, sample, processors), temperature
 
 
 def token_ids(raw: npt.NDArray[Any], space: TokenSpace, limits: Limits, field: str) -> Ids:
@@ -351,6 +360,11 @@ def _sample_spec(
     if not 0 <= seed < 2**63:
         raise InvalidInput(f"sample.seed must be in [0, 2**63), got {seed}")
     spec = SampleSpec(
-        0.0 if sampling == 0 else temperature, options.top_k, options.top_p, options.min_p, seed
+        0.0 if sampling == 0 else temperature,
+        options.top_k,
+        options.top_p,
+        options.min_p,
+        seed,
+        decoding_options.draws(options.n),
     )
     return spec, temperature

@@ -23,6 +23,7 @@ significant bit first as xgrammar and llguidance write them) and the masked logi
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -192,21 +193,29 @@ def ban_stop_ids(logits: Floats, output: Histories | None, min_tokens: int, stop
 
 def ban_bad_words(logits: Floats, output: Histories, words: Histories) -> None:
     """Each word's last token at -inf in the rows whose output ends with its other tokens
-    (a one-token word everywhere): per word, every row's tail compared with its prefix at
-    once."""
+    (a one-token word everywhere)."""
+    for rows, last in bad_word_hits(output, words):
+        logits[rows, last] = -np.inf
+
+
+def bad_word_hits(output: Histories, words: Histories) -> Iterator[tuple[Ids, int]]:
+    """(the rows, the column) each word bans: the rows whose output ends with the word's
+    other tokens (every row for a one-token word); per word, every row's tail compared with
+    its prefix at once. A word whose last token the head lacks bans nothing."""
     lengths, ends = output.lengths, output.offsets[1:]
+    every = np.arange(len(output), dtype=np.int64)
     for word in range(len(words)):
         tokens = words.values[words.offsets[word] : words.offsets[word + 1]]
         last, prefix = int(tokens[-1]), tokens[:-1]
         if last < 0:  # a token this head cannot produce: nothing to ban
             continue
         if not len(prefix):
-            logits[:, last] = -np.inf
+            yield every, last
             continue
         long_enough = np.flatnonzero(lengths >= len(prefix))
         at = ends[long_enough, None] - len(prefix) + np.arange(len(prefix))
         matches = (output.values[at] == prefix).all(axis=1)
-        logits[long_enough[matches], last] = -np.inf
+        yield long_enough[matches], last
 
 
 def allowed_bytes(bitmask: Words, vocab: int) -> npt.NDArray[np.uint8]:
