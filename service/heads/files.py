@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -332,12 +332,3 @@ def _row_chunks(array: npt.NDArray[Any], dtype: np.dtype[Any]) -> Iterator[npt.N
         return
     for start in range(0, len(array), WIDEN_ROWS):
         yield array[start : start + WIDEN_ROWS].astype(dtype)
-
-
-def widened(weights: HeadWeights) -> HeadWeights:
-    """The same head with float32 matrices (in memory: for small heads and tests)."""
-    return replace(
-        weights,
-        embedding=weights.embedding.astype(np.float32),
-        output=None if weights.output is None else weights.output.astype(np.float32),
-    )

@@ -280,7 +280,7 @@ class DataPlane(ControlAPI):
 
     async def score(self, request: ScoreRequest) -> ScoreResult:
         """Per position the target's logit, log-prob and rank, top-k alternatives; NLL and
-        perplexity; candidates. Runs in chunks (``distribution.score_chunks``): any number of
+        perplexity; candidates. Runs in chunks (``scoring.score_chunks``): any number of
         rows within the row limit, never a (rows x vocab) tensor for the whole request."""
         with self._serving("score", request.target) as (model,):
             checked = options.score(request, model, self._limits)

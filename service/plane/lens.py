@@ -35,7 +35,7 @@ T = TypeVar("T", bound=np.generic)
 
 async def final_states(model: LoadedVersion, hidden: Floats, residual: bool) -> Floats:
     """``hidden`` (..., d_model) through the head's final norm when ``residual`` (checked by
-    ``options.residual``), in runs of the version's batch size; else as it is."""
+    ``lens_options.residual``), in runs of the version's batch size; else as it is."""
     if not residual:
         return hidden
     rows = hidden.reshape(-1, model.d_model)

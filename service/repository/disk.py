@@ -205,11 +205,6 @@ def read_source(repository: Path, name: str) -> ModelSource:
     return ModelSource(name, config, ordered, files, config_signature, refused)
 
 
-def version_dirs(directory: Path) -> dict[int, Path]:
-    """A model directory's complete versions (a number and a model file), by number."""
-    return _versions(directory)[0]
-
-
 def version_entries(directory: Path, root: Path) -> tuple[dict[int, Path], dict[int, str]]:
     """Complete versions by number, and the version directories refused, each with why: one
     that resolves outside the repository (``root``, resolved), or a number two directories

@@ -1,6 +1,6 @@
 """Poll mode: follow the repository on disk, loading new versions and unloading removed models.
 
-When is a version complete? Its files' stat signatures (``repository.signature``) must be
+When is a version complete? Its files' stat signatures (``disk.signature``) must be
 unchanged across two consecutive scans before it is considered, so a copy in progress (which
 keeps changing them) is never loaded. A copy that stalls for longer than a scan interval
 could still be seen as stable: such a load fails, the serving version stays, and the version

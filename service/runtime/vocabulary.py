@@ -1,7 +1,7 @@
 """A head's distribution reshaped on request: restricted vocabularies, logit bias and sampling.
 
-Everything here is numpy on small arrays; the data plane (``service.shaping``) decides which
-rows of W and which graph outputs to fetch. Three facts keep it exact without a
+Everything here is numpy on small arrays; the data plane (``service.plane.distribution``)
+decides which rows of W and which graph outputs to fetch. Three facts keep it exact without a
 (rows x vocab) tensor on the host:
 
 * **Candidate logits** are ``h @ W[ids].T`` with the head's transforms (``CandidateLogits``):
