@@ -27,8 +27,11 @@ from dataclasses import dataclass
 
 from service.errors import PayloadTooLarge
 from service.limits import LOGIT_BYTES, Limits, charge, ran
+from service.plane.decoding import width_of
 from service.plane.options import CheckedInfer, CheckedTopK
 from service.repository.loaded_version import LoadedVersion
+from service.runtime.processors import Processors
+from service.runtime.vocabulary import Shape
 
 #: JSON text of one value, its separator included: a float32 as orjson writes numpy's
 #: (``-1.1754944e-38,``), a Python float (``-1.1754943508222875e-38,``).
@@ -38,12 +41,15 @@ F64_TEXT = 25
 ROW_TEXT = 160
 #: An answer's identity and options (model, version, k, shape, ...).
 HEAD_TEXT = 1024
-#: Copies of a JSON answer alive at once: its pieces, their join, the body.
-JSON_COPIES = 3
+#: Copies of a JSON answer's text alive at once: the encoder calls' fragments and the pieces
+#: they are joined into, all made before the head is sent and freed as they leave
+#: (``service.api.codec.pieces``; measured up to 1.9x the text by the declared-costs sweep).
+JSON_COPIES = 2
 #: Bytes a Python list slot and a list's header take (token strings as lists of references).
 SLOT_BYTES = 8
 LIST_BYTES = 56
 ID_BYTES = 8  # int64
+F64_BYTES = 8
 #: Full logits answered as JSON are held as the array, its values as text (at most
 #: ``F32_TEXT`` each) and the body.
 LOGITS_TEXT_COPIES = 2
@@ -85,14 +91,14 @@ def _id_text(model: LoadedVersion) -> int:
 
 def _label_text(model: LoadedVersion, tokens: bool) -> int:
     """A token string's JSON with its separator; per entry, its list slot too."""
-    return model.label_bytes + 1 + SLOT_BYTES if tokens else 0
+    return model.label_bytes + 1 + SLOT_BYTES if tokens and model.label_bytes else 0
 
 
 def topk_answer(
     model: LoadedVersion, rows: int, k: int, logprobs: bool, tokens: bool, sampled: bool = False
 ) -> int:
     """A top-k answer: ids (the columns and the original ids), values, log-probs, log-sum-exp,
-    token strings; as JSON (``JSON_COPIES`` alive at once)."""
+    token strings; as JSON text."""
     entries = rows * k
     arrays = entries * (2 * ID_BYTES + 2 * LOGIT_BYTES) + rows * (LOGIT_BYTES + ID_BYTES)
     per_entry = _id_text(model) + F32_TEXT + (F32_TEXT if logprobs else 0)
@@ -125,11 +131,44 @@ def topk(
     sampled = shape is not None and shape.sample is not None
     held = topk_answer(model, rows, checked.k, logprobs, tokens, sampled)
     held += normed_rows(model, rows, residual)
-    if shape is not None and shape.allowed is not None:
+    if shape is not None and shape.processors is not None:
+        held += decoding(model, rows, checked.k, shape, tokens)
+    elif shape is not None and shape.allowed is not None:
         held += rows * shape.allowed.shape[-1] * (LOGIT_BYTES + ID_BYTES) * 2
     elif shape is not None:
         held += 3 * run_bytes(model, rows, copies=1)
     return Cost(held, run_bytes(model, rows))
+
+
+def decoding(model: LoadedVersion, rows: int, k: int, shape: Shape, tokens: bool) -> int:
+    """The decoding step beside its top-k answer (``plane.decoding``): one run's logits kept
+    and processed in place, the selection's log-softmax of them and the bitmask unpacked to a
+    byte per token (one run at a time); each row's sorted prefix and its float64 filters; the
+    draws (``sample.n`` per row: ids, values, log-probs, uniforms, text); the options' arrays
+    (``decoding_inputs``)."""
+    run = min(rows, model.rows_per_run) * model.vocab_size
+    spec = shape.sample
+    width = width_of(k, shape, model.vocab_size)
+    prefix = rows * width * (2 * LOGIT_BYTES + ID_BYTES + 4 * F64_BYTES + 2)
+    held = 2 * run * LOGIT_BYTES + run + prefix
+    if spec is not None:
+        draws = rows * spec.draws
+        per_draw = 2 * ID_BYTES + 2 * LOGIT_BYTES + F64_BYTES + _id_text(model) + F32_TEXT
+        held += draws * (per_draw + _label_text(model, tokens))
+    assert shape.processors is not None
+    return held + decoding_inputs(shape.processors)
+
+
+def decoding_inputs(processors: Processors) -> int:
+    """The decoding options' arrays: histories (their ids, offsets, each run's flat indexes
+    and their sorted copy), the bitmask over the head's columns and its inversion."""
+    held = 0
+    for lists in (processors.prompt, processors.output, processors.bad_words):
+        if lists is not None:
+            held += (4 * lists.values.size + lists.offsets.size) * ID_BYTES
+    if processors.bitmask is not None:
+        held += 2 * processors.bitmask.nbytes
+    return held
 
 
 def infer(model: LoadedVersion, checked: CheckedInfer, tokens: bool, residual: bool) -> Cost:
@@ -145,14 +184,27 @@ def infer(model: LoadedVersion, checked: CheckedInfer, tokens: bool, residual: b
     return cost
 
 
-def logits(model: LoadedVersion, rows: int, columns: int, residual: bool, text: bool) -> Cost:
+def logits(
+    model: LoadedVersion,
+    rows: int,
+    columns: int,
+    residual: bool,
+    text: bool,
+    processors: Processors | None = None,
+) -> Cost:
     """``/logits``: (rows, columns) float32 held for the answer, and its body (JSON text when
-    ``text``, else binary); the whole vocabulary's runs hold the same as a top-k's."""
+    ``text``, else binary); the whole vocabulary's runs hold the same as a top-k's. With the
+    decoding step's ``processors`` every row is held whole (the allowed columns taken from
+    it), with a run's bitmask unpacked and the options' arrays."""
     values = rows * columns
     each = LOGITS_TEXT_COPIES * F32_TEXT if text else LOGIT_BYTES
     held = values * (LOGIT_BYTES + each) + HEAD_TEXT
     if columns < model.vocab_size:  # the allowed ids' columns are answered beside them
         held += values * (ID_BYTES + (_id_text(model) if text else ID_BYTES)) * 2
+    if processors is not None:
+        whole = rows * model.vocab_size * LOGIT_BYTES if columns < model.vocab_size else 0
+        unpacked = min(rows, model.rows_per_run) * model.vocab_size
+        held += whole + unpacked + decoding_inputs(processors)
     return Cost(held + normed_rows(model, rows, residual), run_bytes(model, rows))
 
 
@@ -164,8 +216,9 @@ def embed(model: LoadedVersion, ids: int) -> Cost:
 
 def score(model: LoadedVersion, rows: int, k: int, candidates: int, residual: bool) -> Cost:
     """``/score``: per row its target's logit, log-prob and rank, its ``k`` alternatives and
-    its candidates' logits and log-probs, as Python floats in JSON; runs of ``score_rows``."""
-    per_row = 3 * F64_TEXT + ROW_TEXT + (k + candidates) * (_id_text(model) + 2 * F64_TEXT)
+    its candidates' logits and log-probs (the target's as Python floats, the others as
+    float32) in JSON; runs of ``score_rows``."""
+    per_row = 3 * F64_TEXT + ROW_TEXT + (k + candidates) * (_id_text(model) + 2 * F32_TEXT)
     arrays = rows * (3 * ID_BYTES + (k + candidates) * 2 * (ID_BYTES + LOGIT_BYTES))
     held = arrays + JSON_COPIES * (rows * per_row + HEAD_TEXT) + normed_rows(model, rows, residual)
     copies = model.session.score_copies

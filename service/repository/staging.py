@@ -22,11 +22,9 @@ import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 from service.heads import MODEL_FILE
-from service.heads.external import external_extents
-from service.heads.inspector import HeadReport, inspect_head, read_model
 from service.repository.disk import (
     VOCAB_MAP_FILE,
     RepositoryError,
@@ -35,6 +33,9 @@ from service.repository.disk import (
     signature,
 )
 from service.repository.side_files import MAP_BYTES_PER_ROW, MAX_LABELS_BYTES
+
+if TYPE_CHECKING:  # onnx stays out of the front processes, which hold directories only
+    from service.heads.inspector import HeadReport
 
 LOCK_FILE = ".lmhead-lock"
 #: A new version's directory while it is written (hidden from the service and the poller).
@@ -166,6 +167,11 @@ class PrivateCopy:
         """Copy what the head uses, reading its graph once: the graph says which data files it
         needs and how much of each; the inspector says how large its vocabulary is, which
         bounds its id map. ``labels``: the labels file's name (``ModelConfig.labels``)."""
+        # Imported here: the fronts of LMHEAD_WORKERS hold directories with this module
+        # (``hold``) and never load onnx.
+        from service.heads.external import external_extents
+        from service.heads.inspector import inspect_head, read_model
+
         if not self.bring(MODEL_FILE, refuse_past=MAX_MODEL_BYTES):
             raise RepositoryError(f"{MODEL_FILE} is gone from the version")
         model = read_model(self.path / MODEL_FILE)

@@ -186,13 +186,13 @@ def _compare(rows: int) -> Case:
 def _v2(rows: int, k: int, logits: bool) -> Case:
     """V2 infer in JSON: top-k outputs (token strings as classification), full logits."""
     hidden = _states(rows, D_MODEL)
-    outputs = [{"name": "topk_token_ids"}, {"name": "topk_logprobs"}]
+    outputs: list[dict[str, Any]] = [{"name": "topk_token_ids"}, {"name": "topk_logprobs"}]
     if logits:
         outputs.append({"name": "logits"})
     else:
         outputs.append({"name": "logits", "parameters": {"classification": k}})
-    tensor = {"name": "hidden_states", "shape": [rows, D_MODEL], "datatype": "FP32"}
-    payload = {"inputs": [{**tensor, "data": hidden}], "outputs": outputs}
+    tensor: dict[str, Any] = {"name": "hidden_states", "shape": [rows, D_MODEL], "datatype": "FP32"}
+    payload: dict[str, Any] = {"inputs": [{**tensor, "data": hidden}], "outputs": outputs}
     payload["parameters"] = {"k": k}
     checked = CheckedInfer(None, CheckedTopK(hidden, k, 1.0), logits)
     return Case(

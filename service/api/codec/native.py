@@ -105,7 +105,9 @@ async def decode_logits(request: Request, body_limit: int) -> tuple[LogitsReques
         request, body_limit, LogitsOptions, ("allowed_token_ids",)
     )
     allowed = arrays.get("allowed_token_ids")
-    decoded = LogitsRequest(target(request), hidden, opts.temperature, allowed, opts.states)
+    decoded = LogitsRequest(
+        target(request), hidden, opts.temperature, allowed, opts.states, text=answer == JSON
+    )
     return decoded, answer
 
 
