@@ -54,6 +54,7 @@ from service.metrics import Metrics
 from service.plane import (
     comparison,
     costs,
+    decoding,
     distribution,
     grouping,
     lens_options,
@@ -233,9 +234,16 @@ class DataPlane(ControlAPI):
             residual = lens_options.residual(request.states, model)
             count = math.prod(checked.hidden.shape[:-1])
             width = model.vocab_size if checked.allowed is None else checked.allowed.shape[-1]
-            self._admit(costs.logits(model, count, width, residual, request.text), "logits")
+            cost = costs.logits(model, count, width, residual, request.text, checked.processors)
+            self._admit(cost, "logits")
             hidden = await final_states(model, checked.hidden, residual)
             ids, temperature = checked.allowed, checked.temperature
+            if checked.processors is not None:  # the decoding step's processed logits
+                rows = hidden.reshape(-1, model.d_model)
+                logits = await decoding.processed_logits(
+                    model, rows, temperature, checked.processors
+                )
+                return decoding.logits_result(model, hidden.shape[:-1], logits, ids)
             if ids is not None:
                 rows = hidden.reshape(-1, model.d_model)
                 logits = await distribution.candidate_logits(model, rows, ids, temperature)
@@ -405,6 +413,9 @@ class DataPlane(ControlAPI):
         """Top-k of the distribution the options shape (never shadowed: not the head's own)."""
         hidden = checked.hidden
         rows = hidden.reshape(-1, model.d_model)
+        if shape.processors is not None:  # the decoding step: every row whole
+            step = await decoding.decoding_topk(model, rows, checked.k, checked.temperature, shape)
+            return decoding.decoding_result(model, hidden.shape[:-1], step, shape, tokens)
         shaped = await distribution.shaped_topk(model, rows, checked.k, checked.temperature, shape)
         return distribution.topk_result(model, hidden.shape[:-1], shaped, shape, tokens)
 

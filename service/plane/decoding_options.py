@@ -127,10 +127,10 @@ def processors(
     return checked
 
 
-def draws(n: int | None) -> int:
-    """``sample.n``: draws per row, in [1, ``MAX_DRAWS``]."""
+def draws(n: int | None) -> int | None:
+    """``sample.n``: draws per row, in [1, ``MAX_DRAWS``] (None: one, no axis of draws)."""
     if n is None:
-        return 1
+        return None
     if isinstance(n, bool) or not 1 <= n <= MAX_DRAWS:
         raise InvalidInput(f"sample.n must be an integer in [1, {MAX_DRAWS}], got {n}")
     return n

@@ -100,7 +100,8 @@ def filtered_prefix(
 def streams(spec: SampleSpec, rows: int) -> Doubles:
     """(rows, n) uniforms: column j is stream j of the seed, row i its i-th value."""
     generator = np.random.Philox(key=spec.seed)
-    columns = [np.random.Generator(generator.jumped(j)).random(rows) for j in range(spec.n)]
+    draws = range(spec.draws)
+    columns = [np.random.Generator(generator.jumped(j)).random(rows) for j in draws]
     return np.stack(columns, axis=1)
 
 

@@ -263,15 +263,19 @@ def apply_bias(logits: Floats, ids: Ids | None, bias: Bias) -> Floats:
 
 @dataclass(frozen=True)
 class SampleSpec:
-    """How to draw ``n`` tokens per row (one unless the decoding step asks more,
-    ``service.runtime.filters``); ``temperature`` 0 means greedy."""
+    """How to draw tokens; ``temperature`` 0 means greedy. One per row, or ``n`` per row
+    (``sample.n``, given: the answer has an axis of draws; ``service.runtime.filters``)."""
 
     temperature: float = 1.0
     top_k: int | None = None
     top_p: float | None = None
     min_p: float | None = None
     seed: int = 0
-    n: int = 1
+    n: int | None = None
+
+    @property
+    def draws(self) -> int:
+        return 1 if self.n is None else self.n
 
     def uniforms(self, rows: int) -> npt.NDArray[np.float64]:
         """One u per row: Philox keyed by the seed, so row i draws the same u whatever else

@@ -233,7 +233,8 @@ def test_the_draws_are_bounded_and_any_decoding_option_asks_for_the_step() -> No
     plain, _ = vocabulary_shape(VocabularyOptions(sample=SampleOptions()), ROWS, WHOLE, LIMITS, 1)
     assert plain.processors is None
     assert plain.sample is not None
-    assert plain.sample.n == 1
+    assert plain.sample.n is None
+    assert plain.sample.draws == 1
     drawn, _ = vocabulary_shape(
         VocabularyOptions(sample=SampleOptions(n=MAX_DRAWS)), ROWS, WHOLE, LIMITS, 1
     )

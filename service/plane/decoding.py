@@ -1,0 +1,191 @@
+"""The decoding step in the data plane: a request's rows run by runs of the version's size, each
+run's full logits processed where they lie (``service.runtime.step``), and the answer made.
+
+Why full logits: penalties, stop rules, bad words and a grammar's bitmask change tokens
+anywhere in a row, so the prefix tricks of ``service.plane.distribution`` (a top-(k + |B|) run
+and B's rows of W) cannot hold them. A run's logits are fetched as every run's are
+(``LoadedVersion.project`` through the batcher, ``full_logits``), at most
+``rows_per_run`` rows at a time, and the processing of one run happens in the inference
+executor while the next can be queued; nothing holds more than one run's (rows x vocab)
+float32 beside the selection's log-softmax (``costs.decoding`` declares them).
+
+The answer (``TopKResult``): the top-k of the distribution every processor and the
+temperature make, ``raw`` (today's meaning: no sampling filter) or ``processed`` (after the
+filters: a filtered token's logit and log-prob are -inf; ``logsumexp`` is the kept set's).
+Tokens no processor leaves any mass (a mask, a ban) are never listed: k is cut to the fewest
+such tokens any row has left. Draws: ``sample.n`` per row, their log-probs in the same mode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from service.messages import LogitsResult, Sampled, TopKResult
+from service.plane.distribution import SAMPLE_PREFIX
+from service.repository.loaded_version import LoadedVersion
+from service.runtime.filters import streams
+from service.runtime.processors import Processors
+from service.runtime.step import StepRun, step_run
+from service.runtime.vocabulary import Floats, Ids, Shape
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """Every row's step (``StepRun``'s arrays, rows in order), the top cut to ``k``."""
+
+    values: Floats
+    ids: Ids
+    lse: Floats
+    keep: npt.NDArray[np.bool_]
+    kept_lse: Floats
+    sampled: Ids | None
+    sampled_values: Floats | None
+
+
+def width_of(k: int, shape: Shape, vocab: int) -> int:
+    """Tokens of each row's sorted prefix: k, and enough for the draws' filters."""
+    spec = shape.sample
+    wanted = k if spec is None else max(k, SAMPLE_PREFIX, spec.top_k or 0)
+    return min(vocab, wanted)
+
+
+async def decoding_topk(
+    model: LoadedVersion, rows: Floats, k: int, temperature: float, shape: Shape
+) -> Decoded:
+    """The step over (rows, d_model) final states, run by run."""
+    processors = shape.processors or Processors()
+    spec = shape.sample
+    width = width_of(k, shape, model.vocab_size)
+    u = None if spec is None else streams(spec, len(rows))
+    runs: list[StepRun] = []
+    step = model.rows_per_run
+    loop = asyncio.get_running_loop()
+    for start in range(0, len(rows), step):
+        stop = min(start + step, len(rows))
+        logits = await _full_logits(model, rows[start:stop], temperature)
+        part = processors.part(start, stop)
+        drawn = None if u is None else u[start:stop]
+        args = (logits, temperature, part, shape.bias, spec, width, drawn)
+        runs.append(await loop.run_in_executor(model.runner.executor, step_run, *args))
+        del logits
+    return _joined(runs, k)
+
+
+async def processed_logits(
+    model: LoadedVersion, rows: Floats, temperature: float, processors: Processors
+) -> Floats:
+    """``/logits`` with decoding options: (rows, vocab) logits after every processor (masked
+    and banned tokens at -inf), run by run, processed in place in the inference executor."""
+    projection = await model.project(rows, 1, temperature=temperature, full_logits=True)
+    assert projection.logits is not None
+    logits = projection.logits.reshape(len(rows), -1)
+    loop = asyncio.get_running_loop()
+    step = model.rows_per_run
+    for start in range(0, len(rows), step):
+        stop = min(start + step, len(rows))
+        part = processors.part(start, stop)
+        await loop.run_in_executor(
+            model.runner.executor, part.apply, logits[start:stop], temperature
+        )
+    return logits
+
+
+async def _full_logits(model: LoadedVersion, rows: Floats, temperature: float) -> Floats:
+    projection = await model.project(rows, 1, temperature=temperature, full_logits=True)
+    assert projection.logits is not None
+    return projection.logits
+
+
+A = TypeVar("A", bound=npt.NDArray[Any])
+
+
+def _cat(arrays: list[A]) -> A:
+    """Runs' arrays in row order (one run's as it is)."""
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)  # type: ignore[return-value]
+
+
+def _joined(runs: list[StepRun], k: int) -> Decoded:
+    cat = _cat
+
+    values = cat([run.values for run in runs])
+    # tokens with no mass (masked, banned) are never listed: k is the fewest any row has left
+    k = max(1, min(k, int(np.isfinite(values[:, :k]).sum(axis=1).min())))
+    sampled = [run.sampled for run in runs if run.sampled is not None]
+    picked = [run.sampled_values for run in runs if run.sampled_values is not None]
+    return Decoded(
+        np.ascontiguousarray(values[:, :k]),
+        np.ascontiguousarray(cat([run.ids for run in runs])[:, :k]),
+        cat([run.lse for run in runs]),
+        np.ascontiguousarray(cat([run.keep for run in runs])[:, :k]),
+        cat([run.kept_lse for run in runs]),
+        cat(sampled) if sampled else None,
+        cat(picked) if picked else None,
+    )
+
+
+def decoding_result(
+    model: LoadedVersion,
+    leading: tuple[int, ...],
+    decoded: Decoded,
+    shape: Shape,
+    tokens: bool,
+) -> TopKResult:
+    """The answer, leading dims as sent, in the processors' log-probs mode."""
+    processors = shape.processors or Processors()
+    processed = processors.logprobs_mode == "processed"
+    lse = decoded.kept_lse if processed else decoded.lse
+    values = decoded.values
+    if processed:
+        values = np.where(decoded.keep, values, np.float32(-np.inf)).astype(np.float32)
+    with np.errstate(invalid="ignore"):  # -inf - finite is -inf; no NaN can come
+        logprobs = values - lse[:, None]
+    space = model.space
+    ids = decoded.ids
+    sampled = None
+    spec = shape.sample
+    if spec is not None and decoded.sampled is not None and decoded.sampled_values is not None:
+        drawn = decoded.sampled
+        drawn_logprobs = decoded.sampled_values - lse[:, None]
+        labels = model.tokens(drawn) if tokens else None
+        shaped: tuple[int, ...] = (*leading, spec.n) if spec.n is not None else leading
+        strings: list[Any] | None = None
+        if labels is not None:
+            strings = [list(row) if spec.n is not None else row[0] for row in labels]
+        sampled = Sampled(
+            space.original(drawn).reshape(shaped),
+            drawn_logprobs.reshape(shaped).astype(np.float32),
+            spec.seed,
+            strings,
+            spec.n,
+        )
+    return TopKResult(
+        model.info,
+        space.original(ids).reshape(*leading, -1),
+        values.reshape(*leading, -1),
+        lse.reshape(leading),
+        logprobs.reshape(*leading, -1).astype(np.float32),
+        model.tokens(ids) if tokens else None,
+        shape.over,
+        sampled,
+        processors.logprobs_mode,
+    )
+
+
+def logits_result(
+    model: LoadedVersion, leading: tuple[int, ...], logits: Floats, columns: Ids | None
+) -> LogitsResult:
+    """Processed logits as ``/logits`` answers them: every column, or the allowed ones."""
+    if columns is None:
+        return LogitsResult(model.info, logits.reshape(*leading, -1), model.space.kept)
+    every = np.broadcast_to(columns, (len(logits), columns.shape[-1]))
+    chosen = np.take_along_axis(logits, every, axis=1)
+    return LogitsResult(
+        model.info,
+        chosen.reshape(*leading, -1),
+        model.space.original(np.ascontiguousarray(every)).reshape(*leading, -1),
+    )
