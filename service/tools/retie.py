@@ -29,6 +29,7 @@ import onnx
 import onnxruntime as ort
 from onnx import helper
 
+from service.heads.external import stored_tensors
 from service.heads.inspector import HeadInspectionError, inspect_head, resolve_model_path
 from service.runtime.layout import check_runtime
 
@@ -47,6 +48,8 @@ class RetieResult:
 def retie(path: str | Path, output: str | Path | None = None) -> RetieResult:
     """Rewire the duplicated weight to the embedding, verify, and save (in place by default)."""
     source = resolve_model_path(path)
+    if output is None or Path(output).resolve().parent == source.resolve().parent:
+        _refuse_links(source)
     report = inspect_head(source)
     if report.tied:
         raise HeadInspectionError(f"{source} is tied already: nothing to repair")
@@ -82,6 +85,27 @@ def retie(path: str | Path, output: str | Path | None = None) -> RetieResult:
     external = report.external_data or repaired.ByteSize() > 2**31 - 2**26
     _save(repaired, target, external)
     return RetieResult(target, report.duplicate_bytes, difference)
+
+
+def _refuse_links(source: Path) -> None:
+    """A head rewritten where it lies (a served version, with ``--in-place``) is read as the
+    loader reads a version: no file of it through a link. Read through one, a data file
+    linked out of the repository would be written back beside the model as a regular file,
+    and served; the loader refuses the same link (so do recent onnx releases for a data
+    file, not the older ones lmhead supports, and none for the model file)."""
+    graph = onnx.load(str(source), load_external_data=False).graph
+    locations = {
+        entry.value
+        for tensor in stored_tensors(graph)
+        for entry in tensor.external_data
+        if entry.key == "location"
+    }
+    for path in [source, *(source.parent / location for location in sorted(locations))]:
+        if path.is_symlink():
+            raise HeadInspectionError(
+                f"{path.name} is a link; a head rewritten in place is read as the service "
+                "loads it, without links: write the repaired head elsewhere with --output"
+            )
 
 
 def _save(model: onnx.ModelProto, target: Path, external: bool) -> None:

@@ -65,3 +65,24 @@ def test_retie_cli_on_an_lmhead_untied_copy(
     assert main(["retie", str(path.parent), "--in-place"]) == 0
     assert f"{VOCAB * D_MODEL * 4:,} bytes saved" in capsys.readouterr().out
     assert inspect_head(path).tied
+
+
+def test_retie_in_place_refuses_a_data_file_linked_out_of_the_version(
+    tmp_path: Path, table: npt.NDArray[np.float32]
+) -> None:
+    """In place, a data file linked outside would be written back as a regular file beside
+    the model and served (issue 43, finding 3); the loader refuses the same link."""
+    version = tmp_path / "repository" / "head" / "1"
+    path = save_head(HeadWeights.from_arrays(table, table.copy()), version, external_data=True)
+    data = path.with_name(path.name + ".data")
+    outside = tmp_path / "outside.data"
+    data.rename(outside)
+    data.symlink_to(outside)
+    with pytest.raises(HeadInspectionError, match="is a link"):
+        retie(path)
+    assert data.is_symlink()
+    model = tmp_path / "elsewhere.onnx"
+    path.rename(model)
+    path.symlink_to(model)  # the model file itself linked: refused in place as well
+    with pytest.raises(HeadInspectionError, match="model.onnx is a link"):
+        retie(path)
