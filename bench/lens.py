@@ -31,9 +31,9 @@ import numpy as np
 import numpy.typing as npt
 
 from bench.machine import describe_machine
+from service.budget import worst_case_extra_bytes
 from service.heads.files import HeadWeights, save_head
 from service.heads.norm import FinalNorm
-from service.limits import worst_case_extra_bytes
 from service.runtime.layer_runs import lens_run
 from service.runtime.layout import open_head
 from service.settings import Settings

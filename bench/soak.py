@@ -28,11 +28,11 @@ import numpy as np
 import numpy.typing as npt
 
 from bench.machine import describe_machine
+from service.budget import worst_case_extra_bytes
 from service.client import Client
 from service.errors import ServiceError
 from service.heads.files import HeadWeights, save_head
 from service.heads.reference import top_k
-from service.limits import worst_case_extra_bytes
 from service.settings import Settings
 from tests.conftest import reference_logits
 from tests.server import peak_resident, running_server, server_process

@@ -7,7 +7,7 @@ Measured in the server process: its resident set once the heads are loaded and w
 call of each kind the load sends, of one run's rows: a process keeps what its first calls set
 up, such as the scoring buffer of its inference thread), its peak (VmHWM) over the whole load,
 and its resident set once idle afterwards, against the models +
-``service.limits.worst_case_extra_bytes`` (docs/safety.md's formula) and 1.2x the process
+``service.budget.worst_case_extra_bytes`` (docs/safety.md's formula) and 1.2x the process
 loaded before any call.
 
     python -m bench.storm_memory [--storm-s 10] [--output FILE]
@@ -31,7 +31,7 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
 from bench.machine import describe_machine
-from service.limits import worst_case_extra_bytes
+from service.budget import worst_case_extra_bytes
 from service.settings import Settings
 from service.tools.demo import write_demo_models
 from tests.server import free_port, peak_resident, poll, running_server, server_process

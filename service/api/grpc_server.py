@@ -28,6 +28,7 @@ from tritonclient.grpc import service_pb2_grpc
 from service import __version__
 from service.api.codec import grpc as codec
 from service.api.codec.wire import off_loop
+from service.budget import BODY_EXPANSION, charge
 from service.errors import (
     InvalidInput,
     ModelNotReady,
@@ -37,7 +38,6 @@ from service.errors import (
     ServiceError,
     Unauthorized,
 )
-from service.limits import BODY_EXPANSION, charge
 from service.metrics import Metrics
 from service.plane.protocol import Plane
 from service.settings import Settings

@@ -37,8 +37,8 @@ import httptools
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from service.budget import hold
 from service.hosting.coalesced_writes import CoalescedWrites
-from service.limits import hold
 
 logger = logging.getLogger("lmhead")
 HEAD_LATE = "the request head did not arrive in time (LMHEAD_HEADER_TIMEOUT_S)"

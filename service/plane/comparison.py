@@ -2,9 +2,9 @@
 
 The data plane's score and compare, and shadow traffic, use them; the math itself (ranks,
 KL) is ``service.runtime.logmath``'s. Log-probabilities always use the full-vocabulary
-log-sum-exp; KL is taken over the full softmax in float64. Rows are
-processed in chunks of ``CHUNK_BYTES`` of logits (``service.limits``, which counts what they
-hold in the worst case): the float64 and index temporaries of a chunk are ~10x its bytes.
+log-sum-exp; KL is taken over the full softmax in float64. Rows are processed in chunks of
+``CHUNK_BYTES`` of logits (``service.limits``; ``service.budget`` counts what they hold in the
+worst case): the float64 and index temporaries of a chunk are ~10x its bytes.
 """
 
 from __future__ import annotations

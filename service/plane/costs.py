@@ -6,9 +6,9 @@ alone: rows, layers x tokens, k, the vocabulary, the columns asked, the head's l
 
 * ``run``: the (rows x vocab) float32 tensors of the request's largest single run. Above
   ``LMHEAD_MAX_LOGITS_BYTES`` it is refused (413): every verb's runs stay within that setting,
-  which is what the worst case counts per inference thread (``limits.worst_case_extra_bytes``).
+  which is what the worst case counts per inference thread (``budget.worst_case_extra_bytes``).
   A run is never charged to the in-flight budget (its term is the thread's), but it counts
-  toward handing memory back once the service is idle (``limits.ran``).
+  toward handing memory back once the service is idle (``budget.ran``).
 * ``held``: what the request itself holds at its peak: its working arrays (rows through the
   norm, logits it keeps between runs) and its answer (the result's arrays, and their encoding
   as JSON, the largest the front ends write, labels and escapes included). Alone above
@@ -25,8 +25,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from service.budget import charge, ran
 from service.errors import PayloadTooLarge
-from service.limits import LOGIT_BYTES, Limits, charge, ran
+from service.limits import LOGIT_BYTES, Limits
 from service.plane.decoding import width_of
 from service.plane.options import CheckedInfer, CheckedTopK
 from service.repository.loaded_version import LoadedVersion

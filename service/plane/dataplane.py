@@ -30,8 +30,9 @@ import numpy as np
 import numpy.typing as npt
 
 from service.allocator import IdleRelease, release_free_memory
+from service.budget import MemoryBudget, Reservation
 from service.errors import LogitsOverflow, ServiceError
-from service.limits import Limits, MemoryBudget, Reservation
+from service.limits import Limits
 from service.messages import (
     CandidateScores,
     CompareRequest,

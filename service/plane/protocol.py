@@ -17,8 +17,8 @@ from collections.abc import Awaitable, Callable
 from contextlib import AbstractContextManager
 from typing import Any, Protocol, TypeVar
 
+from service.budget import Reservation
 from service.errors import Unauthorized
-from service.limits import Reservation
 from service.messages import (
     CompareRequest,
     CompareResult,

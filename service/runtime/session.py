@@ -226,7 +226,7 @@ class HeadSession:
         With ``score_copies == 1`` the run writes its logits into one buffer per calling
         thread, kept for the next call (as onnxruntime's arena keeps a run's buffers): fresh
         pages cost each run their page faults, measured ~7% of a 98-row run; one buffer per
-        inference thread keeps the memory bound of ``limits.worst_case_extra_bytes``."""
+        inference thread keeps the memory bound of ``budget.worst_case_extra_bytes``."""
         values, ids, lse, logits = self.logits_run(rows, k)
         target, rank = target_ranks(logits, targets)
         return Scored(values, ids, lse, target, rank)

@@ -19,10 +19,10 @@ import numpy as np
 import orjson
 import pytest
 
+from service.budget import BODY_EXPANSION, JSON_ARRAY_BYTES, JSON_NUMBER_BYTES
+from service.budget import worst_case_extra_bytes as worst_case
 from service.heads.files import HeadWeights, save_head
 from service.heads.norm import FinalNorm
-from service.limits import BODY_EXPANSION, JSON_ARRAY_BYTES, JSON_NUMBER_BYTES
-from service.limits import worst_case_extra_bytes as worst_case
 from service.metrics import Metrics
 from service.plane import costs
 from service.plane.options import CheckedInfer, CheckedTopK

@@ -20,9 +20,9 @@ import numpy.typing as npt
 import orjson
 import pytest
 
+from service.budget import worst_case_extra_bytes
 from service.heads.files import HeadWeights, save_head
 from service.heads.reference import top_k
-from service.limits import worst_case_extra_bytes
 from service.settings import Settings
 from tests.conftest import D_MODEL, VOCAB, reference_logits
 from tests.server import peak_resident, poll, running_server, server_process

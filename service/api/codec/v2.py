@@ -38,9 +38,9 @@ from service.api.codec.wire import (
     read_body,
     target,
 )
+from service.budget import charge_json
 from service.digits import decimal
 from service.errors import InvalidInput, MalformedBody
-from service.limits import charge_json
 from service.messages import HeadInfo, InferRequest, InferResult, Target
 
 HEADER_LENGTH = "inference-header-content-length"

@@ -21,6 +21,7 @@ import orjson
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 
+from service.budget import BODY_EXPANSION, charge, charge_json
 from service.digits import decimal
 from service.errors import (
     InvalidInput,
@@ -31,7 +32,7 @@ from service.errors import (
     describe_validation_errors,
     few,
 )
-from service.limits import BODY_EXPANSION, charge, charge_json, kind_name
+from service.limits import kind_name
 from service.messages import Target
 from service.npyio import NpyError, read_npy
 

@@ -1,9 +1,9 @@
 """Native API (``/v1``): model metadata, top-k, full logits, embeddings, score and compare.
 
-Each inference route is decode -> data plane -> encode (``service.native`` is the codec). The
-handlers take the bare ``Request``: the app serves them ahead of FastAPI's middleware and
-dependency machinery (see ``service.hosting.app``), and ``routes.openapi`` declares what FastAPI
-cannot see.
+Each inference route is decode -> data plane -> encode (``service.api.codec.native`` is the
+codec). The handlers take the bare ``Request``: the app serves them ahead of FastAPI's
+middleware and dependency machinery (see ``service.hosting.app``), and ``routes.openapi``
+declares what FastAPI cannot see.
 """
 
 from __future__ import annotations

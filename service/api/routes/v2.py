@@ -1,7 +1,8 @@
 """Open Inference Protocol (V2) front end: metadata, readiness and infer for LM heads.
 
-A second front end over the same data plane as ``/v1``: ``infer`` is decode (``service.v2``)
--> ``DataPlane.infer`` -> encode. Errors take the protocol's ``{"error": "..."}`` shape.
+A second front end over the same data plane as ``/v1``: ``infer`` is decode
+(``service.api.codec.v2``) -> ``DataPlane.infer`` -> encode. Errors take the protocol's
+``{"error": "..."}`` shape.
 """
 
 from __future__ import annotations

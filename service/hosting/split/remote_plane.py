@@ -28,10 +28,10 @@ from contextvars import ContextVar
 from typing import Any
 
 from service.allocator import IdleRelease
+from service.budget import MemoryBudget, Reservation
 from service.errors import ModelNotReady, ServiceError, by_code
 from service.hosting.split.arena import Arena, attach
 from service.hosting.split.channel import HANDSHAKE_S, HELLO_BYTES, FrameProtocol, arena_bytes
-from service.limits import MemoryBudget, Reservation
 from service.plane.protocol import Plane, check_token, forwarding
 from service.settings import Settings
 

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 import yaml
 
+from service.budget import worst_case_extra_bytes
 from service.cli.parser import build_parser
 from service.hosting.app import create_app
-from service.limits import worst_case_extra_bytes
 from service.settings import PlaceSettings, Settings
 
 ROOT = Path(__file__).resolve().parents[3]

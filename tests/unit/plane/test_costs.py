@@ -13,9 +13,10 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
+from service.budget import IDLE_TRIM_BYTES, MemoryBudget
 from service.errors import PayloadTooLarge, ServerBusy
 from service.heads.files import HeadWeights, save_head
-from service.limits import IDLE_TRIM_BYTES, Limits, MemoryBudget
+from service.limits import Limits
 from service.metrics import Metrics
 from service.plane import costs
 from service.plane.options import CheckedTopK
