@@ -51,8 +51,8 @@ MAX_HISTORY_TOKENS = 2**22
 MAX_BAD_WORDS = 1024
 #: |presence_penalty| and |frequency_penalty| (OpenAI's and vLLM's range).
 MAX_PENALTY = 2.0
-#: Set bits of each byte value (a row's allowed tokens are the sum over its words' bytes).
-_BYTE_BITS = np.array([bin(value).count("1") for value in range(256)], np.int64)
+#: Set bits of each byte value (numpy before 2.0 has no ``bitwise_count``).
+_BYTE_BITS = np.array([bin(value).count("1") for value in range(256)], np.uint8)
 #: Rows of a trimmed head's bitmask unpacked at a time (rows x vocab bytes each).
 _UNPACK_ROWS = 64
 
@@ -174,13 +174,16 @@ def token_bitmask(raw: npt.NDArray[Any] | None, rows: int, space: TokenSpace) ->
             f"{field} must have one row for every row, or one per row ({rows}), "
             f"got {array.shape[0]} rows"
         )
-    if array.size and (int(array.min()) < -(2**31) or int(array.max()) >= 2**32):
-        raise InvalidInput(f"{field} words must be 32-bit integers (int32 or uint32)")
-    words = array.astype(np.int64).astype(np.uint32).view(np.int32)
+    if array.dtype.itemsize == 4:  # int32 as the libraries write it, or uint32: the bits
+        words = np.ascontiguousarray(array).view(np.int32)
+    else:  # wider integers (JSON's): each a 32-bit word, signed or not
+        if array.size and (int(array.min()) < -(2**31) or int(array.max()) >= 2**32):
+            raise InvalidInput(f"{field} words must be 32-bit integers (int32 or uint32)")
+        words = array.astype(np.int64).astype(np.uint32).view(np.int32)
     mask = _over_columns(words, space)
-    counts = _BYTE_BITS[mask.view(np.uint8)].sum(axis=1)
-    if not counts.all():
-        row = int(np.argmin(counts))
+    empty = ~mask.any(axis=1)
+    if empty.any():
+        row = int(np.argmax(empty))
         raise InvalidInput(f"{field} row {row} allows no token of the vocabulary; allow one")
     return mask
 
@@ -224,7 +227,7 @@ def refuse_empty_rows(checked: Processors, rows: int, vocab: int, banned: Ids | 
     left = np.full(rows, vocab, np.int64)
     each = bitmask is not None and len(bitmask) > 1  # else every row is the first one
     if bitmask is not None:
-        left[:] = _BYTE_BITS[bitmask.view(np.uint8)].sum(axis=1)
+        left[:] = _set_bits(bitmask)
     left -= _allowed_among(bitmask, np.arange(rows if each else 1), common).sum(axis=1)
     if pairs:
         at_rows = np.concatenate([r for r, _ in pairs])
@@ -241,6 +244,14 @@ def refuse_empty_rows(checked: Processors, rows: int, vocab: int, banned: Ids | 
             "bad_words_ids and stop_token_ids (while the output is shorter than min_tokens) "
             "exclude every one; leave at least one"
         )
+
+
+def _set_bits(bitmask: Words) -> npt.NDArray[np.int64]:
+    """Each row's allowed tokens: the set bits of its words."""
+    count = getattr(np, "bitwise_count", None)
+    if count is not None:
+        return np.asarray(count(bitmask.view(np.uint32)).sum(axis=1, dtype=np.int64))
+    return np.asarray(_BYTE_BITS[bitmask.view(np.uint8)].sum(axis=1, dtype=np.int64))
 
 
 def _allowed_among(
@@ -277,7 +288,8 @@ def _lists(raw: TokenLists, field: str) -> tuple[Ids, Ids]:
     for name, array in (("", values), (" lengths", lengths)):
         if array.dtype.kind not in "iu" and array.size:
             raise InvalidInput(f"{field}{name} must hold integers, got {kind_name(array.dtype)}")
-    values, lengths = values.reshape(-1).astype(np.int64), lengths.reshape(-1).astype(np.int64)
+    values = values.reshape(-1).astype(np.int64, copy=False)
+    lengths = lengths.reshape(-1).astype(np.int64, copy=False)
     if len(values) > MAX_HISTORY_TOKENS:
         raise PayloadTooLarge(
             f"{field} holds {len(values)} ids; the limit is {MAX_HISTORY_TOKENS} per request"

@@ -127,10 +127,8 @@ class Processors:
             ban_bad_words(logits, Histories.of([[]] * len(logits)), self.bad_words)
         if self.min_tokens and self.stop_ids is not None:
             ban_stop_ids(logits, self.output, self.min_tokens, self.stop_ids)
-        if self.repetition != 1.0:
-            penalize_repetition(logits, self.prompt, self.output, self.repetition)
-        if self.output is not None and (self.presence or self.frequency):
-            penalize_output(logits, self.output, self.presence, self.frequency, temperature)
+        penalties = (self.repetition, self.presence, self.frequency)
+        penalize(logits, self.prompt, self.output, *penalties, temperature)
         if self.bitmask is not None:
             apply_bitmask(logits, self.bitmask)
 
@@ -143,8 +141,11 @@ def outside(ids: Ids) -> Ids:
 def _flat(histories: Histories, vocab: int) -> Ids:
     """Each history token's index in the run's flattened logits (tokens without a column
     left out)."""
-    kept = histories.values >= 0
-    return (histories.row_of_each() * vocab + histories.values)[kept]
+    values = histories.values
+    flat = histories.row_of_each() * vocab + values
+    if values.size and values.min() < 0:  # tokens a trimmed head lacks
+        flat = flat[values >= 0]
+    return flat
 
 
 def _counted(flat: Ids) -> tuple[Ids, Ids]:
@@ -157,31 +158,35 @@ def _counted(flat: Ids) -> tuple[Ids, Ids]:
     return ordered[starts], counts
 
 
-def penalize_repetition(
-    logits: Floats, prompt: Histories | None, output: Histories | None, penalty: float
+def penalize(
+    logits: Floats,
+    prompt: Histories | None,
+    output: Histories | None,
+    repetition: float,
+    presence: float,
+    frequency: float,
+    temperature: float,
 ) -> None:
-    """Each token a row has seen, once: a positive logit divided by ``penalty``, a negative
-    one multiplied (vLLM counts prompt and output tokens)."""
+    """The penalties on the tokens a row has seen (the output's counted once, for both):
+    repetition on each token of its prompt or output, once (a positive logit divided by it,
+    a negative one multiplied: CTRL's, as vLLM applies it), then ``- (frequency * count +
+    presence) / T`` on each token of its output, ``count`` its occurrences there (OpenAI's,
+    vLLM's; the graph divided the logits by T already)."""
     vocab = logits.shape[1]
-    seen = [_flat(h, vocab) for h in (prompt, output) if h is not None]
-    if not seen:
-        return
     flat = logits.reshape(-1)
-    at, _ = _counted(np.concatenate(seen))
-    values = flat[at]
-    factor = np.float32(penalty)
-    flat[at] = np.where(values > 0, values / factor, values * factor)
-
-
-def penalize_output(
-    logits: Floats, output: Histories, presence: float, frequency: float, temperature: float
-) -> None:
-    """``- (frequency * count + presence) / T`` on each token of a row's output, ``count``
-    its occurrences there."""
-    flat = logits.reshape(-1)
-    at, counts = _counted(_flat(output, logits.shape[1]))
-    penalty = (frequency * counts + presence) / temperature
-    flat[at] -= penalty.astype(np.float32)
+    outputs = counts = None
+    if output is not None:
+        outputs, counts = _counted(_flat(output, vocab))
+    if repetition != 1.0:
+        seen = [] if prompt is None else [_flat(prompt, vocab)]
+        seen += [] if outputs is None else [outputs]
+        if seen:
+            at = _counted(np.concatenate(seen))[0] if prompt is not None else seen[0]
+            values = flat[at]
+            factor = np.float32(repetition)
+            flat[at] = np.where(values > 0, values / factor, values * factor)
+    if outputs is not None and counts is not None and (presence or frequency):
+        flat[outputs] -= ((frequency * counts + presence) / temperature).astype(np.float32)
 
 
 def ban_stop_ids(logits: Floats, output: Histories | None, min_tokens: int, stop: Ids) -> None:
