@@ -153,6 +153,8 @@ def _counted(flat: Ids) -> tuple[Ids, Ids]:
     how often each occurs: one sort (``np.unique`` took ~7 ms for 32,768 indexes in numpy 2.4,
     its hash path; a sort and a comparison take ~0.15 ms)."""
     ordered = np.sort(flat)
+    if not ordered.size:
+        return ordered, np.zeros(0, np.int64)
     starts = np.flatnonzero(np.concatenate([[True], ordered[1:] != ordered[:-1]]))
     counts = np.diff(np.append(starts, len(ordered)))
     return ordered[starts], counts

@@ -315,3 +315,12 @@ def test_the_cases_above_reach_past_the_prefix() -> None:
     unfiltered = filtered_prefix(result.values, result.lse, plain, "transformers", VOCAB)
     _, inside = drawn(unfiltered, plain, streams(plain, ROWS))
     assert (~inside).sum() >= 2
+
+
+def test_empty_histories_change_nothing() -> None:
+    """A first step: every row's output empty (the penalties have nothing to count)."""
+    logits = _logits(15)
+    empty = Histories.of([[]] * ROWS)
+    processors = Processors(empty, empty, 1.5, 0.5, 0.5)
+    _, processed = _run(logits, 1.0, processors)
+    np.testing.assert_array_equal(processed, logits)
