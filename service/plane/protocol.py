@@ -109,20 +109,30 @@ Forwarder = TypeVar("Forwarder", bound=type)
 
 def forwarding(cls: Forwarder) -> Forwarder:
     """Give ``cls`` every verb it does not define itself, as a call of its ``forward(verb,
-    arguments)``: a plane that answers elsewhere (the split mode's ``RemotePlane``) is made
-    from the protocol, so a new verb needs no second list. Declare the class a ``Plane``
-    subclass so type checkers take the protocol's signatures for the verbs."""
+    arguments, keywords)``: a plane that answers elsewhere (the split mode's ``RemotePlane``)
+    is made from the protocol, so a new verb needs no second list. Declare the class a
+    ``Plane`` subclass so type checkers take the protocol's signatures for the verbs."""
     for verb in sorted(VERBS - set(vars(cls))):
         setattr(cls, verb, _forwarder(verb))
     return cls
 
 
 def _forwarder(verb: str) -> Callable[..., Awaitable[Any]]:
-    async def forwarded(self: Any, *arguments: Any) -> Any:
-        return await self.forward(verb, arguments)
+    """``verb`` taking what the protocol declares, positionally or by keyword, as a plane in
+    this process does (it took positions only: a keyword call raised ``TypeError`` in split
+    mode alone). The call is bound to the declared signature here, so a wrong argument is the
+    caller's ``TypeError``, not a failure in the other process; what goes is in the declared
+    order, by position where it can be (the engine groups calls by their arguments), the rest
+    by name. Defaults are left to the plane that answers."""
+    declared = inspect.signature(getattr(Plane, verb))
+
+    async def forwarded(self: Any, *arguments: Any, **keywords: Any) -> Any:
+        bound = declared.bind(self, *arguments, **keywords)
+        return await self.forward(verb, bound.args[1:], bound.kwargs)
 
     forwarded.__name__ = forwarded.__qualname__ = verb
     forwarded.__doc__ = f"``{verb}``, answered where ``forward`` sends it."
+    forwarded.__signature__ = declared  # type: ignore[attr-defined]
     return forwarded
 
 

@@ -69,20 +69,20 @@ class FrontConnection(FrameProtocol):
         for offset in released:
             self.outgoing.free(offset)
         groups: dict[tuple[Hashable, ...], list[tuple[int, Any]]] = {}
-        for kind, call_id, method, arguments in messages:
+        for kind, call_id, method, arguments, keywords in messages:
             if kind == "cancel":
                 self._cancel(call_id)
                 continue
-            key = group_key(method, arguments)
+            key = None if keywords else group_key(method, arguments)
             if key is None:
-                self._spawn(self._answer(call_id, method, arguments), [call_id])
+                self._spawn(self._answer(call_id, method, arguments, keywords), [call_id])
             else:
                 groups.setdefault(key, []).append((call_id, arguments[0]))
         for key, members in groups.items():
             method = str(key[0])  # a group key starts with its method
             if len(members) == 1:
                 call_id, request = members[0]
-                self._spawn(self._answer(call_id, method, (request,)), [call_id])
+                self._spawn(self._answer(call_id, method, (request,), {}), [call_id])
             else:
                 ids = [call_id for call_id, _ in members]
                 self._spawn(self._answer_group(method, members), ids)
@@ -130,7 +130,11 @@ class FrontConnection(FrameProtocol):
         for (call_id, _), outcome in zip(members, outcomes, strict=True):
             self._reply(_message(call_id, outcome))
 
-    async def _answer(self, call_id: int, method: str, arguments: tuple[Any, ...]) -> None:
+    async def _answer(
+        self, call_id: int, method: str, arguments: tuple[Any, ...], keywords: dict[str, Any]
+    ) -> None:
+        """One call: the plane's ``method`` with the arguments as the front bound them
+        (positional in the declared order; keyword-only ones by name)."""
         outcome: Any
         try:
             if method not in VERBS:
@@ -138,7 +142,7 @@ class FrontConnection(FrameProtocol):
             # inference verbs are counted in flight (``admit``); metadata and control are not
             hold = self._plane.admit if method in INFERENCE_VERBS else self._plane.reserve
             with hold():
-                outcome = await getattr(self._plane, method)(*arguments)
+                outcome = await getattr(self._plane, method)(*arguments, **keywords)
         except ServiceError as error:
             outcome = error
         except asyncio.CancelledError:  # its caller went away (``_cancel``), or a shutdown

@@ -72,12 +72,14 @@ class EngineLink(FrameProtocol):
         self._done: list[int] = []  # answer blocks to hand back
         self._free_timer: asyncio.TimerHandle | None = None
 
-    async def call(self, method: str, arguments: tuple[Any, ...]) -> Any:
+    async def call(
+        self, method: str, arguments: tuple[Any, ...], keywords: dict[str, Any] | None = None
+    ) -> Any:
         call_id = next(self._ids)
         future = asyncio.get_running_loop().create_future()
         self._pending[call_id] = future
         try:
-            self.post(("call", call_id, method, arguments))
+            self.post(("call", call_id, method, arguments, keywords or {}))
         except ConnectionError:
             del self._pending[call_id]
             raise ModelNotReady(NOT_CONNECTED, headers={"Retry-After": "1"}) from None
@@ -88,7 +90,7 @@ class EngineLink(FrameProtocol):
                 self.release(future.result()[2])
             else:  # the engine drops the call (its answer, an error, frees its bookkeeping)
                 with contextlib.suppress(ConnectionError):
-                    self.post(("cancel", call_id, "", ()))
+                    self.post(("cancel", call_id, "", (), {}))
             raise
         held = _answers.get()
         if block is not None:
@@ -238,19 +240,20 @@ class RemotePlane(Plane):
         """Ready only if the engine says so within ``ENGINE_SILENT_S``: a frozen engine (a
         stopped process, a stuck event loop) is alive to the supervisor, not ready."""
         try:
-            await asyncio.wait_for(self.forward("check_ready", ()), ENGINE_SILENT_S)
+            await asyncio.wait_for(self.forward("check_ready", (), {}), ENGINE_SILENT_S)
         except TimeoutError:
             raise ModelNotReady(
                 f"the engine process has not answered in {ENGINE_SILENT_S:g} s",
                 headers={"Retry-After": "1"},
             ) from None
 
-    async def forward(self, verb: str, arguments: tuple[Any, ...]) -> Any:
-        """Every other verb of the ``Plane`` (``forwarding`` makes them): the engine answers."""
+    async def forward(self, verb: str, arguments: tuple[Any, ...], keywords: dict[str, Any]) -> Any:
+        """Every other verb of the ``Plane`` (``forwarding`` makes them, binding what it is
+        given to the declared signature): the engine answers."""
         link = self._link
         if link is None:
             raise ModelNotReady(NOT_CONNECTED, headers={"Retry-After": "1"})
-        return await link.call(verb, arguments)
+        return await link.call(verb, arguments, keywords)
 
     async def _keep_connected(self) -> None:
         pause = RECONNECT_S[0]
