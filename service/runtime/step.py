@@ -11,6 +11,7 @@ turns it into float64: the float64 arrays are (rows x width) at most.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,10 +20,22 @@ import numpy.typing as npt
 from service.runtime.filters import drawn, filtered_prefix
 from service.runtime.processors import Processors
 from service.runtime.selection import selector
-from service.runtime.vocabulary import Bias, SampleSpec, refuse_overflow
+from service.runtime.vocabulary import Bias, SampleSpec, refuse_overflow, top_sorted
 
 Floats = npt.NDArray[np.float32]
 Ids = npt.NDArray[np.int64]
+#: Tokens of the wider prefix a row whose filters or draws reach past its first one is
+#: ranked to (a partition of the row, then a sort of these: ~0.3 ms at 32000 tokens, where a
+#: sort of the whole row takes ~1.5 ms); past it too, the whole row is sorted.
+WIDER = 1024
+
+
+@functools.cache
+def columns(vocab: int) -> Ids:
+    """The ids of a row's columns (read-only, shared)."""
+    ids = np.arange(vocab, dtype=np.int64)
+    ids.setflags(write=False)
+    return ids
 
 
 @dataclass(frozen=True)
@@ -67,14 +80,18 @@ def step_run(
         picked = np.take_along_axis(values, index, axis=1)
         redo |= ~inside
     keep, mass = kept.keep, kept.mass
-    for row in np.flatnonzero(redo).tolist():  # the whole row, sorted: rare, and one at a time
-        order = np.argsort(-logits[row], kind="stable")  # equal values in id order
-        ranked = logits[row, order][None, :]
-        whole = filtered_prefix(ranked, lse[row : row + 1], sample, processors.order, vocab)
+    for row in np.flatnonzero(redo).tolist():  # a wider prefix of the row, then all of it
+        for wider in (min(vocab, max(WIDER, 16 * values.shape[1])), vocab):
+            ranked, order = top_sorted(logits[row : row + 1], columns(vocab), wider)
+            whole = filtered_prefix(ranked, lse[row : row + 1], sample, processors.order, vocab)
+            index, inside = np.zeros((1, 1), np.intp), whole.known
+            if sample is not None and u is not None:
+                index, inside = drawn(whole, sample, u[row : row + 1])
+            if inside[0] or wider == vocab:
+                break
         keep[row], mass[row] = whole.keep[0, : values.shape[1]], whole.mass[0]
-        if sample is not None and u is not None and sampled is not None and picked is not None:
-            (index,), _ = drawn(whole, sample, u[row : row + 1])
-            sampled[row], picked[row] = order[index], ranked[0, index]
+        if sampled is not None and picked is not None:
+            sampled[row], picked[row] = order[0, index[0]], ranked[0, index[0]]
     with np.errstate(divide="ignore"):
         kept_lse = (lse + np.log(mass)).astype(np.float32)
     return StepRun(values, ids, lse, keep, kept_lse, sampled, picked)

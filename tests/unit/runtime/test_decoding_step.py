@@ -324,3 +324,24 @@ def test_empty_histories_change_nothing() -> None:
     processors = Processors(empty, empty, 1.5, 0.5, 0.5)
     _, processed = _run(logits, 1.0, processors)
     np.testing.assert_array_equal(processed, logits)
+
+
+@pytest.mark.parametrize("temperature", [1.5, 40.0])
+def test_a_row_past_its_prefix_is_ranked_wider_then_whole(temperature: float) -> None:
+    """5,000 tokens: at temperature 1.5 a top_p 0.9 set or a draw passes the 8-token prefix
+    but fits the 1,024 of the wider one; at 40 (nearly flat) it passes that too and the row
+    is sorted whole. Either way the reference's draw and kept set."""
+    vocab = 5000
+    logits = (np.random.default_rng(16).standard_normal((4, vocab)) * 4).astype(np.float32)
+    for spec in (SampleSpec(seed=3, n=4, top_p=0.9), SampleSpec(seed=4, n=4)):
+        run = (logits / np.float32(temperature)).astype(np.float32)
+        u = streams(spec, 4)
+        result = step_run(run, temperature, Processors(), None, spec, 8, u)
+        filters: Filters = {} if spec.top_p is None else {"top_p": spec.top_p}
+        raw, processed = reference.decoding_step(logits, temperature=temperature, **filters)
+        assert result.sampled is not None
+        for row in range(4):
+            for j in range(4):
+                assert result.sampled[row, j] == reference.draw(processed[row], u[row, j])
+        lse_kept = raw.max(axis=1) - processed.max(axis=1)
+        np.testing.assert_allclose(result.kept_lse - result.lse, lse_kept, rtol=RTOL, atol=ATOL)
