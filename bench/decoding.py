@@ -23,7 +23,6 @@ import asyncio
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -159,9 +158,10 @@ async def _timed(
             cpus: dict[str, list[float]] = {name: [] for name in asked}
             for _ in range(rounds):
                 for name, request in asked.items():
-                    wall, cpu = await _once(lambda r=request: plane.topk(r))
-                    walls[name].append(wall)
-                    cpus[name].append(cpu)
+                    wall, cpu = time.perf_counter(), time.process_time()
+                    await plane.topk(request)
+                    walls[name].append(time.perf_counter() - wall)
+                    cpus[name].append(time.process_time() - cpu)
         finally:
             await plane.close()
             await registry.close()
@@ -169,12 +169,6 @@ async def _timed(
         name: (statistics.median(walls[name]) * 1e3, statistics.median(cpus[name]) * 1e3)
         for name in asked
     }
-
-
-async def _once(call: Callable[[], object]) -> tuple[float, float]:
-    wall, cpu = time.perf_counter(), time.process_time()
-    await call()  # type: ignore[misc]
-    return time.perf_counter() - wall, time.process_time() - cpu
 
 
 if __name__ == "__main__":
