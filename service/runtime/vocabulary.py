@@ -288,7 +288,9 @@ def sample_sorted(
 ) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.bool_]]:
     """Index into each row of descending ``values`` (rows x K, a prefix of the row's sorted
     logits, ``lse`` the row's whole log-sum-exp) of the drawn token, and whether the kept set
-    surely lies within the prefix (else recompute the row with the whole sorted row)."""
+    surely lies within the prefix (else recompute the row with the whole sorted row). With
+    ``top_k``, the prefix holds the k tokens or the whole row (``top_p`` after ``top_k`` is
+    taken on the k's mass, which a shorter prefix does not know): the callers fetch that many."""
     width = values.shape[1]
     if spec.temperature == 0:
         return np.zeros(len(values), np.intp), np.ones(len(values), np.bool_)

@@ -89,6 +89,14 @@ def test_kl_is_the_definition_in_float64_and_zero_against_itself() -> None:
     assert (kl_divergence(a, a) == 0.0).all()
 
 
+def test_kl_is_taken_over_the_last_axis_whatever_the_leading_ones() -> None:
+    a, b = _logits((2, 3, 50), 9), _logits((2, 3, 50), 10)
+    got = kl_divergence(a, b)
+    assert got.shape == (2, 3)
+    flat = kl_divergence(a.reshape(6, 50), b.reshape(6, 50))
+    np.testing.assert_allclose(got, flat.reshape(2, 3), rtol=1e-12)
+
+
 def _reference_ranks(
     logits: npt.NDArray[np.float32], targets: npt.NDArray[np.int64]
 ) -> npt.NDArray[np.int64]:
