@@ -41,6 +41,8 @@ DRAFTS = {0: "\u2581kane", 2: "\u2581mixe", 4: "\u2581titi", 6: "\u2581zuti"}
 #: How surely the last layer names the next token (cosine to its row): 0.7 is near 1.
 SURENESS = (0.72, 0.62, 0.7, 0.55, 0.72, 0.66, 0.7, 0.5)
 SEED = 38
+#: Where the picture goes: the README and docs/lens.md show it, naming this module.
+OUTPUT = Path("docs/lens.png")
 
 
 def lens_states(
@@ -88,7 +90,7 @@ def write_image(output: Path) -> tuple[int, int]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--output", type=Path, default=Path("docs/lens.png"))
+    parser.add_argument("--output", type=Path, default=OUTPUT)
     args = parser.parse_args()
     width, height = write_image(args.output)
     size = args.output.stat().st_size

@@ -18,6 +18,8 @@ _EXAMPLE_ROW = [0.5, -1.25, 0.75, 2.0]
 
 
 States = Literal["final", "residual"]
+#: Token ids: one list (for every row, or one id per row), or one list per row.
+IdLists = list[int] | list[list[int]]
 
 
 class _Options(BaseModel):
@@ -38,28 +40,32 @@ class LogitsOptions(_Options):
 class SampleBody(_Options):
     """Draw one token per row (filters in Hugging Face's order: top_k, top_p, min_p)."""
 
-    temperature: float | None = None
+    temperature: float | None = Field(default=None, examples=[0.8])
     """Sampling temperature; 0 is greedy; the request's ``temperature`` when absent."""
-    top_k: int | None = None
-    top_p: float | None = None
+    top_k: int | None = Field(default=None, examples=[50])
+    top_p: float | None = Field(default=None, examples=[0.9])
     """Keep the smallest set of most likely tokens whose mass reaches top_p (exact: never cut
     to the returned k)."""
-    min_p: float | None = None
+    min_p: float | None = Field(default=None, examples=[0.01])
     """Keep tokens at least min_p times as likely as the most likely one."""
-    seed: int | None = None
+    seed: int | None = Field(default=None, examples=[1])
     """Same seed, same row position: same token. A random seed (returned) when absent."""
 
 
 class TopKOptions(LogitsOptions):
     """Options of ``/topk``: the temperature, plus k and whether to return log-probs."""
 
-    k: int | None = None
-    """How many tokens per row; the model's default when absent."""
+    k: int | None = Field(default=None, examples=[3])
+    """How many tokens per row, at most LMHEAD_MAX_K; the model's default when absent. Rows
+    hold fewer tokens than k (a head's vocabulary, allowed ids less banned ones): the answer
+    has all of them, and its ``k`` says how many."""
     logprobs: bool = False
     """Also return log-softmax values (over ``logprobs_over``)."""
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(default=None, examples=[{"3": 2.5}])
     """Token id -> added to its logit before top-k, log-probs and sampling (in [-100, 100])."""
-    logprobs_over: Literal["candidates", "vocabulary"] | None = None
+    logprobs_over: Literal["candidates", "vocabulary"] | None = Field(
+        default=None, examples=["candidates"]
+    )
     """With allowed_token_ids: log-probs over them (default) or over the whole vocabulary."""
     sample: SampleBody | None = None
     """Also draw one token per row from the (biased, restricted) distribution."""
@@ -72,10 +78,13 @@ class EmbedOptions(_Options):
 class ScoreOptions(_Options):
     """Options of ``/score`` beside its arrays; unknown fields are refused."""
 
-    k: int = Field(default=0, ge=0)
-    """Also return the top-k alternatives at each position."""
-    logprobs_over: Literal["candidates", "vocabulary"] | None = None
-    """``candidates``: score each target among its row's candidate_ids only (no full run)."""
+    k: int | None = Field(default=None, ge=0, examples=[2])
+    """Also return the top-k alternatives at each position (none when absent or 0)."""
+    logprobs_over: Literal["candidates", "vocabulary"] | None = Field(
+        default=None, examples=["vocabulary"]
+    )
+    """``candidates``: score each target among its row's candidate_ids only (no full run, no
+    ``k``)."""
     states: States = "final"
     """``residual``: the head's final norm first (see ``LogitsOptions.states``)."""
 
@@ -95,8 +104,9 @@ class LensOptions(_Options):
     """Options of ``/lens``: in the JSON body beside ``hidden_states``, or as query parameters
     with a ``.npy`` body."""
 
-    k: int | None = None
-    """Top tokens per layer and position; the model's default when absent."""
+    k: int | None = Field(default=None, examples=[3])
+    """Top tokens per layer and position, at most LMHEAD_MAX_K; the model's default when
+    absent (the answer's ``k`` says how many, never more than the vocabulary)."""
     states: States = "residual"
     """``residual``: the layers' states before the final norm, which the head applies (as the
     model does); ``final``: states already normalized (no norm is applied)."""
@@ -120,10 +130,10 @@ class TopKBody(TopKOptions):
 
     hidden_states: list[Any]
     """(rows, d_model) or (batch, tokens, d_model) floats: final, post-norm hidden states."""
-    allowed_token_ids: list[Any] | None = None
+    allowed_token_ids: IdLists | None = Field(default=None, examples=[[3, 7, 11]])
     """Restrict to these ids (one list, or one per row): costs their rows of W only."""
-    banned_token_ids: list[int] | None = None
-    """Never return or draw these ids."""
+    banned_token_ids: list[int] | None = Field(default=None, examples=[[7]])
+    """Never return or draw these ids: one flat list, for every row."""
 
 
 class LogitsBody(LogitsOptions):
@@ -131,25 +141,25 @@ class LogitsBody(LogitsOptions):
 
     hidden_states: list[Any]
     """(rows, d_model) or (batch, tokens, d_model) floats."""
-    allowed_token_ids: list[Any] | None = None
+    allowed_token_ids: IdLists | None = Field(default=None, examples=[[3, 7, 11]])
     """Only these columns (one list, or one per row); the answer names them."""
 
 
-class EmbedBody(_Options):
+class EmbedBody(EmbedOptions):
     model_config = _example(input_ids=[[1, 2, 3]])
 
     input_ids: list[Any]
     """Token ids, any shape; the answer is ids.shape + (d_model,)."""
 
 
-class ScoreBody(_Options):
+class ScoreBody(ScoreOptions):
     model_config = _example(hidden_states=[_EXAMPLE_ROW], target_ids=[7], candidate_ids=[3, 7])
 
     hidden_states: list[Any]
     """(rows, d_model) or (batch, tokens, d_model) floats."""
-    target_ids: list[Any]
+    target_ids: IdLists
     """The real next token of each row (shape of the leading dims)."""
-    candidate_ids: list[Any] | None = None
+    candidate_ids: IdLists | None = Field(default=None, examples=[[3, 7]])
     """Token ids to score on every row (one list) or per row (one list per row)."""
 
 
@@ -158,8 +168,9 @@ class CompareBody(CompareOptions):
 
     hidden_states: list[Any]
     """(rows, d_model) floats, run through both heads."""
-    target_ids: list[Any] | None = None
-    """Optional real next tokens: adds NLL, perplexity and wins per head, and ties."""
+    target_ids: IdLists | None = Field(default=None, examples=[[7]])
+    """Optional real next tokens, one per row: adds NLL, perplexity and wins per head, and
+    ties."""
 
 
 class TopKRow(_Document):
@@ -243,7 +254,7 @@ class LensBody(LensOptions):
     hidden_states: list[Any]
     """(layers, tokens, d_model) floats: every layer's hidden states (``output_hidden_states``:
     the embeddings' output first, the post-norm last)."""
-    target_ids: list[int] | None = None
+    target_ids: list[int] | None = Field(default=None, examples=[[7]])
     """The real next token at each position: adds its log-prob and rank per layer."""
 
 
@@ -316,6 +327,32 @@ class V2OutputRequest(_Document):
     """k (top-k outputs), classification (logits), binary_data."""
 
 
+class V2Parameters(_Document):
+    """The request's parameters: a parameter sent as null is not given; others (the
+    protocol's extensions) are left alone. The structured ones may also come as their JSON
+    text (gRPC parameters are scalars)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    k: int | None = Field(default=None, examples=[3])
+    """Top tokens per row (an output's own ``k`` wins); the model's default when absent."""
+    temperature: float | None = Field(default=None, examples=[1.0])
+    logprobs: bool | None = Field(default=None, examples=[True])
+    """Also answer topk_logprobs (when no outputs are named)."""
+    binary_data_output: bool | None = Field(default=None, examples=[False])
+    """Answer every output as binary data (the binary extension)."""
+    states: States | None = Field(default=None, examples=["final"])
+    """As the native API's ``states``; also taken from the hidden_states input's parameters."""
+    allowed_token_ids: IdLists | str | None = Field(default=None, examples=[[3, 7, 11]])
+    banned_token_ids: list[int] | str | None = Field(default=None, examples=[[7]])
+    logit_bias: dict[str, float] | str | None = Field(default=None, examples=[{"3": 2.5}])
+    logprobs_over: Literal["candidates", "vocabulary"] | None = Field(
+        default=None, examples=["candidates"]
+    )
+    sample: SampleBody | str | None = None
+    """Draws come back as the outputs sampled_token_ids and sampled_logprobs."""
+
+
 class V2InferBody(_Document):
     model_config = _example(
         inputs=[
@@ -324,11 +361,15 @@ class V2InferBody(_Document):
         parameters={"k": 3},
     )
 
-    id: str | None = None
-    parameters: dict[str, Any] | None = None
-    """k, temperature, logprobs, binary_data_output."""
+    id: str | None = Field(default=None, examples=["request-1"])
+    """Echoed in the answer."""
+    parameters: V2Parameters | None = None
     inputs: list[V2Tensor]
-    outputs: list[V2OutputRequest] | None = None
+    outputs: list[V2OutputRequest] | None = Field(
+        default=None, examples=[[{"name": "topk_token_ids"}, {"name": "topk_logits"}]]
+    )
+    """The outputs to answer; the top-k ids and logits (and log-probs, draws when asked) of
+    hidden_states, or the embeddings of input_ids, when absent."""
 
 
 class V2InferAnswer(_Document):

@@ -69,7 +69,9 @@ class TopK:
     logits: npt.NDArray[np.float32]
     logprobs: npt.NDArray[np.float32] | None = None
     logsumexp: npt.NDArray[np.float32] | None = None
-    tokens: list[list[str | None]] | None = None
+    tokens: list[Any] | None = None
+    """Each row's token strings, nested as ``token_ids``' leading dims (a (batch, tokens)
+    request: ``tokens[b][t]`` holds row (b, t)'s k strings); over JSON only."""
     sampled_token_ids: npt.NDArray[np.int64] | None = None
     sampled_logprobs: npt.NDArray[np.float32] | None = None
     seed: int | None = None
@@ -160,11 +162,19 @@ def _topk(answer: httpx.Response) -> TopK:
         field("logits", np.float32),
         field("logprobs", np.float32),
         None,
-        [row["tokens"] for row in rows] if rows and "tokens" in rows[0] else None,
+        _nested([row["tokens"] for row in rows], shape) if rows and "tokens" in rows[0] else None,
         None if sampled is None else sampled.reshape(shape),
         None if drawn is None else drawn.reshape(shape),
         payload.get("seed"),
     )
+
+
+def _nested(rows: list[Any], shape: tuple[int, ...]) -> list[Any]:
+    """Per-row items nested as the rows' leading dims (they came flat, while ``token_ids``
+    kept the shape)."""
+    for size in reversed(shape[1:]):
+        rows = [rows[start : start + size] for start in range(0, len(rows), size)]
+    return rows
 
 
 def read_array(answer: httpx.Response) -> Arrays:

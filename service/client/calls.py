@@ -149,7 +149,7 @@ class Calls:
 
     def _json(self, path: str, body: dict[str, Any]) -> Call:
         try:  # Python writes NaN as a literal no JSON parser takes: say so here instead
-            content = json.dumps(body, default=_jsonable, allow_nan=False).encode()
+            content = json.dumps(given(body), default=_jsonable, allow_nan=False).encode()
         except ValueError:
             raise ValueError("a JSON body cannot carry NaN or Inf; this one holds one") from None
         return Call("POST", path, content, {"content-type": JSON, "accept": JSON})
@@ -220,8 +220,19 @@ def _query(value: Any) -> str:
 def _fitting_query(values: dict[str, Any]) -> dict[str, str] | None:
     """``values`` as query parameters, or None when they would not fit a URL
     (``MAX_QUERY_CHARS``): the caller sends them in a JSON body instead."""
-    params = {name: _query(value) for name, value in values.items()}
+    params = {name: _query(value) for name, value in given(values).items()}
     return params if sum(len(text) for text in params.values()) <= MAX_QUERY_CHARS else None
+
+
+def given(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` without those left None, in nested objects too (``sample={"seed": None}``):
+    None means "not given", so it is never sent (``allowed_token_ids=None`` went as a null
+    the service refused, ``logprobs_over=None`` as the text "null")."""
+    return {
+        name: given(value) if isinstance(value, dict) else value
+        for name, value in options.items()
+        if value is not None
+    }
 
 
 def _floats(hidden: Any) -> Any:

@@ -33,7 +33,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from service import __version__
 from service.api.codec.wire import header
-from service.api.routes import admin, health, native, v2
+from service.api.routes import admin, docs_ui, health, native, v2
 from service.api.routes.error_handlers import error_response, install_error_handlers
 from service.api.routes.openapi import body_components
 from service.errors import HostNotAllowed
@@ -91,11 +91,13 @@ def create_app(
         summary="Serve language-model heads, tied and untied.",
         lifespan=lifespan,
         redirect_slashes=False,  # a 307 to the client's Host for a trailing slash: a 404 here
+        docs_url=None,  # FastAPI's pages load their assets from a CDN: routes.docs_ui's do not
+        redoc_url=None,
     )
     app.state.settings = settings
     app.state.metrics = metrics
     install_error_handlers(app)
-    for module in (health, native, admin, v2):
+    for module in (health, native, admin, v2, docs_ui):
         app.include_router(module.router)
     return app
 

@@ -242,9 +242,7 @@ def vocabulary_shape(
     allowed = None
     if options.allowed_token_ids is not None:
         allowed = token_lists(options.allowed_token_ids, rows, space, limits, "allowed_token_ids")
-    banned = options.banned_token_ids
-    if banned is not None:
-        banned = token_ids(banned, space, limits, "banned_token_ids").reshape(-1)
+    banned = _banned(options.banned_token_ids, space, limits)
     bias = Bias.of(_bias_table(options.logit_bias, space, limits), banned)
     if bias is not None and allowed is None and bias.banned >= vocab:
         raise InvalidInput(f"banned_token_ids bans all {vocab} tokens; leave at least one")
@@ -265,6 +263,19 @@ def vocabulary_shape(
     if bias is not None:  # added to the logits before temperature, as in transformers and
         bias = bias.at(temperature)  # vLLM: the run's logits are already divided by it
     return Shape(allowed, bias, over, sample, processors), temperature
+
+
+def _banned(raw: npt.NDArray[Any] | None, space: TokenSpace, limits: Limits) -> Ids | None:
+    """``banned_token_ids``: one flat list, banned on every row, as the document gives it
+    (``[[21393], [19560]]`` was flattened: both tokens banned on both rows)."""
+    if raw is None:
+        return None
+    if raw.ndim != 1:
+        raise InvalidInput(
+            "banned_token_ids must be one flat list of ids, banned on every row; got "
+            f"{raw.ndim} levels of lists (allowed_token_ids takes one list per row)"
+        )
+    return token_ids(raw, space, limits, "banned_token_ids")
 
 
 def token_ids(raw: npt.NDArray[Any], space: TokenSpace, limits: Limits, field: str) -> Ids:

@@ -315,6 +315,8 @@ def read_config(directory: Path, root: Path) -> ModelConfig:
                 raise RepositoryError(f"{where} is over {MAX_CONFIG_BYTES} bytes")
             return ModelConfig.model_validate_json(opened.read())
     except ValidationError as error:
-        raise RepositoryError(f"{where}: {describe_validation_errors(error.errors())}") from None
+        # An error of the whole file (not JSON, not an object) is the file's, not a "body:"
+        why = describe_validation_errors(error.errors(), whole="")
+        raise RepositoryError(f"{where}: {why}") from None
     except OSError as error:
         raise RepositoryError(f"{where} cannot be read ({cannot_read(error)})") from None

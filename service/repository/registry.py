@@ -261,9 +261,7 @@ class Registry:
                 headers={"Retry-After": "1"},
             )
         if record is None:
-            _check_name(name)  # a name outside the pattern is 400, whatever the route
-            known = ", ".join(sorted(self._records)) or "none"
-            raise ModelNotFound(f"model {name[:64]!r} not found; models: {known}")
+            raise self._not_found(name)
         if version is None:
             if record.latest is None:
                 detail = f": {record.reason}" if record.reason else ""
@@ -286,9 +284,25 @@ class Registry:
 
     def record(self, name: str) -> ModelRecord:
         if name not in self._records:
-            _check_name(name)  # 400, as on the inference routes
-            raise ModelNotFound(f"model {name[:64]!r} not found")
+            raise self._not_found(name)
         return self._records[name]
+
+    def _not_found(self, name: str) -> ModelNotFound:
+        """404 for a name without a record. A model on disk that is not loaded says so, and
+        how to load it (a bare "not found" sent its user looking for a typo); any other
+        name gets the models there are."""
+        _check_name(name)  # a name outside the pattern is 400, whatever the route
+        settings = self._settings
+        if settings.model_name in (None, name) and maybe_dir(settings.repository / name):
+            how = (
+                f"load it with POST /v1/repository/models/{name}/load (or "
+                f"/v2/repository/models/{name}/load)"
+                if settings.admin_api_writable
+                else "load calls are off here (LMHEAD_READ_ONLY, or LMHEAD_CONTROL_MODE=none)"
+            )
+            return ModelNotFound(f"model {name!r} is in the repository but not loaded: {how}")
+        known = ", ".join(sorted(self._records)) or "none"
+        return ModelNotFound(f"model {name[:64]!r} not found; models: {known}")
 
     def stopping(self) -> None:
         """A stop has begun (a signal; call it on the event loop): loads end their warm-ups

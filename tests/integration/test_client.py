@@ -327,3 +327,40 @@ def test_a_success_that_is_no_answer_is_a_service_error(not_lmhead: str) -> None
                 await client.models()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("binary", [True, False])
+def test_options_left_none_are_not_sent(url: str, binary: bool) -> None:
+    """None means "not given": ``allowed_token_ids=None`` failed (a null the service refused),
+    ``logprobs_over=None`` went as the text "null"."""
+    nones: dict[str, Any] = dict.fromkeys(
+        ("allowed_token_ids", "banned_token_ids", "logit_bias", "logprobs_over", "sample")
+    )
+    with Client(url, binary=binary) as client:
+        plain = client.topk("tied", HIDDEN, k=3, logprobs=True)
+        with_nones = client.topk("tied", HIDDEN, k=3, logprobs=True, **nones)
+        drawn = client.topk("tied", HIDDEN, k=3, sample={"seed": 4, "top_p": None})
+        seeded = client.topk("tied", HIDDEN, k=3, sample={"seed": 4})
+        scored = client.score("tied", HIDDEN[0], [1, 2, 3], k=None, candidate_ids=None)
+        logits = client.logits("tied", HIDDEN, allowed_token_ids=None)
+    np.testing.assert_array_equal(with_nones.token_ids, plain.token_ids)
+    assert with_nones.logprobs is not None
+    assert plain.logprobs is not None
+    np.testing.assert_array_equal(with_nones.logprobs, plain.logprobs)
+    assert drawn.sampled_token_ids is not None
+    assert seeded.sampled_token_ids is not None
+    np.testing.assert_array_equal(drawn.sampled_token_ids, seeded.sampled_token_ids)
+    assert "alternatives" not in scored
+    assert logits.array.shape == (*HIDDEN.shape[:-1], VOCAB)
+
+
+def test_token_strings_keep_the_shape_of_the_ids(url: str) -> None:
+    """(batch, tokens, d) rows: ``tokens[b][t]`` is row (b, t)'s strings, as ``token_ids[b, t]``
+    (they came back flat, one list per row)."""
+    with Client(url) as client:
+        top = client.topk("tied", HIDDEN, k=2, tokens=True)
+    labels = demo_tokens(VOCAB)
+    assert top.token_ids.shape == (2, 3, 2)
+    assert top.tokens == [
+        [[labels[i] for i in ids] for ids in row] for row in top.token_ids.tolist()
+    ]

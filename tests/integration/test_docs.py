@@ -31,7 +31,9 @@ from pathlib import Path
 
 import pytest
 
+from bench import lens_image
 from bench.readme import README_ROWS, headlines
+from service.api.routes.error_handlers import HTTP_CODES, HTTP_ERROR
 from service.errors import ServiceError
 from service.settings import settings_table
 from service.tools.demo import write_demo_models
@@ -166,12 +168,33 @@ def test_benchmark_tables_come_from_the_results_files() -> None:
 
 
 def test_every_error_code_is_documented() -> None:
+    """The service's error classes, the connection's own answers, and the web framework's
+    (an unknown path, a method its path does not take: 405 was missing)."""
     errors = (ROOT / "docs" / "errors.md").read_text(encoding="utf-8")
     codes = {ServiceError.code, *(c.code for c in _subclasses(ServiceError))}
     codes |= {"malformed_request", "request_timeout", "headers_too_large", "not_implemented"}
-    codes |= {"too_many_connections"}
+    codes |= {"too_many_connections", *HTTP_CODES.values(), HTTP_ERROR}
+    assert "method_not_allowed" in codes
     assert not {code for code in codes if f"`{code}`" not in errors}
+    for status, code in HTTP_CODES.items():  # in the row of its status
+        assert re.search(rf"^\| {status} \|.*`{code}`", errors, re.MULTILINE), code
 
 
 def _subclasses(base: type[ServiceError]) -> list[type[ServiceError]]:
     return [c for sub in base.__subclasses__() for c in (sub, *_subclasses(sub))]
+
+
+def test_the_lens_picture_says_which_command_made_it() -> None:
+    """The README showed docs/lens.png under a snippet of random states, which draws noise:
+    each page that shows the picture names the command that made it, whose default output
+    is that very file."""
+    made_by = f"python -m {lens_image.__name__}"
+    for page, shown in (
+        (ROOT / "README.md", "docs/lens.png"),
+        (ROOT / "docs" / "lens.md", "lens.png"),
+    ):
+        text = page.read_text(encoding="utf-8")
+        picture = text.index(f"]({shown})")
+        before = text[text.rindex("```", 0, picture) : picture]  # since the last snippet
+        assert made_by in before, page.name
+        assert (page.parent / shown).resolve() == (ROOT / lens_image.OUTPUT).resolve()

@@ -498,3 +498,22 @@ def test_rpcs_lmhead_does_not_serve_say_so(stub: Any) -> None:
         stub.ModelStatistics(pb.ModelStatisticsRequest(name="tied"))
     assert raised.value.code() == grpc.StatusCode.UNIMPLEMENTED
     assert "does not implement ModelStatistics" in (raised.value.details() or "")
+
+
+def test_a_parameter_with_no_value_set_is_not_given(stub: Any) -> None:
+    """A gRPC parameter is a oneof: one sent with no value set is null, and null is "not
+    given" (as over REST), never "must be a number" or typed answers instead of raw ones."""
+
+    def infer(*unset: str) -> Any:
+        tensor = pb.ModelInferRequest.InferInputTensor(
+            name="hidden_states", datatype="FP32", shape=list(HIDDEN.shape)
+        )
+        tensor.contents.fp32_contents.extend(HIDDEN.reshape(-1).tolist())
+        request = pb.ModelInferRequest(model_name="tied", inputs=[tensor])
+        for name in unset:
+            request.parameters[name].SetInParent()  # the entry, its oneof left unset
+        return stub.ModelInfer(request)
+
+    unset = ("k", "temperature", "logprobs", "binary_data_output", "states", "sample")
+    assert infer(*unset) == infer()
+    assert infer("binary_data_output").raw_output_contents  # raw, as when left out

@@ -66,7 +66,8 @@ def decode(request: Any) -> tuple[InferRequest, OutputPlan]:
         _input(tensor, raw[index] if raw else None) for index, tensor in enumerate(request.inputs)
     ]
     options = parameters(request.parameters)
-    options.setdefault("binary_data_output", True)  # raw answers unless told otherwise
+    if options.get("binary_data_output") is None:  # raw answers unless told otherwise (a
+        options["binary_data_output"] = True  # parameter with no value set is not given)
     header: dict[str, Any] = {"inputs": inputs, "parameters": options}
     if request.outputs:
         header["outputs"] = [

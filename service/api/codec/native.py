@@ -31,6 +31,7 @@ from service.api.codec.wire import (
     float_array,
     int_array,
     json_bytes,
+    no_query_options,
     npz_bytes,
     off_loop,
     options,
@@ -66,6 +67,7 @@ from service.messages import (
 )
 
 HIDDEN = "hidden_states"
+NO_EMBED_OPTIONS = "is not read: /embed takes no options (only ?version=)"
 
 
 async def decode_topk(request: Request, body_limit: int) -> tuple[TopKRequest, str]:
@@ -115,8 +117,10 @@ async def decode_embed(request: Request, body_limit: int) -> tuple[EmbedRequest,
     answer = response_type(request, (JSON, NPY), JSON)
     body = await read_body(request, body_limit)
     if content_type(request, (JSON, NPY)) == NPY:
+        no_query_options(request, NO_EMBED_OPTIONS)
         ids = parse_npy(body, "input_ids")
     else:
+        no_query_options(request)
         ids = await off_loop(len(body), _json_ids, body)
     return EmbedRequest(target(request), ids), answer
 
@@ -127,12 +131,13 @@ def _json_ids(body: bytes) -> npt.NDArray[np.int64]:
     ids = int_array(
         _required(payload, "input_ids", "a nested list of token ids"), "input_ids", booleans
     )
-    options(EmbedOptions, payload)
+    options(EmbedOptions, payload, taken=("input_ids",))
     return ids
 
 
 async def decode_score(request: Request, body_limit: int) -> ScoreRequest:
     content_type(request, (JSON,))
+    no_query_options(request)
     body = await read_body(request, body_limit)
     return await off_loop(len(body), _score_request, body, target(request))
 
@@ -149,7 +154,7 @@ def _score_request(body: bytes, to: Target) -> ScoreRequest:
         hidden,
         int_array(targets, "target_ids", booleans),
         None if candidates is None else int_array(candidates, "candidate_ids", booleans),
-        opts.k,
+        opts.k or 0,  # null, as absent: no alternatives
         opts.logprobs_over,
         opts.states,
     )
@@ -157,6 +162,7 @@ def _score_request(body: bytes, to: Target) -> ScoreRequest:
 
 async def decode_compare(request: Request, body_limit: int) -> CompareRequest:
     content_type(request, (JSON,))
+    no_query_options(request)
     body = await read_body(request, body_limit)
     return await off_loop(len(body), _compare_request, body)
 
@@ -272,6 +278,7 @@ async def hidden_and_options(
             checked = options(schema, typed, taken=taken)
             opts = opts.model_copy(update={name: getattr(checked, name) for name in typed})
         return array, opts, arrays
+    no_query_options(request)
     return await off_loop(len(body), _json_hidden_and_options, body, schema, lists)
 
 
@@ -288,10 +295,11 @@ def _query_value(name: str, text: str) -> Any:
 def _id_lists(
     values: dict[str, Any], lists: Sequence[str], booleans: bool
 ) -> dict[str, npt.NDArray[Any]]:
+    """The id ``lists`` taken out of ``values``; one sent as null is not given, as the
+    document says (it was left among the options and refused as an unknown field)."""
+    taken = {name: values.pop(name) for name in lists if name in values}
     return {
-        name: int_array(values.pop(name), name, booleans)
-        for name in lists
-        if values.get(name) is not None
+        name: int_array(value, name, booleans) for name, value in taken.items() if value is not None
     }
 
 

@@ -33,6 +33,7 @@ from service.api.codec.wire import (
     float_array,
     header,
     int_array,
+    json_error,
     json_type,
     off_loop,
     read_body,
@@ -88,7 +89,8 @@ def decode(body: bytes, header_length: str | None, to: Target) -> tuple[InferReq
     try:
         header = orjson.loads(header_bytes)
     except orjson.JSONDecodeError as error:
-        raise MalformedBody(f"inference header is not valid JSON ({error.msg})") from None
+        why = json_error(error, header_bytes)
+        raise MalformedBody(f"inference header is not valid JSON ({why})") from None
     if not isinstance(header, dict):
         raise MalformedBody("inference header must be a JSON object")
     # numpy reads a JSON ``true`` inside data as 1: scan for them when the header has any.

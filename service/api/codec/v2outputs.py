@@ -12,6 +12,7 @@ import numpy.typing as npt
 
 from service.api.codec.pieces import PIECE_VALUES
 from service.api.codec.v2params import SAMPLED_OUTPUTS, flag, mapping, optional_int, sampled_arrays
+from service.api.codec.wire import json_type
 from service.errors import InvalidInput
 from service.messages import InferResult, Tokens
 
@@ -129,8 +130,13 @@ def _outputs(entries: Any, default_binary: bool) -> list[OutputRequest]:
     if not isinstance(entries, list):
         raise InvalidInput("outputs must be a list of {name, parameters}")
     requests: list[OutputRequest] = []
-    for entry in entries:
-        name = entry.get("name") if isinstance(entry, dict) else None
+    for index, entry in enumerate(entries):
+        if not isinstance(entry, dict):  # ["topk_token_ids"] was "unknown output 'None'"
+            raise InvalidInput(
+                f"outputs[{index}] must be an object naming the output, e.g. "
+                f'{{"name": "topk_token_ids"}}; got a JSON {json_type(entry)}'
+            )
+        name = entry.get("name")
         if name not in OUTPUTS:
             raise InvalidInput(f"unknown output {str(name)[:64]!r}; outputs: {', '.join(OUTPUTS)}")
         if any(request.name == name for request in requests):  # as Triton: each answer once

@@ -99,12 +99,13 @@ def number(parameters: dict[str, Any], name: str, default: float) -> float:
 
 
 def mapping(value: Any, where: str) -> dict[str, Any]:
-    """An optional JSON object (``parameters`` of a request, an input or an output)."""
+    """An optional JSON object (``parameters`` of a request, an input or an output); a
+    parameter sent as null (over gRPC: one with no value set) is not given."""
     if value is None:
         return {}
     if not isinstance(value, dict):
         raise InvalidInput(f"{where} must be a JSON object")
-    return value
+    return {name: given for name, given in value.items() if given is not None}
 
 
 STATES = ("final", "residual")
@@ -119,8 +120,9 @@ def states(parameters: dict[str, Any], inputs: Any) -> str:
         given["the request's parameters"] = parameters["states"]
     for entry in inputs if isinstance(inputs, list) else []:
         own = entry.get("parameters") if isinstance(entry, dict) else None
-        if entry.get("name") == "hidden_states" and isinstance(own, dict) and "states" in own:
-            given["input hidden_states's parameters"] = own["states"]
+        mine = own if isinstance(own, dict) and entry.get("name") == "hidden_states" else {}
+        if mine.get("states") is not None:  # null: not given
+            given["input hidden_states's parameters"] = mine["states"]
     for where, value in given.items():
         if value not in STATES:
             shown = str(value)[:24] if isinstance(value, str) else type(value).__name__

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import re
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -98,6 +99,24 @@ def target(request: Request) -> Target:
     if raw is not None and version is None:
         raise InvalidInput(f"version must be a non-negative integer, got {raw[:32]!r}")
     return Target(params["name"], version)
+
+
+#: Why query parameters beside a JSON body are refused (``no_query_options``).
+BESIDE_JSON = (
+    "beside a JSON body: give options in the body (query parameters carry them with an "
+    ".npy body only)"
+)
+
+
+def no_query_options(request: Request, why: str = BESIDE_JSON) -> None:
+    """A request's options come from one place: query parameters other than ``version`` are
+    refused, named, where they would not be read (``?k=2`` or ``?bogus=1`` beside a JSON
+    body was served with the body's options, silently)."""
+    if not request.scope["query_string"]:
+        return
+    given = [name for name in dict.fromkeys(request.query_params) if name != "version"]
+    if given:
+        raise InvalidInput(f"query parameter{'s' * (len(given) > 1)} {few(given)} {why}")
 
 
 async def read_body(request: Request, limit: int, setting: str = "LMHEAD_MAX_BODY_BYTES") -> bytes:
@@ -208,10 +227,22 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
     except orjson.JSONDecodeError as error:
         if "infinity" in error.msg:  # 1e999: valid JSON, but Inf as a float
             raise InvalidInput(f"a number at byte {error.pos} is beyond float range") from None
-        raise MalformedBody(f"body is not valid JSON ({error.msg} at byte {error.pos})") from None
+        raise MalformedBody(f"body is not valid JSON ({json_error(error, body)})") from None
     if not isinstance(payload, dict):
         raise MalformedBody(f"body must be a JSON object, got a JSON {json_type(payload)}")
     return payload
+
+
+#: What Python's ``json.dumps`` (and JavaScript's) write for non-finite floats; no JSON number.
+NON_STANDARD = re.compile(rb"(nan|infinity|inf)(?![A-Za-z0-9_])", re.IGNORECASE)
+
+
+def json_error(error: orjson.JSONDecodeError, text: bytes) -> str:
+    """Why ``text`` is no JSON, where: a ``NaN`` or ``Infinity`` is named as the non-standard
+    number it is (orjson says "unexpected character"), never shown beyond that word."""
+    if NON_STANDARD.match(text, error.pos):
+        return f"NaN or Infinity at byte {error.pos}: JSON has no such numbers, send finite ones"
+    return f"{error.msg} at byte {error.pos}"
 
 
 def parse_npy(body: bytes, field: str) -> npt.NDArray[Any]:
@@ -239,10 +270,9 @@ def options(
     """
     unknown = [name for name in values if name not in model.model_fields]
     if unknown:  # pydantic would make an error of each: a million keys took 17 s and 1.2 GB
-        raise InvalidInput(
-            f"unknown field{'s' * (len(unknown) > 1)} {few(unknown)}; the options here are "
-            + ", ".join([*taken, *model.model_fields])
-        )
+        fields = ", ".join([*taken, *model.model_fields])
+        listed = f"the options here are {fields}" if model.model_fields else f"{fields} alone"
+        raise InvalidInput(f"unknown field{'s' * (len(unknown) > 1)} {few(unknown)}; {listed}")
     try:
         return model.model_validate(dict(values), strict=strict)
     except ValidationError as error:

@@ -53,7 +53,7 @@ class LoadRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    version: int | None = Field(default=None, ge=0)
+    version: int | None = Field(default=None, ge=0, examples=[1])
 
 
 class IndexRequest(BaseModel):
@@ -70,7 +70,7 @@ class UnloadRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    parameters: dict[str, Any] | None = None
+    parameters: dict[str, Any] | None = Field(default=None, examples=[{"unload_dependents": False}])
 
 
 def _optional_body(schema: type[BaseModel]) -> dict[str, Any]:
@@ -80,6 +80,7 @@ def _optional_body(schema: type[BaseModel]) -> dict[str, Any]:
 
 
 LOAD_BODY = _optional_body(LoadRequest)
+UNLOAD_BODY = _optional_body(UnloadRequest)  # it was taken, and missing from the document
 
 
 @router.post(
@@ -105,9 +106,7 @@ async def index(request: Request, plane: PlaneDep) -> list[dict[str, Any]]:
 def _control(action: str, v2: bool) -> dict[str, Any]:
     """Route arguments of load/unload on the V2 or the native prefix."""
     path = f"/{'v2' if v2 else 'v1'}/repository/models/{{name}}/{action}"
-    extra = operation(path)
-    if action == "load":
-        extra |= LOAD_BODY
+    extra = operation(path) | (LOAD_BODY if action == "load" else UNLOAD_BODY)
     return {
         "path": path,
         "response_model": ModelDescription,

@@ -18,6 +18,10 @@ from starlette.responses import Response
 from service.errors import InvalidInput, ServiceError, describe_validation_errors
 
 logger = logging.getLogger("lmhead")
+#: Codes of the web framework's own errors: a path the service does not have, a method its
+#: path does not take; any other status of theirs is ``HTTP_ERROR`` (docs/errors.md has all).
+HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
+HTTP_ERROR = "http_error"
 
 
 def error_body(code: str, message: str) -> bytes:
@@ -56,7 +60,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def http_error(request: Request, error: Exception) -> Response:
         assert isinstance(error, StarletteHTTPException)
-        code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code, "http_error")
+        code = HTTP_CODES.get(error.status_code, HTTP_ERROR)
         headers = dict(error.headers or {})
         return _json(request, error.status_code, code, str(error.detail), headers)
 

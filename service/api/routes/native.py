@@ -24,8 +24,8 @@ from service.api.routes.openapi import (
     NPZ,
     VERSION_QUERY,
     errors,
+    npy_query,
     operation,
-    query,
 )
 from service.api.schemas import (
     CompareAnswer,
@@ -46,13 +46,7 @@ from service.api.schemas import (
 
 router = APIRouter(prefix="/v1", tags=["native"])
 Handler = Callable[[Request], Awaitable[Response]]
-TEMPERATURE = query("temperature", {"type": "number"}, "With an .npy body: the temperature.")
-TOPK_QUERY = (
-    VERSION_QUERY,
-    query("k", {"type": "integer", "minimum": 1}, "With an .npy body: how many tokens per row."),
-    query("logprobs", {"type": "boolean"}, "With an .npy body: also return log-probs."),
-    TEMPERATURE,
-)
+TOPK_QUERY = (VERSION_QUERY, *npy_query(TopKBody))
 
 
 def _inference(
@@ -111,7 +105,7 @@ async def topk(request: Request) -> Response:
     LogitsAnswer,
     answers=(NPY,),
     alternatives={NPY: BINARY},
-    parameters=(VERSION_QUERY, TEMPERATURE),
+    parameters=(VERSION_QUERY, *npy_query(LogitsBody)),
 )
 async def logits(request: Request) -> Response:
     """All (rows, vocab) logits: ``.npy`` by default, JSON when asked; bounded in bytes."""
@@ -140,13 +134,7 @@ async def score(request: Request) -> Response:
     return await native.encode_score(await plane_of(request).score(decoded))
 
 
-LENS_QUERY = (
-    VERSION_QUERY,
-    query("k", {"type": "integer", "minimum": 1}, "With an .npy body: top tokens per layer."),
-    query("target_ids", {"type": "string"}, "With an .npy body: JSON list, one id per token."),
-    query("states", {"enum": ["residual", "final"]}, "With an .npy body: residual or final."),
-    query("last_layer", {"enum": ["final", "residual"]}, "With an .npy body: the last layer's."),
-)
+LENS_QUERY = (VERSION_QUERY, *npy_query(LensBody))
 
 
 @_inference(

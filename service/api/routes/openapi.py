@@ -87,6 +87,43 @@ VERSION_QUERY = query(
 )
 
 
+def npy_query(body: type[BaseModel], array: str = "hidden_states") -> tuple[dict[str, Any], ...]:
+    """The query parameters of an ``.npy`` body: one per field of ``body`` but its ``array``,
+    typed as in the JSON body (so the document lists every option the service reads there;
+    it listed three of topk's nine). Lists and objects travel as their JSON text, which
+    may be ``null`` where the field is nullable: a ``content`` parameter."""
+    schema = body.model_json_schema(ref_template=REF)
+    parameters = []
+    for name, field in schema["properties"].items():
+        if name == array:
+            continue
+        described = {"description": f"With an .npy body: {field.get('description', name)}"}
+        plain = _not_null(field)
+        if _structured(plain):
+            json_text = {"content": {"application/json": {"schema": field}}}
+            parameters.append({"name": name, "in": "query", **json_text, **described})
+        else:
+            parameters.append({"name": name, "in": "query", "schema": plain, **described})
+    return tuple(parameters)
+
+
+def _not_null(field: dict[str, Any]) -> dict[str, Any]:
+    """A field's schema without its ``null`` choice: a query parameter left out is not given,
+    and ``?k=null`` is no integer."""
+    choices = [c for c in field.get("anyOf", ()) if c.get("type") != "null"]
+    if "anyOf" not in field or len(choices) > 1:
+        return field
+    rest = {key: value for key, value in field.items() if key not in ("anyOf", "default")}
+    return {**choices[0], **rest}
+
+
+def _structured(schema: dict[str, Any]) -> bool:
+    """Whether values of ``schema`` are lists or objects (sent as JSON text in a query)."""
+    if "$ref" in schema or schema.get("type") in ("array", "object"):
+        return True
+    return any(_structured(choice) for choice in schema.get("anyOf", ()))
+
+
 def errors(*statuses: int, v2: bool = False) -> dict[int | str, dict[str, Any]]:
     """Error answers in the shape the service really sends (native, or V2's ``{"error"}``)."""
     model = V2ErrorAnswer if v2 else ErrorAnswer

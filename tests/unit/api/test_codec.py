@@ -10,8 +10,17 @@ import pytest
 
 from service.api.codec import native
 from service.api.codec.answer_bodies import topk_json
-from service.api.codec.wire import JSON, OFFLOAD_BYTES, float_array, int_array, off_loop
-from service.errors import InvalidInput
+from service.api.codec.wire import (
+    JSON,
+    OFFLOAD_BYTES,
+    float_array,
+    int_array,
+    off_loop,
+    options,
+    parse_json_object,
+)
+from service.api.schemas import EmbedOptions, LensOptions
+from service.errors import InvalidInput, MalformedBody
 from service.messages import HeadInfo, LogitsResult, TopKResult
 
 HEAD = HeadInfo("m", 1, True, 50000, 64, "float32")
@@ -97,3 +106,26 @@ def test_a_large_topk_answer_is_encoded_in_pieces_that_read_as_one() -> None:
     assert [row["token_ids"] for row in document["results"]] == ids.tolist()
     logprobs = np.array([row["logprobs"] for row in document["results"]], np.float32)
     np.testing.assert_array_equal(logprobs, values)
+
+
+@pytest.mark.parametrize(
+    ("body", "said"),
+    [
+        (b'{"hidden_states": [[0.5, NaN]]}', "NaN or Infinity at byte 25"),
+        (b'{"hidden_states": [[Infinity]]}', "NaN or Infinity at byte 20"),
+        (b'{"hidden_states": [[0.5, -Infinity]]}', "NaN or Infinity at byte 26"),
+        (b'{"k": inflate}', "unexpected character"),  # a bare word is no number
+    ],
+)
+def test_non_standard_json_numbers_are_named(body: bytes, said: str) -> None:
+    """orjson says "unexpected character": Python's json.dumps writes NaN and Infinity."""
+    with pytest.raises(MalformedBody, match=said):
+        parse_json_object(body)
+
+
+def test_an_unknown_field_beside_no_options_names_what_the_body_takes() -> None:
+    """``/embed`` has no options: its message listed nothing ("the options here are ")."""
+    with pytest.raises(InvalidInput, match=r"^unknown field 'bogus'; input_ids alone$"):
+        options(EmbedOptions, {"bogus": 1}, taken=("input_ids",))
+    with pytest.raises(InvalidInput, match="the options here are hidden_states, k, states"):
+        options(LensOptions, {"bogus": 1}, taken=("hidden_states",))

@@ -4,12 +4,15 @@ as the Open Inference Protocol and its binary extension define them."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
+import pytest
 
 from service.api.codec.v2 import HEADER_LENGTH, decode, encode
 from service.api.codec.v2outputs import OutputPlan, OutputRequest
-from service.messages import HeadInfo, InferResult, Target, TopKResult
+from service.errors import InvalidInput, MalformedBody
+from service.messages import HeadInfo, InferRequest, InferResult, Target, TopKResult
 
 HEAD = HeadInfo("m", 3, True, 100, 4, "float32")
 
@@ -74,3 +77,44 @@ def test_a_binary_request_is_split_at_its_header_length() -> None:
     request, _ = decode(header + hidden.tobytes(), str(len(header)), Target("m"))
     assert request.hidden_states is not None
     np.testing.assert_array_equal(request.hidden_states, hidden)
+
+
+def _header(**fields: object) -> bytes:
+    hidden = {"name": "hidden_states", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}
+    return json.dumps({"inputs": [hidden], **fields}).encode()
+
+
+def test_a_parameter_sent_as_null_is_not_given() -> None:
+    """Over REST a null, over gRPC a parameter with no value set: both as if left out (a
+    null temperature was "must be a number")."""
+    nulls = dict.fromkeys(
+        ("k", "temperature", "logprobs", "binary_data_output", "states", "allowed_token_ids")
+    )
+    nulls |= dict.fromkeys(("banned_token_ids", "logit_bias", "logprobs_over", "sample"))
+    own = json.loads(_header())
+    own["inputs"][0]["parameters"] = {"states": None}
+    left_out = _decoded(_header())
+    assert _decoded(_header(parameters=nulls)) == left_out
+    assert _decoded(json.dumps(own).encode()) == left_out
+
+
+def _decoded(header: bytes) -> tuple[InferRequest, OutputPlan]:
+    """The decoded request (its rows checked and left out: arrays do not compare) and plan."""
+    request, plan = decode(header, None, Target("m"))
+    assert request.hidden_states is not None
+    np.testing.assert_array_equal(request.hidden_states, [[1, 2, 3, 4]])
+    return replace(request, hidden_states=None), plan
+
+
+def test_an_output_named_by_a_bare_string_says_what_an_output_is() -> None:
+    with pytest.raises(InvalidInput, match=r"outputs\[1\] must be an object naming the output"):
+        decode(_header(outputs=[{"name": "topk_logits"}, "topk_token_ids"]), None, Target("m"))
+
+
+@pytest.mark.parametrize("literal", [b"NaN", b"Infinity", b"-Infinity", b"nan"])
+def test_a_non_standard_number_in_the_header_is_named(literal: bytes) -> None:
+    header = b'{"inputs": [{"name": "hidden_states", "data": [1.0, ' + literal + b"]}]}"
+    with pytest.raises(
+        MalformedBody, match=r"NaN or Infinity at byte 5[23]: JSON has no such numbers"
+    ):
+        decode(header, None, Target("m"))

@@ -57,6 +57,7 @@ def test_bias_is_taken_at_the_run_temperature() -> None:
         ({"allowed_token_ids": np.array([[1, 2]])}, "got 1 list for 2 rows"),
         ({"allowed_token_ids": np.array([100])}, r"must be in \[0, 100\)"),
         ({"banned_token_ids": np.arange(100)}, "bans all 100 tokens"),
+        ({"banned_token_ids": np.array([[21], [19]])}, "one flat list of ids, banned on every row"),
         (
             {"allowed_token_ids": np.array([4, 5]), "banned_token_ids": np.array([4, 5])},
             "every allowed token of a row is banned",
