@@ -276,3 +276,13 @@ def test_k_above_the_vocabulary_follows_one_rule_on_every_head_and_verb(
     )
     _refused(lens_refused, 422, "LMHEAD_MAX_K")
     _refused(http.post("/v2/models/trimmed/infer", json=_v2({"k": too_many})), 400, "LMHEAD_MAX_K")
+
+
+def test_query_parameters_no_route_reads_are_refused_by_name(http: httpx.Client) -> None:
+    """/compare names its models in the body (``?version=`` addressed nothing); a V2 infer
+    takes its options in the body's parameters (``?k=3`` was ignored), its version as usual."""
+    compare = {"hidden_states": ROWS, "models": ["tied", "untied"]}
+    _refused(http.post("/v1/compare?version=1", json=compare), 422, "query parameter 'version'")
+    v2 = http.post("/v2/models/tied/infer?k=3", json=_v2({}))
+    _refused(v2, 400, "query parameter 'k'", "V2 options go in the body's parameters")
+    assert http.post("/v2/models/tied/infer?version=1", json=_v2({})).status_code == 200

@@ -162,7 +162,7 @@ def _score_request(body: bytes, to: Target) -> ScoreRequest:
 
 async def decode_compare(request: Request, body_limit: int) -> CompareRequest:
     content_type(request, (JSON,))
-    no_query_options(request)
+    no_query_options(request, read=())  # the models (and no version) are in the body
     body = await read_body(request, body_limit)
     return await off_loop(len(body), _compare_request, body)
 

@@ -35,6 +35,7 @@ from service.api.codec.wire import (
     int_array,
     json_error,
     json_type,
+    no_query_options,
     off_loop,
     read_body,
     target,
@@ -54,12 +55,15 @@ DTYPES: dict[str, np.dtype[Any]] = {
 }
 INPUT_TYPES = {"hidden_states": ("FP32", "FP16"), "input_ids": ("INT64", "INT32")}
 MAX_RANK = 4
+#: Why a V2 infer's query parameters (but ``version``) are refused.
+V2_OPTIONS = "is not read: V2 options go in the body's parameters"
 #: A request id is echoed in the answer as sent (cut short, it matched no request).
 MAX_ID_CHARS = 256
 
 
 async def decode_http(request: Request, body_limit: int) -> tuple[InferRequest, OutputPlan]:
     """An HTTP infer request: body (JSON or binary extension), target from the path."""
+    no_query_options(request, V2_OPTIONS)
     body = await read_body(request, body_limit)
     length = header(request, HEADER_LENGTH.encode())
     names = [name for name, _ in request.scope["headers"]]

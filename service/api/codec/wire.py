@@ -108,13 +108,15 @@ BESIDE_JSON = (
 )
 
 
-def no_query_options(request: Request, why: str = BESIDE_JSON) -> None:
-    """A request's options come from one place: query parameters other than ``version`` are
-    refused, named, where they would not be read (``?k=2`` or ``?bogus=1`` beside a JSON
+def no_query_options(
+    request: Request, why: str = BESIDE_JSON, read: Sequence[str] = ("version",)
+) -> None:
+    """A request's options come from one place: query parameters other than those ``read``
+    are refused, named, where they would not be read (``?k=2`` or ``?bogus=1`` beside a JSON
     body was served with the body's options, silently)."""
     if not request.scope["query_string"]:
         return
-    given = [name for name in dict.fromkeys(request.query_params) if name != "version"]
+    given = [name for name in dict.fromkeys(request.query_params) if name not in read]
     if given:
         raise InvalidInput(f"query parameter{'s' * (len(given) > 1)} {few(given)} {why}")
 

@@ -87,7 +87,7 @@ def _infer_operation(path: str) -> dict[str, Any]:
         path,
         body=V2InferBody,
         alternatives={OCTET: BINARY},
-        parameters=(HEADER_LENGTH,),
+        parameters=(VERSION_QUERY, HEADER_LENGTH),
         answers=(OCTET,),
     )
 
