@@ -139,7 +139,9 @@ def test_the_oldest_runtime_loads_them_with_the_same_answers(written: list[Path]
         version, ids, values, lse = answers[str(path)]
         assert version.startswith("1.18")
         here = HeadSession(path, tied=False).project(hidden, 4, temperature=0.8, full_logits=True)
-        if inspect_head(path).quantization is None:
+        # The chunked copies are the in-memory form of a CPU session (a Loop and an If the
+        # inspector refuses in a served file): never quantized.
+        if path.parent.name.startswith("chunked-") or inspect_head(path).quantization is None:
             np.testing.assert_array_equal(ids, here.topk_token_ids)
             np.testing.assert_allclose(values, here.topk_logits, rtol=1e-5, atol=1e-5)
             for each in lse:
