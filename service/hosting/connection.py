@@ -24,6 +24,12 @@ made normal requests fail. ``LimitedHttp`` adds, per connection:
   share of ``LMHEAD_MAX_INFLIGHT_BYTES``: the app waits for ``scope["lmhead.sent"]``).
 
 ``service.hosting.server`` serves the app with these limits (``limited_protocol``).
+
+Doing so overrides and reads uvicorn internals, none of them public API (``_start_asgi_task``,
+``_unset_keepalive_if_required``, ``data_received`` replaced whole, ``pipeline``, the cycles'
+and flow control's state): pyproject.toml bounds uvicorn below its next minor release, and
+``tests/unit/hosting/test_uvicorn_hooks.py`` names any of them an upgrade removes or reshapes
+(and fails on a use of a uvicorn name here that it does not list).
 """
 
 from __future__ import annotations
