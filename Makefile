@@ -108,7 +108,7 @@ test:
 
 ## The unit tests alone (tests/unit/<layer>/...: in-process, no servers), in seconds.
 test-fast: install
-	$(BIN)/pytest tests/unit
+	$(BIN)/pytest -n $(WORKERS) --dist loadgroup tests/unit
 
 ## The whole test suite with every runtime dependency at the lowest version pyproject allows
 ## (.ci/floors.py pins them), in its own environment: CI runs it after `make test`.
