@@ -159,3 +159,28 @@ def test_the_metadata_is_the_rest_codecs_as_a_message() -> None:
         "sampled_token_ids",
         "sampled_logprobs",
     ]
+
+
+def test_raw_inputs_are_cut_one_after_another() -> None:
+    request = pb.ModelInferRequest(model_name="m")
+    request.inputs.add(name="hidden_states", datatype="FP32", shape=[1, 2])
+    request.inputs.add(name="input_ids", datatype="INT64", shape=[2])
+    request.raw_input_contents.append(np.array([[0.5, 1.5]], "<f4").tobytes())
+    request.raw_input_contents.append(np.array([7, 9], "<i8").tobytes())
+    request.outputs.add(name="topk_token_ids")
+    request.outputs.add(name="embeddings")
+    decoded, _ = grpc.decode(request)
+    assert decoded.hidden_states is not None
+    assert decoded.input_ids is not None
+    assert decoded.hidden_states.tolist() == [[0.5, 1.5]]
+    assert decoded.input_ids.tolist() == [7, 9]
+
+
+def test_typed_int64_ids_keep_every_bit() -> None:
+    """Read as int64, never through float64 (which holds 53 bits)."""
+    request = pb.ModelInferRequest(model_name="m")
+    tensor = request.inputs.add(name="input_ids", datatype="INT64", shape=[2])
+    tensor.contents.int64_contents.extend([2**62 + 1, -(2**62) - 3])
+    decoded, _ = grpc.decode(request)
+    assert decoded.input_ids is not None
+    assert decoded.input_ids.tolist() == [2**62 + 1, -(2**62) - 3]

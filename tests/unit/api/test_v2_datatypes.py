@@ -98,6 +98,10 @@ def test_json_input_ids_keep_their_datatype_range(name: str) -> None:
     assert request.input_ids is not None
     assert request.input_ids.dtype.itemsize == WIDTHS[name][0]
     assert request.input_ids.tolist() == INTS
+    header["inputs"][0]["data"] = [-(2**31), 0, 0, 2**31 - 1]  # int32's bounds, both taken
+    request, _ = decode(json.dumps(header).encode(), None, Target("m"))
+    assert request.input_ids is not None
+    assert request.input_ids.tolist() == [-(2**31), 0, 0, 2**31 - 1]
     header["inputs"][0]["data"] = [0, 0, 0, 2**31]
     if name == "INT32":
         with pytest.raises(InvalidInput, match="beyond the int32 range"):

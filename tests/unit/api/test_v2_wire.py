@@ -189,6 +189,10 @@ def test_the_distribution_options_reach_the_plane() -> None:
             "projection outputs need the input hidden_states",
         ),
         ({"id": 7, "inputs": [HIDDEN]}, "id must be a string, got a JSON int"),
+        (
+            {"inputs": [HIDDEN | {"parameters": [1]}]},
+            "input hidden_states parameters must be a JSON object",
+        ),
         ({"id": "i" * 257, "inputs": [HIDDEN]}, "id has 257 characters; at most 256"),
     ],
 )
@@ -251,6 +255,8 @@ def test_binary_inputs_follow_the_header_in_order() -> None:
     del tensor["data"]
     request, _ = _decode({"inputs": [_binary_input(16), tensor]}, raw + hidden)
     assert request.input_ids is None  # no embeddings asked
+    assert request.hidden_states is not None
+    assert request.hidden_states.tolist() == [[0.5, 1.5]]  # read at its offset, 16
     request, _ = _decode(
         {"inputs": [_binary_input(16), tensor], "outputs": [{"name": "embeddings"}]}, raw + hidden
     )

@@ -95,6 +95,17 @@ def test_min_p_of_one_keeps_exactly_the_tokens_as_likely_as_the_top() -> None:
     assert index == [0, 1, 2, 2]
 
 
+def test_each_row_falls_back_to_its_own_last_kept_token() -> None:
+    """Two rows keeping different sets (top_p 0.65 keeps two of P, three of Q): u = 1 draws
+    each row's own last kept token."""
+    q = [0.3, 0.3, 0.2, 0.1, 0.1]
+    rows = np.log(np.array([P, q], np.float64)).astype(np.float32)
+    lse = np.zeros(2, np.float32)
+    spec = SampleSpec(top_p=0.65)
+    index, _ = sample_sorted(rows, lse, spec, np.array([1.0, 1.0]), 5)
+    assert index.tolist() == [1, 2]
+
+
 def test_the_last_kept_token_takes_a_u_at_the_very_top() -> None:
     """u = 1 (what rounding can make of u x mass) lands past every kept token's CDF: the
     draw is the last kept token, never one a filter removed."""

@@ -83,6 +83,10 @@ def test_the_biased_top_k_is_float32() -> None:
     assert got.dtype == np.float32
     assert got_ids.tolist() == [[6, 5, 7]]
     assert got.tolist() == [[4.5, 3.0, 1.0]]
+    # every column asked (a small vocabulary's prefix): B's unbiased copy comes last, at -inf
+    got, got_ids = biased_topk(values, ids, values[:, 1:2], bias, 4)
+    assert got_ids.tolist() == [[6, 5, 7, 6]]
+    assert got.tolist() == [[4.5, 3.0, 1.0, -np.inf]]
 
 
 @pytest.mark.parametrize(
@@ -176,3 +180,24 @@ def test_bias_on_candidates_is_added_where_their_ids_are_biased() -> None:
     assert bias is not None
     got = apply_bias(logits, np.array([[9, 8, 7], [1, 7, 2]]), bias)
     assert got.tolist() == [[-2.0, 0.0, 1.0], [0.0, 1.0, 0.0]]
+
+
+def test_the_top_of_candidates_scales_the_hidden_state_first(tmp_path: Path) -> None:
+    """A head with an input scale alone is plain: its candidates' top-k comes out of the
+    product's own run, the hidden state multiplied by the scale."""
+    table = np.random.default_rng(14).standard_normal((VOCAB, D_MODEL), dtype=np.float32)
+    weights = HeadWeights.from_arrays(table, transforms=HeadTransforms(input_scale=0.25))
+    session = open_head(save_head(weights, tmp_path))
+    assert session.candidates is not None
+    assert session.candidates.plain
+    hidden = np.random.default_rng(15).standard_normal((2, D_MODEL), dtype=np.float32)
+    full = session.project(hidden, 1, full_logits=True).logits
+    assert full is not None
+    allowed = np.arange(0, VOCAB, 3, dtype=np.int64)
+    ones = np.ones(2, np.float32)
+    values, ids, lse = session.candidates.top(hidden, allowed, ones, 3)
+    restricted = full[:, allowed]
+    order = np.argsort(-restricted, axis=1, kind="stable")[:, :3]
+    np.testing.assert_array_equal(ids, allowed[order])
+    np.testing.assert_allclose(values, np.take_along_axis(restricted, order, 1), rtol=1e-4)
+    np.testing.assert_allclose(lse, logsumexp(restricted), rtol=1e-5)
