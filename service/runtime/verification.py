@@ -1,0 +1,203 @@
+"""Speculative decoding's verification, exactly: which drafted tokens a target distribution
+accepts, and the one token it emits after them (Leviathan et al. 2023; Chen et al. 2023).
+
+The caller hands in the target's processed distribution at every drafted position and one
+more (``target``: sequences x positions x vocab probabilities, from the decoding step's
+processed log-probs: the same temperature, filters and processors a plain step applies, so
+verification never samples from a distribution the step would not), the drafted ids, the
+draft's distribution or none, and uniforms. Nothing here projects, filters or reads a seed's
+meaning: the rule alone, so a test can run it over hundreds of thousands of verifications.
+
+The rules:
+
+* **Chain with a draft distribution** ``q``: draft i is accepted when ``u_i * q(x_i) <
+  p(x_i)`` (probability ``min(1, p/q)``, u uniform in [0, 1) in float64: float32 can round to
+  exactly 0); at the first rejection the emitted token is drawn from ``max(0, p - q)``
+  renormalized; when all K are accepted, from ``p`` at position K + 1 (the bonus token).
+* **Chain without one** (n-gram, prompt lookup, greedy drafters): ``q`` is one-hot, so draft i
+  is accepted with probability ``p(x_i)`` and the residual ``max(0, p - onehot)`` is ``p``
+  with ``x_i`` removed. Nothing of the size of the vocabulary is built for ``q``.
+* **Trees** (Medusa, EAGLE; drafts taken as certain): ``parents[j]`` is node j's parent (-1:
+  a child of the root, else an earlier node). From the root, a node's children are tried in
+  index order against the residual: child x is accepted with probability ``r(x) / sum(r)``;
+  a rejected child's mass is removed from ``r``. The walk moves to an accepted child (its own
+  distribution, ``target[:, j + 1]``) and ends at a node whose children were all rejected;
+  the emitted token is drawn from what is left of that node's residual. Each step draws the
+  next token from exactly ``p`` (a draw without replacement, stopped at the first hit), so the
+  walk is exact whatever the tree. A chain is the tree whose node i has parent i - 1.
+* **Greedy** (temperature 0): a draft is accepted while it equals the target's top token
+  (ties: the lower id, as ``/topk``), and the top token at the stopping position is emitted:
+  exactly what greedy decoding of the same states emits, one token per position.
+
+Draws invert the CDF in id order (no sort of the vocabulary). Uniforms: column j < K (or
+< nodes) is draft j's test, the last column the emitted token's draw; ``uniforms`` makes
+them per sequence from its seed (Philox keyed by the seed, as ``SampleSpec.uniforms``), so a
+sequence's answer depends on its seed and its own rows alone, never on the batch.
+
+Positions loop in Python only over drafted nodes (K, or a tree's nodes: a few dozen at
+most); every step is vectorized over the sequences, and nothing loops over the vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+Probs = npt.NDArray[np.floating[Any]]
+Doubles = npt.NDArray[np.float64]
+Ids = npt.NDArray[np.int64]
+Flags = npt.NDArray[np.bool_]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Per sequence: ``accepted`` drafts (S,); ``token_ids`` (S, depth + 1): the accepted
+    drafts then the emitted token, -1 after it; ``positions`` (S, depth + 1): the target
+    position each token was chosen at (its log-prob is ``target[s, position, token]``), -1
+    after; ``nodes`` (S, depth): the accepted drafted nodes' indices (a chain's are 0..a-1),
+    -1 after. ``depth`` is K for a chain, the tree's deepest path for a tree."""
+
+    accepted: Ids
+    token_ids: Ids
+    positions: Ids
+    nodes: Ids
+
+
+def uniforms(seeds: Sequence[int], count: int) -> Doubles:
+    """(sequences, count) float64 uniforms in [0, 1): row s is the first ``count`` values
+    of Philox keyed by ``seeds[s]``, so a sequence draws the same whatever else is sent."""
+    rows = [np.random.Generator(np.random.Philox(key=seed)).random(count) for seed in seeds]
+    return np.stack(rows) if rows else np.zeros((0, count))
+
+
+def chain_parents(k: int) -> Ids:
+    """The parents of a chain of ``k`` drafts: node i follows node i - 1."""
+    return np.arange(-1, k - 1, dtype=np.int64)
+
+
+def depths(parents: Ids) -> Ids:
+    """Each node's depth (1 for a child of the root); ``parents`` checked by the caller
+    (every parent -1 or an earlier node)."""
+    depth = np.zeros(len(parents), np.int64)
+    for node, parent in enumerate(parents.tolist()):
+        depth[node] = 1 if parent < 0 else depth[parent] + 1
+    return depth
+
+
+def _draw(weights: Doubles, u: Doubles) -> Ids:
+    """One index per row of non-negative ``weights`` (S, V), by inverting the row's CDF in id
+    order at ``u`` times its total; an index always has weight > 0 (a row of zeros, which
+    the rules never reach but rounding might, draws its top index)."""
+    cumulative = np.cumsum(weights, axis=1)
+    target = u * cumulative[:, -1]
+    index = (cumulative <= target[:, None]).sum(axis=1)
+    last = weights.shape[1] - 1 - np.argmax(weights[:, ::-1] > 0, axis=1)
+    drawn: Ids = np.minimum(index, last).astype(np.int64)
+    return drawn
+
+
+def _assemble(path: Ids, path_tokens: Ids, accepted: Ids, emitted: Ids, at: Ids) -> Verdict:
+    """The verdict from each sequence's accepted nodes (S, depth; -1 after), their tokens,
+    the emitted token and the position it was chosen at."""
+    rows, depth = path.shape
+    columns = np.arange(depth + 1)
+    token_ids = np.full((rows, depth + 1), -1, np.int64)
+    positions = np.full((rows, depth + 1), -1, np.int64)
+    token_ids[:, :depth] = np.where(path >= 0, path_tokens, -1)
+    positions[:, 1 : depth + 1] = np.where(path >= 0, path + 1, -1)
+    positions[:, 0] = 0
+    emit = columns[None, :] == accepted[:, None]
+    token_ids = np.where(emit, emitted[:, None], token_ids)
+    positions = np.where(emit, at[:, None], positions)
+    return Verdict(accepted, token_ids, positions, path)
+
+
+def verify_chain(target: Probs, draft_ids: Ids, u: Doubles, draft: Probs | None = None) -> Verdict:
+    """A chain of K drafts per sequence: ``target`` (S, K + 1, V) probabilities, ``draft_ids``
+    (S, K), ``u`` (S, K + 1), ``draft`` (S, K, V) or None (one-hot). The caller has checked
+    that every draft gives its own token a probability above 0."""
+    rows, k = draft_ids.shape
+    every = np.arange(rows)
+    p_x = np.take_along_axis(target[:, :k], draft_ids[:, :, None], axis=2)[:, :, 0]
+    p_x = p_x.astype(np.float64)
+    if draft is None:
+        q_x = np.ones_like(p_x)
+    else:
+        q_x = np.take_along_axis(draft, draft_ids[:, :, None], axis=2)[:, :, 0]
+        q_x = q_x.astype(np.float64)
+    passed = u[:, :k] * q_x < p_x
+    accepted = np.cumprod(passed, axis=1).sum(axis=1).astype(np.int64)
+    stop = np.minimum(accepted, k - 1) if k else accepted
+    weights = target[every, accepted].astype(np.float64)  # p at the stopping position
+    rejected = accepted < k
+    if k and rejected.any():
+        if draft is None:  # one-hot q: max(0, p - onehot) is p with the draft removed
+            residual = weights.copy()
+            residual[every, draft_ids[every, stop]] = 0.0
+        else:
+            residual = np.maximum(weights - draft[every, stop].astype(np.float64), 0.0)
+        weights = np.where(rejected[:, None], residual, weights)
+    emitted = _draw(weights, u[:, k])
+    path = np.where(np.arange(k)[None, :] < accepted[:, None], np.arange(k)[None, :], -1)
+    return _assemble(path.astype(np.int64), draft_ids, accepted, emitted, accepted)
+
+
+def verify_tree(target: Probs, draft_ids: Ids, parents: Ids, u: Doubles) -> Verdict:
+    """A tree of N drafted nodes per sequence, drafts taken as certain: ``target``
+    (S, N + 1, V) (position 0: the root's next token, j + 1: node j's), ``draft_ids`` (S, N),
+    ``parents`` (N,) shared by the sequences (checked by the caller: -1 or earlier), ``u``
+    (S, N + 1)."""
+    rows, nodes = draft_ids.shape
+    every = np.arange(rows)
+    depth = int(depths(parents).max()) if nodes else 0
+    current = np.full(rows, -1, np.int64)
+    accepted = np.zeros(rows, np.int64)
+    path = np.full((rows, depth), -1, np.int64)
+    residual = target[:, 0].astype(np.float64)  # copied: rejected children are removed
+    total = residual.sum(axis=1)
+    for node, parent in enumerate(parents.tolist()):
+        trying = current == parent
+        if not trying.any():
+            continue
+        token = draft_ids[:, node]
+        mass = residual[every, token]
+        passed = trying & (u[:, node] * total < mass)
+        failed = trying & ~passed
+        residual[failed, token[failed]] = 0.0
+        total = np.where(failed, total - mass, total)
+        if passed.any():
+            moved = np.flatnonzero(passed)
+            path[moved, accepted[moved]] = node
+            accepted[moved] += 1
+            current[moved] = node
+            residual[moved] = target[moved, node + 1]
+            total[moved] = residual[moved].sum(axis=1)
+    emitted = _draw(residual, u[:, nodes])
+    tokens = np.take_along_axis(draft_ids, np.maximum(path, 0), axis=1)
+    return _assemble(path, tokens, accepted, emitted, current + 1)
+
+
+def verify_greedy(target: Probs, draft_ids: Ids, parents: Ids | None = None) -> Verdict:
+    """Temperature 0: accept while the draft is the target's top token (ties: the lower
+    id), then emit the top token there; a tree's first child (in order) that matches is
+    the one followed. ``parents`` None: a chain."""
+    rows, nodes = draft_ids.shape
+    top = np.argmax(target, axis=2).astype(np.int64)  # (S, positions): the first maximum
+    tree = chain_parents(nodes) if parents is None else parents
+    depth = int(depths(tree).max()) if nodes else 0
+    current = np.full(rows, -1, np.int64)
+    accepted = np.zeros(rows, np.int64)
+    path = np.full((rows, depth), -1, np.int64)
+    every = np.arange(rows)
+    for node, parent in enumerate(tree.tolist()):
+        passed = (current == parent) & (draft_ids[:, node] == top[every, parent + 1])
+        moved = np.flatnonzero(passed)
+        path[moved, accepted[moved]] = node
+        accepted[moved] += 1
+        current[moved] = node
+    tokens = np.take_along_axis(draft_ids, np.maximum(path, 0), axis=1)
+    return _assemble(path, tokens, accepted, top[every, current + 1], current + 1)
