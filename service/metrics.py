@@ -203,6 +203,18 @@ class Metrics:
             buckets=(1e-6, 1e-4, 1e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0),
             registry=self.registry,
         )
+        self.drafted_tokens = Counter(
+            "lmhead_verify_drafted_tokens",
+            "Drafted tokens /verify checked, by model (a tree's nodes all count).",
+            ["model"],
+            registry=self.registry,
+        )
+        self.accepted_tokens = Counter(
+            "lmhead_verify_accepted_tokens",
+            "Drafted tokens /verify accepted, by model (the emitted token not counted).",
+            ["model"],
+            registry=self.registry,
+        )
         self.repository_scans = Counter(
             "lmhead_repository_scans",
             "Repository scans done by the poller.",

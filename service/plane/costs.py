@@ -23,7 +23,7 @@ request's measured peak against them (``tests/integration/test_declared_costs.py
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from service.budget import charge, ran
 from service.errors import PayloadTooLarge
@@ -260,3 +260,35 @@ def lens_run_rows(model: LoadedVersion, layers: int) -> int:
     takes, and at least one position (its KL needs the last layer beside the others)."""
     positions = max(1, model.rows_per_run // layers)
     return positions * layers
+
+
+def verify(
+    model: LoadedVersion,
+    sequences: int,
+    positions: int,
+    shape: Shape | None,
+    *,
+    draft_probs: bool,
+    residual: bool,
+) -> Cost:
+    """``/verify`` (``plane.verify``): every position's raw log-probs and processed
+    probabilities kept whole until the rule runs (two (rows x vocab) float32), the rule's
+    float64 copies (a residual row per sequence, its cumulative sum and the accepted tokens'
+    rows), the draft's probabilities as float32 beside the sent ones, the filters' kept mask
+    and a run's step (its logits, the selection's log-softmax, the bitmask's bytes); the
+    answer (ids, log-probs, nodes: a few numbers per position)."""
+    rows = sequences * positions
+    vocab = model.vocab_size
+    held = 2 * rows * vocab * LOGIT_BYTES + 4 * sequences * vocab * F64_BYTES
+    held += rows * vocab  # the kept mask (filters) or the greedy top's temporaries
+    if draft_probs:
+        held += 2 * sequences * (positions - 1) * vocab * LOGIT_BYTES
+    if shape is not None:
+        stepped = replace(shape, processors=shape.processors or _NONE)
+        held += decoding(model, rows, 1, stepped, False)
+    held += normed_rows(model, rows, residual)
+    held += rows * (3 * ID_BYTES + LOGIT_BYTES) * (1 + JSON_COPIES) + HEAD_TEXT
+    return Cost(held, run_bytes(model, rows))
+
+
+_NONE = Processors()

@@ -50,6 +50,8 @@ from service.messages import (
     Target,
     TopKRequest,
     TopKResult,
+    VerifyRequest,
+    VerifyResult,
 )
 from service.metrics import Metrics
 from service.plane import (
@@ -61,6 +63,7 @@ from service.plane import (
     lens_options,
     options,
     scoring,
+    verify,
 )
 from service.plane.control import ControlAPI
 from service.plane.lens import final_states, read_lens
@@ -347,6 +350,23 @@ class DataPlane(ControlAPI):
             cost = costs.lens(model, layers, tokens, checked.k, targets, request.tokens)
             self._admit(cost, "lens")
             return await read_lens(model, checked, request.tokens)
+
+    async def verify(self, request: VerifyRequest) -> VerifyResult:
+        """Speculative verification: drafts accepted or not, one token emitted (``verify``)."""
+        with self._serving("verify", request.target) as (model,):
+            checked = verify.check(request, model, self._limits)
+            residual = lens_options.residual(request.states, model)
+            sequences, positions = checked.hidden.shape[:2]
+            probs = checked.draft_probs is not None
+            cost = costs.verify(
+                model, sequences, positions, checked.shape, draft_probs=probs, residual=residual
+            )
+            self._admit(cost, "verify")
+            hidden = await final_states(model, checked.hidden, residual)
+            result = await verify.verify(model, checked, hidden.reshape(-1, model.d_model))
+            self._metrics.drafted_tokens.labels(model.name).inc(checked.draft_ids.size)
+            self._metrics.accepted_tokens.labels(model.name).inc(int(result.accepted.sum()))
+            return result
 
     # -- the rules' helpers -----------------------------------------------------------------
 

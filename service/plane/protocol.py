@@ -38,6 +38,8 @@ from service.messages import (
     Target,
     TopKRequest,
     TopKResult,
+    VerifyRequest,
+    VerifyResult,
 )
 
 
@@ -57,6 +59,8 @@ class InferencePlane(Protocol):
     async def compare(self, request: CompareRequest) -> CompareResult: ...
 
     async def lens(self, request: LensRequest) -> LensResult: ...
+
+    async def verify(self, request: VerifyRequest) -> VerifyResult: ...
 
 
 class ControlPlane(Protocol):

@@ -1,0 +1,267 @@
+"""Speculative verification in the data plane: a request's inputs checked, one projection of
+every position of every sequence, the target's processed distribution, and the exact rule
+(``service.runtime.verification``).
+
+The target distribution is the decoding step's, not a second copy of it: each run's full
+logits go through ``service.runtime.step.step_run`` (bias and bans, every processor, the
+temperature, the filters of ``sample``), so verification accepts against exactly what a
+plain step would sample from (vllm #9834 was sampling options left out of verification).
+``draft_probs`` are taken as the distribution the drafter sampled from, as sent: the rule is
+exact only for that distribution, so the options are not applied to it a second time.
+
+Sequences' uniforms come from their seeds (``verification.uniforms``), so a sequence's
+answer depends on its seed and its own rows alone. ``temperature`` 0 (or ``sample``'s) is
+greedy: the top token of the processed logits, ties to the lower id, as ``/topk``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from service.errors import InvalidInput
+from service.limits import Limits
+from service.messages import VerifyRequest, VerifyResult
+from service.plane.options import token_ids, vocabulary_shape
+from service.repository.loaded_version import LoadedVersion
+from service.runtime.filters import filtered_prefix
+from service.runtime.processors import Processors
+from service.runtime.step import columns, step_run
+from service.runtime.verification import (
+    Verdict,
+    uniforms,
+    verify_chain,
+    verify_greedy,
+    verify_tree,
+)
+from service.runtime.vocabulary import Floats, Ids, Shape, top_sorted
+
+#: How far a draft row's sum may be from 1.
+SUM_TOLERANCE = 1e-3
+#: The prefix each row's processed distribution is ranked to before a row is sorted whole.
+WIDTH = 64
+
+
+@dataclass(frozen=True)
+class CheckedVerify:
+    """The inputs, checked and in the head's columns: ``hidden`` (S, K + 1, d_model),
+    ``draft_ids`` (S, K), ``draft_probs`` (S, K, vocab) or None, ``parents`` (K,) or None
+    (a chain), the distribution's ``shape``, the run's ``temperature``, ``greedy``, one seed
+    per sequence."""
+
+    hidden: Floats
+    draft_ids: Ids
+    draft_probs: npt.NDArray[np.float32] | None
+    parents: Ids | None
+    shape: Shape | None
+    temperature: float
+    greedy: bool
+    seeds: Ids
+
+    @property
+    def filtered(self) -> bool:
+        spec = None if self.shape is None else self.shape.sample
+        return spec is not None and (spec.top_k, spec.top_p, spec.min_p) != (None,) * 3
+
+
+def check(request: VerifyRequest, model: LoadedVersion, limits: Limits) -> CheckedVerify:
+    """Every input, before any math; each refusal names its field, expected and actual."""
+    hidden = limits.hidden_states(request.hidden_states, model.d_model)
+    if hidden.ndim != 3:
+        raise InvalidInput(
+            f"hidden_states must have shape (sequences, K + 1, {model.d_model}), "
+            f"got {list(hidden.shape)}"
+        )
+    sequences, positions = hidden.shape[:2]
+    raw_ids = np.asarray(request.draft_token_ids)
+    if raw_ids.shape != (sequences, positions - 1):
+        raise InvalidInput(
+            f"draft_token_ids must have shape [{sequences}, {positions - 1}] (hidden_states "
+            f"holds K + 1 = {positions} positions), got {list(raw_ids.shape)[:8]}"
+        )
+    if positions < 2:
+        raise InvalidInput(f"hidden_states must hold K + 1 >= 2 positions, got {positions}")
+    draft_ids = token_ids(raw_ids, model.space, limits, "draft_token_ids")
+    parents = _parents(request.draft_parents, positions - 1)
+    probs = None
+    if request.draft_probs is not None:
+        if parents is not None:
+            raise InvalidInput(
+                "draft_probs with draft_parents: a tree's drafts are taken as certain; send "
+                "no draft_probs"
+            )
+        probs = _draft_probs(request.draft_probs, draft_ids, model.vocab_size)
+    greedy = request.temperature == 0
+    temperature = 1.0 if greedy else limits.temperature(request.temperature)
+    shape = None
+    if request.vocabulary is not None:
+        options = request.vocabulary
+        if options.allowed_token_ids is not None:
+            raise InvalidInput("allowed_token_ids: /verify takes bans and bias, not allowed ids")
+        rows = sequences * positions
+        shape, temperature = vocabulary_shape(options, rows, model.space, limits, temperature)
+        if shape.sample is not None and shape.sample.n is not None:
+            raise InvalidInput(
+                f"sample.n: /verify draws one token per sequence, got {shape.sample.n}"
+            )
+        greedy |= shape.sample is not None and shape.sample.temperature == 0
+    seeds = _seeds(request.seeds, shape, sequences)
+    return CheckedVerify(hidden, draft_ids, probs, parents, shape, temperature, greedy, seeds)
+
+
+def _parents(raw: npt.NDArray[Any] | None, nodes: int) -> Ids | None:
+    """``draft_parents``: (K,) ids, each -1 (the root's child) or an earlier node, so the
+    drafts form a tree: a parent at or after its node would make a cycle or point forward."""
+    if raw is None:
+        return None
+    parents = np.asarray(raw)
+    if parents.shape != (nodes,) or parents.dtype.kind not in "iu":
+        raise InvalidInput(
+            f"draft_parents must be {nodes} integers (one per draft), got "
+            f"{parents.dtype.name} of shape {list(parents.shape)[:8]}"
+        )
+    index = np.arange(nodes)
+    bad = (parents < -1) | (parents >= index)
+    if bad.any():
+        node = int(np.flatnonzero(bad)[0])
+        raise InvalidInput(
+            f"draft_parents[{node}] must be -1 or an earlier node (< {node}): a later or own "
+            f"index forms a cycle or points forward; got {int(parents[node])}"
+        )
+    return parents.astype(np.int64)
+
+
+def _draft_probs(raw: npt.NDArray[Any], draft_ids: Ids, vocab: int) -> npt.NDArray[np.float32]:
+    """(S, K, vocab) probabilities: finite, non-negative, each row summing to 1 within
+    ``SUM_TOLERANCE``, and each draft's own token above 0 (a draft cannot sample a token it
+    gives no mass)."""
+    expected = (*draft_ids.shape, vocab)
+    if raw.shape != expected or raw.dtype.kind != "f":
+        raise InvalidInput(
+            f"draft_probs must be floats of shape {list(expected)}, got "
+            f"{raw.dtype.name} of shape {list(raw.shape)[:8]}"
+        )
+    probs = raw.astype(np.float32, copy=False)
+    if not np.isfinite(probs).all() or (probs < 0).any():
+        raise InvalidInput("draft_probs must be finite and non-negative")
+    sums = probs.sum(axis=2, dtype=np.float64)
+    off = np.abs(sums - 1.0) > SUM_TOLERANCE
+    if off.any():
+        s, k = (int(i) for i in np.argwhere(off)[0])
+        raise InvalidInput(
+            f"draft_probs[{s}][{k}] must sum to 1 (within {SUM_TOLERANCE:g}), "
+            f"got {float(sums[s, k]):.6g}"
+        )
+    own = np.take_along_axis(probs, draft_ids[:, :, None], axis=2)[:, :, 0]
+    if (own <= 0).any():
+        s, k = (int(i) for i in np.argwhere(own <= 0)[0])
+        raise InvalidInput(
+            f"draft_probs[{s}][{k}] gives the drafted token {int(draft_ids[s, k])} "
+            "probability 0: a draft must have had a chance to sample its own token"
+        )
+    return probs
+
+
+def _seeds(raw: npt.NDArray[Any] | None, shape: Shape | None, sequences: int) -> Ids:
+    """One seed per sequence: as sent; else ``sample.seed`` + the sequence's index; else
+    random (63 bits), given back so the answer can be reproduced."""
+    if raw is None:
+        spec = None if shape is None else shape.sample
+        first = secrets.randbits(62) if spec is None else spec.seed
+        return (first + np.arange(sequences, dtype=np.int64)) % (2**63 - 1)
+    seeds = np.asarray(raw)
+    if seeds.shape != (sequences,) or seeds.dtype.kind not in "iu":
+        raise InvalidInput(
+            f"seeds must be {sequences} integers (one per sequence), got "
+            f"{seeds.dtype.name} of shape {list(seeds.shape)[:8]}"
+        )
+    if (seeds < 0).any() or (seeds >= 2**63 - 1).any():
+        raise InvalidInput("seeds must be in [0, 2**63 - 1)")
+    return seeds.astype(np.int64)
+
+
+async def verify(model: LoadedVersion, checked: CheckedVerify, hidden: Floats) -> VerifyResult:
+    """One projection of every position (``hidden``: final states, (S * (K + 1), d_model)),
+    run by run, each run's processed distribution in the inference executor; then the rule."""
+    sequences, positions = checked.hidden.shape[:2]
+    shape = checked.shape or Shape()
+    processors = shape.processors or Processors()
+    raw = np.empty((len(hidden), model.vocab_size), np.float32)
+    probs = np.empty_like(raw)
+    loop = asyncio.get_running_loop()
+    step = model.rows_per_run
+    for start in range(0, len(hidden), step):
+        stop = min(start + step, len(hidden))
+        projection = await model.project(
+            hidden[start:stop], 1, temperature=checked.temperature, full_logits=True
+        )
+        assert projection.logits is not None
+        args = (projection.logits, checked, processors.part(start, stop), shape)
+        part = await loop.run_in_executor(model.runner.executor, _distribution, *args)
+        raw[start:stop], probs[start:stop] = part
+    raw3 = raw.reshape(sequences, positions, -1)
+    probs3 = probs.reshape(sequences, positions, -1)
+    verdict = await loop.run_in_executor(model.runner.executor, _verdict, raw3, probs3, checked)
+    mode = processors.logprobs_mode
+    with np.errstate(divide="ignore"):
+        chosen = raw3 if mode == "raw" else np.log(probs3)
+    rows = np.arange(sequences)[:, None]
+    safe_positions = np.maximum(verdict.positions, 0)
+    safe_tokens = np.maximum(verdict.token_ids, 0)
+    logprobs = np.where(
+        verdict.token_ids >= 0, chosen[rows, safe_positions, safe_tokens], np.float32(np.nan)
+    ).astype(np.float32)
+    tokens = np.where(verdict.token_ids >= 0, model.space.original(safe_tokens), -1)
+    return VerifyResult(
+        model.info,
+        verdict.accepted,
+        tokens.astype(np.int64),
+        logprobs,
+        verdict.nodes,
+        checked.seeds,
+        mode,
+    )
+
+
+def _distribution(
+    logits: Floats, checked: CheckedVerify, processors: Processors, shape: Shape
+) -> tuple[Floats, Floats]:
+    """A run's raw log-probs (every processor and the temperature) and processed
+    probabilities (the filters too), from the decoding step's own run."""
+    vocab = logits.shape[1]
+    spec = shape.sample
+    width = min(vocab, max(WIDTH, spec.top_k or 0) if spec is not None else WIDTH)
+    run = step_run(logits, checked.temperature, processors, shape.bias, spec, width, None)
+    logits -= run.lse[:, None]  # the raw log-probs, in place
+    if not checked.filtered:
+        return logits, np.exp(logits)
+    assert spec is not None
+    kept = np.zeros(logits.shape, np.bool_)
+    inside = ~run.keep[:, -1] | (width >= vocab)
+    rows = np.flatnonzero(inside)
+    picked = np.where(run.keep[rows], run.ids[rows], run.ids[rows, :1])
+    kept[rows[:, None], picked] = True
+    for row in np.flatnonzero(~inside).tolist():  # the kept set may reach past the prefix
+        ranked, order = top_sorted(logits[row : row + 1], columns(vocab), vocab)
+        whole = filtered_prefix(ranked, np.zeros(1, np.float32), spec, processors.order, vocab)
+        kept[row, order[0, whole.keep[0]]] = True
+    shift = (run.kept_lse - run.lse)[:, None]  # log of the kept mass
+    with np.errstate(over="ignore"):
+        probs = np.where(kept, np.exp(logits - shift), np.float32(0.0))
+    return logits, probs.astype(np.float32)
+
+
+def _verdict(raw: Floats, probs: Floats, checked: CheckedVerify) -> Verdict:
+    """The rule the inputs ask for (``service.runtime.verification``)."""
+    nodes = checked.draft_ids.shape[1]
+    if checked.greedy:
+        return verify_greedy(raw, checked.draft_ids, checked.parents)
+    u = uniforms(checked.seeds.tolist(), nodes + 1)
+    if checked.parents is not None:
+        return verify_tree(probs, checked.draft_ids, checked.parents, u)
+    return verify_chain(probs, checked.draft_ids, u, checked.draft_probs)

@@ -1,0 +1,233 @@
+"""``/verify`` through the data plane, in process, against numpy: the target distribution is
+the float64 reference's (temperature, top-k) at every position, the rule applied to it with
+the sequences' seeds gives the plane's answer, the answer's log-probs are the reference's;
+greedy verification is greedy decoding of the same states; runs split a request (rows of
+several runs); bad inputs are refused naming their field; /metrics counts drafts."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from service.errors import InvalidInput
+from service.heads.files import HeadWeights, save_head
+from service.messages import SampleOptions, Target, VerifyRequest, VerifyResult, VocabularyOptions
+from service.metrics import Metrics
+from service.plane.dataplane import DataPlane
+from service.repository.registry import Registry
+from service.runtime.verification import uniforms, verify_chain, verify_tree
+from service.settings import Settings
+from tests.conftest import D_MODEL, VOCAB, reference_logits
+
+HEAD = Target("head")
+RUN_ROWS = 8
+SEQUENCES, K = 6, 3
+T = TypeVar("T")
+Doubles = npt.NDArray[np.float64]
+
+
+@pytest.fixture(scope="module")
+def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("verify")
+    table = np.random.default_rng(46).standard_normal((VOCAB, D_MODEL), dtype=np.float32)
+    save_head(HeadWeights.from_arrays(table * 0.3), root / HEAD.model / "1")
+    return root
+
+
+def _served(repository: Path, call: Callable[[DataPlane], Awaitable[T]]) -> tuple[T, bytes]:
+    """``call`` on a data plane over the repository (runs of 8 rows), and its metrics."""
+
+    @asynccontextmanager
+    async def plane() -> AsyncIterator[tuple[DataPlane, Metrics]]:
+        settings = Settings(
+            repository=repository, max_rows=1024, max_logits_bytes=RUN_ROWS * 2 * VOCAB * 4
+        )
+        metrics = Metrics()
+        with ThreadPoolExecutor(1) as executor:
+            registry = Registry(settings, executor, metrics)
+            serving = DataPlane(registry, settings, metrics)
+            await registry.load_all()
+            try:
+                yield serving, metrics
+            finally:
+                await serving.close()
+                await registry.close()
+
+    async def main() -> tuple[T, bytes]:
+        async with plane() as (serving, metrics):
+            return await call(serving), metrics.render()
+
+    return asyncio.run(main())
+
+
+def _target(repository: Path, hidden: Doubles, temperature: float, top_k: int | None) -> Doubles:
+    """The reference distribution at every position: softmax(logits / T), top-k kept."""
+    logits = reference_logits(repository / HEAD.model / "1", hidden.reshape(-1, D_MODEL))
+    logits = logits / temperature
+    if top_k is not None:
+        floor = np.sort(logits, axis=1)[:, -top_k][:, None]
+        logits = np.where(logits >= floor, logits, -np.inf)
+    probs = np.exp(logits - logits.max(axis=1, keepdims=True))
+    shaped: Doubles = (probs / probs.sum(axis=1, keepdims=True)).reshape(*hidden.shape[:2], -1)
+    return shaped
+
+
+def _inputs(seed: int) -> tuple[npt.NDArray[np.float32], Doubles]:
+    rng = np.random.default_rng(seed)
+    hidden = rng.standard_normal((SEQUENCES, K + 1, D_MODEL), dtype=np.float32)
+    draft = rng.dirichlet(np.full(VOCAB, 0.05), size=(SEQUENCES, K))
+    return hidden, draft
+
+
+def _verify(repository: Path, request: VerifyRequest) -> tuple[VerifyResult, bytes]:
+    async def call(plane: DataPlane) -> VerifyResult:
+        return await plane.verify(request)
+
+    return _served(repository, call)
+
+
+def test_a_chain_with_draft_probs_follows_the_rule_on_the_reference(repository: Path) -> None:
+    """Temperature 0.7 and top-k 50 shape the target; drafts are the draft's own top token
+    (some kept by the target's top-k, some not); the answer is the rule's over the
+    reference distribution with the same seeds, and its log-probs the reference's."""
+    hidden, draft = _inputs(1)
+    target = _target(repository, hidden.astype(np.float64), 0.7, 50)
+    draft_ids = np.argmax(draft, axis=2)
+    for position in (0, 1):  # the target's favourite: often kept
+        draft_ids[:, position] = np.argmax(target[:, position], axis=1)
+        draft[np.arange(SEQUENCES), position, draft_ids[:, position]] += 0.5
+    draft /= draft.sum(axis=2, keepdims=True)
+    seeds = np.arange(100, 100 + SEQUENCES)
+    options = VocabularyOptions(sample=SampleOptions(temperature=0.7, top_k=50))
+    request = VerifyRequest(
+        HEAD, hidden, draft_ids, draft.astype(np.float32), vocabulary=options, seeds=seeds
+    )
+    result, metrics = _verify(repository, request)
+    expected = verify_chain(target, draft_ids, uniforms(seeds.tolist(), K + 1), draft)
+    assert result.accepted.tolist() == expected.accepted.tolist()
+    assert len(set(result.accepted.tolist())) >= 2  # some accepted, some not
+    assert result.token_ids.tolist() == expected.token_ids.tolist()
+    assert result.nodes.tolist() == expected.nodes.tolist()
+    listed = expected.token_ids >= 0
+    rows = np.nonzero(listed)[0]
+    reference = np.log(target[rows, expected.positions[listed], expected.token_ids[listed]])
+    assert result.logprobs_mode == "raw"  # no decoding options: /topk's default
+    raw = np.log(_target(repository, hidden.astype(np.float64), 0.7, None))
+    raw_reference = raw[rows, expected.positions[listed], expected.token_ids[listed]]
+    np.testing.assert_allclose(result.logprobs[listed], raw_reference, rtol=1e-4, atol=1e-4)
+    assert np.isfinite(reference).all()  # every emitted token has mass in the target
+    assert result.seeds.tolist() == seeds.tolist()
+    drafted = f'lmhead_verify_drafted_tokens_total{{model="head"}} {float(SEQUENCES * K)}'
+    accepted = f'lmhead_verify_accepted_tokens_total{{model="head"}} {float(result.accepted.sum())}'
+    assert drafted in metrics.decode()
+    assert accepted in metrics.decode()
+
+
+def test_a_tree_and_drafts_taken_as_certain_follow_the_rule(repository: Path) -> None:
+    """Two children at the root, a grandchild under the second; no draft distribution."""
+    hidden, _ = _inputs(2)
+    target = _target(repository, hidden.astype(np.float64), 1.0, None)
+    parents = np.array([-1, -1, 1])
+    draft_ids = np.stack(
+        [
+            np.argsort(target[:, 0], axis=1)[:, -2],
+            np.argmax(target[:, 0], axis=1),
+            np.argmax(target[:, 2], axis=1),
+        ],
+        axis=1,
+    )
+    seeds = np.arange(7, 7 + SEQUENCES)
+    request = VerifyRequest(HEAD, hidden, draft_ids, draft_parents=parents, seeds=seeds)
+    result, _ = _verify(repository, request)
+    expected = verify_tree(target, draft_ids, parents, uniforms(seeds.tolist(), K + 1))
+    assert result.token_ids.tolist() == expected.token_ids.tolist()
+    assert result.nodes.tolist() == expected.nodes.tolist()
+
+
+def test_greedy_verification_is_greedy_decoding(repository: Path) -> None:
+    """Temperature 0: the drafts are the reference's top tokens but for one per sequence
+    (at a position of its own); the answer is greedy decoding of the same states."""
+    hidden, _ = _inputs(3)
+    top = np.argmax(reference_logits(repository / HEAD.model / "1", hidden.reshape(-1, D_MODEL)), 1)
+    top = top.reshape(SEQUENCES, K + 1)
+    draft_ids = top[:, :K].copy()
+    for sequence in range(SEQUENCES):
+        if sequence < K:
+            draft_ids[sequence, sequence] = (draft_ids[sequence, sequence] + 1) % VOCAB
+    result, _ = _verify(repository, VerifyRequest(HEAD, hidden, draft_ids, temperature=0.0))
+    for sequence in range(SEQUENCES):
+        stop = sequence if sequence < K else K
+        assert result.accepted[sequence] == stop
+        assert result.token_ids[sequence, : stop + 1].tolist() == top[sequence, : stop + 1].tolist()
+
+
+def test_a_seed_gives_the_same_answer_alone_or_in_a_batch(repository: Path) -> None:
+    hidden, draft = _inputs(4)
+    draft_ids = np.argmax(draft, axis=2)
+    probs = draft.astype(np.float32)
+    seeds = np.arange(SEQUENCES) * 1000
+    batch, _ = _verify(repository, VerifyRequest(HEAD, hidden, draft_ids, probs, seeds=seeds))
+    alone, _ = _verify(
+        repository, VerifyRequest(HEAD, hidden[3:4], draft_ids[3:4], probs[3:4], seeds=seeds[3:4])
+    )
+    assert alone.token_ids[0].tolist() == batch.token_ids[3].tolist()
+
+
+def _bad(**changes: Any) -> dict[str, Any]:
+    hidden, draft = _inputs(5)
+    fields: dict[str, Any] = {
+        "target": HEAD,
+        "hidden_states": hidden,
+        "draft_token_ids": np.argmax(draft, axis=2),
+        "draft_probs": draft.astype(np.float32),
+    }
+    fields.update(changes)
+    return fields
+
+
+def _negative() -> npt.NDArray[np.float32]:
+    probs: npt.NDArray[np.float32] = _bad()["draft_probs"].copy()
+    probs[0, 0, :2] = [-0.1, 0.1]
+    return probs
+
+
+def _zero_own() -> npt.NDArray[np.float32]:
+    fields = _bad()
+    probs: npt.NDArray[np.float32] = fields["draft_probs"].copy()
+    probs[2, 1] = 1.0 / (VOCAB - 1)
+    probs[2, 1, fields["draft_token_ids"][2, 1]] = 0.0
+    return probs
+
+
+@pytest.mark.parametrize(
+    ("changes", "named"),
+    [
+        ({"draft_token_ids": np.zeros((SEQUENCES, K + 1), np.int64)}, "draft_token_ids must"),
+        ({"draft_token_ids": np.full((SEQUENCES, K), VOCAB)}, "draft_token_ids"),
+        ({"draft_probs": np.full((SEQUENCES, K, VOCAB), 2.0 / VOCAB, np.float32)}, "sum to 1"),
+        ({"draft_probs": "negative"}, "non-negative"),
+        ({"draft_probs": "zero own"}, "probability 0"),
+        ({"draft_probs": None, "draft_parents": np.array([-1, 1, 0])}, "draft_parents[1]"),
+        ({"draft_probs": None, "draft_parents": np.array([-1, 2, 0])}, "points forward"),
+        ({"draft_parents": np.array([-1, 0, 1])}, "draft_probs with draft_parents"),
+        ({"seeds": np.zeros(2, np.int64)}, "seeds must be 6 integers"),
+    ],
+)
+def test_bad_input_is_refused_naming_the_field(
+    repository: Path, changes: dict[str, Any], named: str
+) -> None:
+    if isinstance(changes.get("draft_probs"), str):
+        changes = {
+            "draft_probs": _negative() if changes["draft_probs"] == "negative" else _zero_own()
+        }
+    with pytest.raises(InvalidInput, match=None) as refused:
+        _verify(repository, VerifyRequest(**_bad(**changes)))
+    assert named in str(refused.value)
