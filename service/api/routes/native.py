@@ -16,6 +16,7 @@ from starlette.responses import Response
 
 from service.api.codec import native
 from service.api.codec.lens_wire import decode_lens, encode_lens
+from service.api.codec.verify_wire import decode_verify, encode_verify
 from service.api.routes.deps import PlaneDep, body_limit, plane_of
 from service.api.routes.openapi import (
     BINARY,
@@ -43,6 +44,7 @@ from service.api.schemas import (
     TopKAnswer,
     TopKBody,
 )
+from service.api.verify_schemas import VerifyAnswer, VerifyBody, VerifyOptions
 
 router = APIRouter(prefix="/v1", tags=["native"])
 Handler = Callable[[Request], Awaitable[Response]]
@@ -146,6 +148,21 @@ async def lens(request: Request) -> Response:
     and, with target_ids, each target's log-prob and rank. Runs in bounded memory."""
     decoded, answer = await decode_lens(request, body_limit(request))
     return await encode_lens(await plane_of(request).lens(decoded), answer)
+
+
+@_inference(
+    "verify",
+    VerifyBody,
+    VerifyAnswer,
+    answers=(),
+    alternatives={NPZ: BINARY},
+    parameters=(VERSION_QUERY, *npy_query(VerifyOptions)),
+)
+async def verify(request: Request) -> Response:
+    """Speculative verification: which drafted tokens the target accepts (exact rejection
+    sampling; greedy at temperature 0; trees with draft_parents) and the token after them."""
+    decoded = await decode_verify(request, body_limit(request))
+    return await encode_verify(await plane_of(request).verify(decoded))
 
 
 @router.post(

@@ -26,6 +26,7 @@ from service.api.schemas import (
     V2ErrorAnswer,
     V2InferBody,
 )
+from service.api.verify_schemas import VerifyBody
 
 NPY = "application/x-npy"
 NPZ = "application/x-npz"
@@ -42,6 +43,7 @@ BODIES: tuple[type[BaseModel], ...] = (
     CompareBody,
     LensBody,
     V2InferBody,
+    VerifyBody,
 )
 PATH_PARAMETERS: dict[str, dict[str, Any]] = {
     "name": {

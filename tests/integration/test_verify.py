@@ -1,0 +1,158 @@
+"""``POST /v1/models/{name}/verify`` over real HTTP against the float64 reference: a chain
+with draft probabilities (JSON and .npz bodies give the same answer, the rule's over the
+reference distribution with the same seeds), greedy verification is greedy decoding, a tree,
+/metrics counts drafted and accepted tokens, and bad input is refused naming its field."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from service.heads.files import HeadWeights, save_head
+from service.heads.reference import log_softmax
+from service.runtime.verification import uniforms, verify_chain, verify_tree
+from tests.server import metric, running_server
+
+VOCAB, D = 300, 16
+RNG = np.random.default_rng(46)
+TABLE = (0.4 * RNG.standard_normal((VOCAB, D))).astype(np.float32)
+SEQUENCES, K = 5, 3
+HIDDEN = RNG.standard_normal((SEQUENCES, K + 1, D)).astype(np.float32)
+SEEDS = list(range(40, 40 + SEQUENCES))
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    repository = tmp_path_factory.mktemp("verify")
+    save_head(HeadWeights.from_arrays(TABLE), repository / "head" / "1")
+    with running_server(repository) as base_url:
+        yield base_url
+
+
+def _reference(temperature: float = 1.0) -> npt.NDArray[np.float64]:
+    logits = HIDDEN.astype(np.float64) @ TABLE.astype(np.float64).T / temperature
+    probs: npt.NDArray[np.float64] = np.exp(log_softmax(logits))
+    return probs
+
+
+def _drafts() -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float64]]:
+    """Drafts the target likes at the first two positions, a draft distribution giving them
+    half its mass."""
+    target = _reference(0.8)
+    draft = RNG.dirichlet(np.full(VOCAB, 0.1), size=(SEQUENCES, K))
+    ids = np.argmax(draft, axis=2)
+    ids[:, :2] = np.argmax(target[:, :2], axis=2)
+    for position in range(K):
+        draft[np.arange(SEQUENCES), position, ids[:, position]] += 1.0
+    return ids.astype(np.int64), draft / draft.sum(axis=2, keepdims=True)
+
+
+def _post(url: str, **kwargs: Any) -> httpx.Response:
+    return httpx.post(f"{url}/v1/models/head/verify", timeout=30, **kwargs)
+
+
+def test_a_chain_follows_the_rule_over_json_and_npz(url: str) -> None:
+    ids, draft = _drafts()
+    body = {
+        "hidden_states": HIDDEN.tolist(),
+        "draft_token_ids": ids.tolist(),
+        "draft_probs": draft.tolist(),
+        "temperature": 0.8,
+        "seeds": SEEDS,
+    }
+    drafted_before = metric(url, "lmhead_verify_drafted_tokens_total", model="head")
+    answer = _post(url, json=body)
+    assert answer.status_code == 200, answer.text
+    results = answer.json()["results"]
+    expected = verify_chain(_reference(0.8), ids, uniforms(SEEDS, K + 1), draft)
+    accepted = [row["accepted"] for row in results]
+    assert accepted == expected.accepted.tolist()
+    assert len(set(accepted)) >= 2
+    logp = np.log(_reference(0.8))
+    for row, result in enumerate(results):
+        chosen = expected.token_ids[row, : accepted[row] + 1].tolist()
+        assert result["token_ids"] == chosen
+        positions = expected.positions[row, : accepted[row] + 1]
+        np.testing.assert_allclose(
+            result["logprobs"], logp[row, positions, chosen], rtol=1e-4, atol=1e-4
+        )
+        assert result["seed"] == SEEDS[row]
+    archive = io.BytesIO()
+    np.savez(
+        archive,
+        hidden_states=HIDDEN,
+        draft_token_ids=ids,
+        draft_probs=draft.astype(np.float32),
+        seeds=np.array(SEEDS),
+    )
+    binary = _post(
+        url,
+        content=archive.getvalue(),
+        params={"temperature": "0.8"},
+        headers={"content-type": "application/x-npz"},
+    )
+    assert binary.status_code == 200, binary.text
+    assert [r["token_ids"] for r in binary.json()["results"]] == [r["token_ids"] for r in results]
+    drafted = metric(url, "lmhead_verify_drafted_tokens_total", model="head") - drafted_before
+    assert drafted == 2 * SEQUENCES * K
+
+
+def test_greedy_verification_is_greedy_decoding(url: str) -> None:
+    top = np.argmax(_reference(), axis=2)
+    ids = top[:, :K].copy()
+    ids[0, 0] = (ids[0, 0] + 1) % VOCAB
+    ids[1, 2] = (ids[1, 2] + 1) % VOCAB
+    body = {"hidden_states": HIDDEN.tolist(), "draft_token_ids": ids.tolist(), "temperature": 0}
+    results = _post(url, json=body).json()["results"]
+    assert [row["accepted"] for row in results] == [0, 2, 3, 3, 3]
+    for row, result in enumerate(results):
+        assert result["token_ids"] == top[row, : result["accepted"] + 1].tolist()
+
+
+def test_a_tree_follows_the_rule(url: str) -> None:
+    target = _reference()
+    parents = [-1, -1, 1]
+    ids = np.stack(
+        [
+            np.argsort(target[:, 0], axis=1)[:, -2],
+            np.argmax(target[:, 0], axis=1),
+            np.argmax(target[:, 2], axis=1),
+        ],
+        axis=1,
+    )
+    body = {
+        "hidden_states": HIDDEN.tolist(),
+        "draft_token_ids": ids.tolist(),
+        "draft_parents": parents,
+        "seeds": SEEDS,
+    }
+    results = _post(url, json=body).json()["results"]
+    expected = verify_tree(target, ids, np.array(parents), uniforms(SEEDS, K + 1))
+    for row, result in enumerate(results):
+        assert result["nodes"] == expected.nodes[row, : result["accepted"]].tolist()
+        assert result["token_ids"] == expected.token_ids[row, : result["accepted"] + 1].tolist()
+
+
+@pytest.mark.parametrize(
+    ("changes", "named"),
+    [
+        ({"draft_token_ids": [[1, 2]] * SEQUENCES}, "draft_token_ids must have shape"),
+        ({"draft_token_ids": [[1, 2, VOCAB]] * SEQUENCES}, "draft_token_ids"),
+        ({"draft_probs": np.full((SEQUENCES, K, VOCAB), 0.5).tolist()}, "must sum to 1"),
+        ({"draft_parents": [-1, 2, 0]}, "draft_parents[1]"),
+        ({"unknown": 1}, "unknown"),
+    ],
+)
+def test_bad_input_is_refused_naming_the_field(
+    url: str, changes: dict[str, Any], named: str
+) -> None:
+    body = {"hidden_states": HIDDEN.tolist(), "draft_token_ids": [[1, 2, 3]] * SEQUENCES}
+    answer = _post(url, json=body | changes)
+    assert 400 <= answer.status_code < 500
+    assert named in answer.text
