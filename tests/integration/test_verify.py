@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -28,9 +29,14 @@ SEEDS = list(range(40, 40 + SEQUENCES))
 
 
 @pytest.fixture(scope="module")
-def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    repository = tmp_path_factory.mktemp("verify")
-    save_head(HeadWeights.from_arrays(TABLE), repository / "head" / "1")
+def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("verify")
+    save_head(HeadWeights.from_arrays(TABLE), root / "head" / "1")
+    return root
+
+
+@pytest.fixture(scope="module")
+def url(repository: Path) -> Iterator[str]:
     with running_server(repository) as base_url:
         yield base_url
 
@@ -156,3 +162,20 @@ def test_bad_input_is_refused_naming_the_field(
     answer = _post(url, json=body | changes)
     assert 400 <= answer.status_code < 500
     assert named in answer.text
+
+
+def test_a_seed_gives_the_same_answer_in_split_mode(url: str, repository: Path) -> None:
+    """Two fronts before one engine (``LMHEAD_WORKERS=2``): the arrays cross the split, and
+    each sequence's answer is the one process's, call after call."""
+    ids, draft = _drafts()
+    body = {
+        "hidden_states": HIDDEN.tolist(),
+        "draft_token_ids": ids.tolist(),
+        "draft_probs": draft.tolist(),
+        "sample": {"top_p": 0.9, "seed": 7},
+    }
+    one = _post(url, json=body).json()["results"]
+    with running_server(repository, workers="2") as split:
+        answers = [_post(split, json=body).json()["results"] for _ in range(3)]
+    assert all(answer == one for answer in answers)
+    assert [row["seed"] for row in one] == list(range(7, 7 + SEQUENCES))
