@@ -18,6 +18,7 @@ import io
 import math
 import re
 import threading
+import zipfile
 from typing import Any
 
 import numpy as np
@@ -99,6 +100,50 @@ _PLAIN = re.compile(
     rb"\{'descr': '([<>|=]?[a-zA-Z][0-9]{0,3})', 'fortran_order': (True|False), "
     rb"'shape': \((|" + _DIM + rb",|" + _DIM + rb"(?:, " + _DIM + rb")+)\), \} *\n"
 )
+
+
+#: Arrays a request's ``.npz`` body may hold (the hidden states and the array options).
+MAX_NPZ_ENTRIES = 32
+
+
+def read_npz_body(data: bytes) -> dict[str, npt.NDArray[Any]]:
+    """Every array of a request's ``.npz`` body, by name, read as ``read_npy`` reads one
+    (``np.savez`` writes them stored: each is a view of the body, nothing is inflated). A
+    compressed entry is refused: its inflated size is the sender's to choose (a zip bomb),
+    where a stored one is bounded by the body's own bytes."""
+    try:
+        archive = zipfile.ZipFile(io.BytesIO(data))
+        entries = archive.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as error:
+        raise NpyError("not a .npz (zip) archive") from error
+    if len(entries) > MAX_NPZ_ENTRIES:
+        raise NpyError(f"{len(entries)} arrays; at most {MAX_NPZ_ENTRIES}")
+    arrays: dict[str, npt.NDArray[Any]] = {}
+    view = memoryview(data)
+    for entry in entries:
+        name = entry.filename.removesuffix(".npy")
+        if entry.compress_type != zipfile.ZIP_STORED:
+            raise NpyError(f"array {name[:64]!r} is compressed; send it stored (np.savez)")
+        if name in arrays or not name.isidentifier():
+            raise NpyError(f"array name {name[:64]!r} is given twice or is not a plain name")
+        start = _member_start(view, entry)
+        arrays[name] = read_npy(bytes(view[start : start + entry.file_size]))
+    return arrays
+
+
+def _member_start(view: memoryview, entry: zipfile.ZipInfo) -> int:
+    """Where a stored member's bytes start: past its local header (30 bytes, its name and
+    extra field, whose lengths the local header holds, not the central directory)."""
+    offset = entry.header_offset
+    local = bytes(view[offset : offset + 30])
+    if len(local) < 30 or local[:4] != b"PK\x03\x04":
+        raise NpyError("broken .npz archive (a member's local header)")
+    name_length = int.from_bytes(local[26:28], "little")
+    extra_length = int.from_bytes(local[28:30], "little")
+    start = offset + 30 + name_length + extra_length
+    if start + entry.file_size > len(view):
+        raise NpyError("broken .npz archive (a member past the end)")
+    return start
 
 
 def read_npz(data: bytes) -> dict[str, npt.NDArray[Any]]:

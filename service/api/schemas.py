@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from service.api.decoding_fields import ArrayFields, DrawFields, PenaltyFields, StepFields
+
 _EXAMPLE_ROW = [0.5, -1.25, 0.75, 2.0]
 
 
@@ -26,9 +28,8 @@ class _Options(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
-class LogitsOptions(_Options):
-    """Options of ``/logits``: in the JSON body beside ``hidden_states``, or as query
-    parameters with a ``.npy`` body."""
+class _Temperature(_Options):
+    """What ``/logits`` and ``/topk`` share, listed first where the options are named."""
 
     temperature: float = 1.0
     """Divides the logits (and so the log-probs); never changes the order."""
@@ -37,8 +38,15 @@ class LogitsOptions(_Options):
     before it, which the head's final norm (kept by ``lmhead import``) normalizes first."""
 
 
-class SampleBody(_Options):
-    """Draw one token per row (filters in Hugging Face's order: top_k, top_p, min_p)."""
+class LogitsOptions(PenaltyFields, _Temperature):
+    """Options of ``/logits``: in the JSON body beside ``hidden_states``, or as query
+    parameters with a ``.npy`` or ``.npz`` body; the decoding step's penalties
+    (``service.api.decoding_fields``)."""
+
+
+class SampleBody(DrawFields, _Options):
+    """Draw one token per row, or ``n`` (filters in Hugging Face's order: top_k, top_p,
+    min_p; ``processor_order`` ``vllm``: min_p first)."""
 
     temperature: float | None = Field(default=None, examples=[0.8])
     """Sampling temperature; 0 is greedy; the request's ``temperature`` when absent."""
@@ -52,7 +60,7 @@ class SampleBody(_Options):
     """Same seed, same row position: same token. A random seed (returned) when absent."""
 
 
-class TopKOptions(LogitsOptions):
+class TopKOptions(StepFields, LogitsOptions):
     """Options of ``/topk``: the temperature, plus k and whether to return log-probs."""
 
     k: int | None = Field(default=None, examples=[3])
@@ -125,7 +133,7 @@ def _example(**values: Any) -> ConfigDict:
     return ConfigDict(json_schema_extra={"examples": [values]})
 
 
-class TopKBody(TopKOptions):
+class TopKBody(ArrayFields, TopKOptions):
     model_config = _example(hidden_states=[_EXAMPLE_ROW], k=3, logprobs=True)
 
     hidden_states: list[Any]
@@ -136,7 +144,7 @@ class TopKBody(TopKOptions):
     """Never return or draw these ids: one flat list, for every row."""
 
 
-class LogitsBody(LogitsOptions):
+class LogitsBody(ArrayFields, LogitsOptions):
     model_config = _example(hidden_states=[_EXAMPLE_ROW])
 
     hidden_states: list[Any]
@@ -175,12 +183,17 @@ class CompareBody(CompareOptions):
 
 class TopKRow(_Document):
     token_ids: list[int]
-    logits: list[float]
-    logprobs: list[float] | None = None
+    logits: list[float | None]
+    """null: -inf (a token the processed distribution's filters dropped)."""
+    logprobs: list[float | None] | None = None
     tokens: list[str | None] | None = None
     sampled_token_id: int | None = None
     sampled_logprob: float | None = None
     sampled_token: str | None = None
+    sampled_token_ids: list[int] | None = None
+    """With ``sample.n``: the row's n draws (and their log-probs and strings below)."""
+    sampled_logprobs: list[float | None] | None = None
+    sampled_tokens: list[str | None] | None = None
 
 
 class Identity(_Document):
@@ -198,6 +211,8 @@ class TopKAnswer(Identity):
     """Present when the request shaped the distribution."""
     seed: int | None = None
     """The seed that reproduces the draws, when sampling."""
+    logprobs_mode: Literal["raw", "processed"] | None = None
+    """Present when the request asked for the decoding step."""
 
 
 class LogitsAnswer(Identity):
@@ -311,7 +326,8 @@ class V2ErrorAnswer(_Document):
 
 class V2Tensor(_Document):
     name: str
-    """hidden_states (FP32/FP16) or input_ids (INT64/INT32) in; an output name out."""
+    """hidden_states (FP32/FP16) or input_ids (INT64/INT32) in, or an array option
+    (``V2Parameters`` names them); an output name out."""
     shape: list[int]
     datatype: str
     parameters: dict[str, Any] | None = None
@@ -327,10 +343,13 @@ class V2OutputRequest(_Document):
     """k (top-k outputs), classification (logits), binary_data."""
 
 
-class V2Parameters(_Document):
+class V2Parameters(PenaltyFields, StepFields, _Document):
     """The request's parameters: a parameter sent as null is not given; others (the
     protocol's extensions) are left alone. The structured ones may also come as their JSON
-    text (gRPC parameters are scalars)."""
+    text (gRPC parameters are scalars). The decoding step's arrays are input tensors:
+    token_bitmask (INT32), prompt_token_ids, output_token_ids, bad_words_ids (each as its
+    values and ``<name>_lengths``, INT64 or INT32), stop_token_ids, allowed_token_ids and
+    banned_token_ids."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -350,7 +369,10 @@ class V2Parameters(_Document):
         default=None, examples=["candidates"]
     )
     sample: SampleBody | str | None = None
-    """Draws come back as the outputs sampled_token_ids and sampled_logprobs."""
+    """Draws come back as the outputs sampled_token_ids and sampled_logprobs ((rows, n)
+    with ``n``)."""
+    stop_token_ids: list[int] | str | None = Field(default=None, examples=[[2]])
+    """Banned while a row's output is shorter than min_tokens (or the input tensor)."""
 
 
 class V2InferBody(_Document):

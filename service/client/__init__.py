@@ -84,9 +84,14 @@ class Client:
         states: str | None = None,
         **options: Any,
     ) -> TopK:
-        """``options``: allowed_token_ids, logit_bias, banned_token_ids, logprobs_over, sample.
-        ``states``: ``"residual"`` sends pre-norm states, through the head's final norm
-        first (heads that hold one); None: not sent (the service's ``"final"``)."""
+        """``options``: allowed_token_ids, logit_bias, banned_token_ids, logprobs_over, sample
+        (with ``n``: n draws per row), and the decoding step's: prompt_token_ids,
+        output_token_ids (one list per row), repetition_penalty, presence_penalty,
+        frequency_penalty, min_tokens, stop_token_ids, bad_words_ids, token_bitmask (a
+        grammar library's int32 array), logprobs_mode, processor_order; array options travel
+        in an ``.npz`` body (in JSON mode, in the JSON body). ``states``: ``"residual"`` sends
+        pre-norm states, through the head's final norm first (heads that hold one); None: not
+        sent (the service's ``"final"``)."""
         options = _with_states(options, states)
         call = self._calls.topk(model, hidden, k, logprobs, temperature, tokens, version, options)
         return read_topk(self._send(call))
@@ -100,9 +105,14 @@ class Client:
         version: int | None = None,
         allowed_token_ids: Any = None,
         states: str | None = None,
+        **decoding: Any,
     ) -> Arrays:
-        """(rows, vocab) logits, or (rows, len(allowed_token_ids)) for those ids alone."""
-        call = self._calls.logits(model, hidden, temperature, version, allowed_token_ids, states)
+        """(rows, vocab) logits, or (rows, len(allowed_token_ids)) for those ids alone;
+        ``decoding``: the decoding step's options (token_bitmask, output_token_ids,
+        repetition_penalty, ...): the logits after its processors, masked ones -inf."""
+        call = self._calls.logits(
+            model, hidden, temperature, version, allowed_token_ids, states, decoding
+        )
         return read_array(self._send(call))
 
     def embed(self, model: str, ids: Any, *, version: int | None = None) -> Arrays:
@@ -255,8 +265,11 @@ class AsyncClient:
         version: int | None = None,
         allowed_token_ids: Any = None,
         states: str | None = None,
+        **decoding: Any,
     ) -> Arrays:
-        call = self._calls.logits(model, hidden, temperature, version, allowed_token_ids, states)
+        call = self._calls.logits(
+            model, hidden, temperature, version, allowed_token_ids, states, decoding
+        )
         return read_array(await self._send(call))
 
     async def embed(self, model: str, ids: Any, *, version: int | None = None) -> Arrays:

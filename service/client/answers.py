@@ -73,10 +73,14 @@ class TopK:
     """Each row's token strings, nested as ``token_ids``' leading dims (a (batch, tokens)
     request: ``tokens[b][t]`` holds row (b, t)'s k strings); over JSON only."""
     sampled_token_ids: npt.NDArray[np.int64] | None = None
+    """One draw per row (leading dims as sent), or (..., n) with ``sample={"n": n}``."""
     sampled_logprobs: npt.NDArray[np.float32] | None = None
     seed: int | None = None
     """The seed the draws came from (the service's own when none was given): pass it as
     ``sample={"seed": ...}`` to draw the same tokens again."""
+    logprobs_mode: str | None = None
+    """With the decoding step's options: ``raw`` or ``processed`` (a filtered token's logit
+    and log-prob are -inf)."""
 
 
 @dataclass(frozen=True)
@@ -143,6 +147,7 @@ def _topk(answer: httpx.Response) -> TopK:
             arrays.get("sampled_token_ids"),
             arrays.get("sampled_logprobs"),
             int(arrays["seed"]) if "seed" in arrays else None,
+            str(arrays["logprobs_mode"]) if "logprobs_mode" in arrays else None,
         )
     payload = answer.json()
     rows, shape = payload["results"], tuple(payload["shape"])
@@ -150,10 +155,18 @@ def _topk(answer: httpx.Response) -> TopK:
     def field(name: str, dtype: Any) -> Any:
         if not rows or name not in rows[0]:
             return None
-        return np.array([row[name] for row in rows], dtype).reshape(*shape, -1)
+        values = [row[name] for row in rows]
+        if dtype is np.float32:  # JSON writes -inf (a filtered token's) as null
+            values = [_infinite(value) for value in values]
+        return np.array(values, dtype).reshape(*shape, -1)
 
-    sampled = field("sampled_token_id", np.int64)
-    drawn = field("sampled_logprob", np.float32)
+    draws = bool(rows) and "sampled_token_ids" in rows[0]  # n per row (``sample.n``)
+    plural = "s" if draws else ""
+    sampled = field(f"sampled_token_id{plural}", np.int64)
+    drawn = field(f"sampled_logprob{plural}", np.float32)
+    if not draws:  # one per row: shaped as the rows
+        sampled = None if sampled is None else sampled.reshape(shape)
+        drawn = None if drawn is None else drawn.reshape(shape)
     return TopK(
         model,
         version,
@@ -163,10 +176,18 @@ def _topk(answer: httpx.Response) -> TopK:
         field("logprobs", np.float32),
         None,
         _nested([row["tokens"] for row in rows], shape) if rows and "tokens" in rows[0] else None,
-        None if sampled is None else sampled.reshape(shape),
-        None if drawn is None else drawn.reshape(shape),
+        sampled,
+        drawn,
         payload.get("seed"),
+        payload.get("logprobs_mode"),
     )
+
+
+def _infinite(value: Any) -> Any:
+    """A row's value or list of values, each null (JSON's -inf) as -inf."""
+    if isinstance(value, list):
+        return [-np.inf if item is None else item for item in value]
+    return -np.inf if value is None else value
 
 
 def _nested(rows: list[Any], shape: tuple[int, ...]) -> list[Any]:

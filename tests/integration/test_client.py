@@ -156,7 +156,7 @@ def test_binary_mode_sends_what_json_mode_sends(url: str) -> None:
     calls = Calls(binary=True, token=None)  # 4096 ids: over the service's header limit
     long = calls.topk("tied", rows, 3, False, 1.0, False, None, {"banned_token_ids": [1] * 4096})
     assert long.headers is not None
-    assert long.headers["content-type"] == "application/json"  # sent as a body instead
+    assert long.headers["content-type"] == "application/x-npz"  # in the body, binary
     from_npz, from_json = answers
     np.testing.assert_array_equal(from_npz.token_ids, from_json.token_ids)
     assert from_npz.seed is not None

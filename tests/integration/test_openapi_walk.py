@@ -164,6 +164,11 @@ def _npy_body(base: dict[str, Any]) -> npt.NDArray[Any]:
     return np.asarray(base["hidden_states"], np.float32)
 
 
+def _vocab(url: str, document: dict[str, Any]) -> int:
+    described: dict[str, Any] = call(url, document, "get", "/v1/models/{name}").json()
+    return int(described["vocab_size"])
+
+
 def _d_model(url: str, document: dict[str, Any]) -> int:
     described: dict[str, Any] = call(url, document, "get", "/v1/models/{name}").json()
     return int(described["d_model"])
@@ -230,9 +235,12 @@ def test_a_request_using_every_documented_field_validates_and_is_served(
     valid against the document, and served (``ScoreBody`` left out k, logprobs_over and
     states while the service took them)."""
     d_model = _d_model(url, document)
+    vocab = _vocab(url, document)
     for template, schema in _json_bodies(document):
         base = _base(document, template, d_model)
         body = _every_field(document, schema, base, template)
+        if "token_bitmask" in body:  # as wide as the model's vocabulary, as rows are d_model
+            body["token_bitmask"] = [-1] * -(-vocab // 32)
         response = call(url, document, "post", template, body)
         assert response.status_code == 200, f"{template} {sorted(body)}: {response.text[:300]}"
         operation = document["paths"][template]["post"]

@@ -49,7 +49,12 @@ def _topk_items(result: TopKResult, start: int, stop: int) -> list[dict[str, Any
     values = result.logits.reshape(-1, k)[start:stop]
     logprobs = None if result.logprobs is None else result.logprobs.reshape(-1, k)[start:stop]
     sampled = result.sampled
-    drawn = None if sampled is None else sampled.token_ids.reshape(-1)[start:stop].tolist()
+    draws = None if sampled is None else sampled.n
+    width = 1 if draws is None else draws
+    drawn = None
+    if sampled is not None:  # one per row, or a list of n (``sample.n``)
+        drawn = sampled.token_ids.reshape(-1, width)[start:stop]
+        drawn_logprobs = sampled.logprobs.reshape(-1, width)[start:stop]
     tokens = None if result.tokens is None else result.tokens[start:stop]  # the piece's rows
     items = []
     for offset, row_ids in enumerate(ids.tolist()):  # one tolist for the piece: 3x cheaper
@@ -59,11 +64,16 @@ def _topk_items(result: TopKResult, start: int, stop: int) -> list[dict[str, Any
             item["logprobs"] = logprobs[offset]
         if tokens is not None:
             item["tokens"] = tokens[offset]
-        if sampled is not None and drawn is not None:
-            item["sampled_token_id"] = drawn[offset]
-            item["sampled_logprob"] = float(sampled.logprobs.reshape(-1)[row])
+        if sampled is not None and drawn is not None and draws is None:
+            item["sampled_token_id"] = int(drawn[offset, 0])
+            item["sampled_logprob"] = float(drawn_logprobs[offset, 0])
             if sampled.tokens is not None:
                 item["sampled_token"] = sampled.tokens[row]
+        elif sampled is not None and drawn is not None:
+            item["sampled_token_ids"] = drawn[offset]
+            item["sampled_logprobs"] = drawn_logprobs[offset]
+            if sampled.tokens is not None:
+                item["sampled_tokens"] = sampled.tokens[row]
         items.append(item)
     return items
 
@@ -75,6 +85,8 @@ def shaping(result: TopKResult) -> dict[str, Any]:
         extra["logprobs_over"] = result.logprobs_over
     if result.sampled is not None:
         extra["seed"] = result.sampled.seed
+    if result.logprobs_mode is not None:
+        extra["logprobs_mode"] = result.logprobs_mode
     return extra
 
 
@@ -86,16 +98,21 @@ def topk_records(result: TopKResult) -> npt.NDArray[Any]:
     ]
     if result.logprobs is not None:
         fields.append(("logprobs", np.float32, (k,)))
-    if result.sampled is not None:
+    sampled = result.sampled
+    if sampled is not None and sampled.n is None:
         fields += [("sampled_token_id", np.int64, ()), ("sampled_logprob", np.float32, ())]  # type: ignore[list-item]
+    elif sampled is not None and sampled.n is not None:
+        n = (sampled.n,)
+        fields += [("sampled_token_ids", np.int64, n), ("sampled_logprobs", np.float32, n)]
     records = np.empty(result.token_ids.shape[:-1], dtype=np.dtype(fields))
     records["token_ids"] = result.token_ids
     records["logits"] = result.logits
     if result.logprobs is not None:
         records["logprobs"] = result.logprobs
-    if result.sampled is not None:
-        records["sampled_token_id"] = result.sampled.token_ids
-        records["sampled_logprob"] = result.sampled.logprobs
+    if sampled is not None:
+        plural = "s" if sampled.n is not None else ""
+        records[f"sampled_token_id{plural}"] = sampled.token_ids
+        records[f"sampled_logprob{plural}"] = sampled.logprobs
     return records
 
 

@@ -1,7 +1,9 @@
 """The native API's wire format (``/v1``): one decode and one encode per request.
 
 Bodies are JSON (``hidden_states`` or ``input_ids`` beside the options) or ``.npy`` (options as
-query parameters). Answers are JSON by default; top-k also answers ``application/x-npy`` (one
+query parameters); ``/topk`` and ``/logits`` also take ``.npz`` (``hidden_states`` and every
+array option an entry, ragged lists as values and ``<name>_lengths``; the scalars in the
+query string). Answers are JSON by default; top-k also answers ``application/x-npy`` (one
 structured array with fields ``token_ids``, ``logits`` and, when asked, ``logprobs``) and
 ``application/x-npz`` (one array per field plus ``logsumexp``); ``/logits`` answers ``.npy`` by
 default. Every inference answer carries ``x-lmhead-model``, ``-version`` and ``-tied`` headers.
@@ -21,6 +23,7 @@ from starlette.responses import Response
 
 from service.api.codec import pieces
 from service.api.codec.answer_bodies import identity, score_json, topk_json, topk_records
+from service.api.codec.decoding_wire import BINARY_NAMES, binary_arrays, decoding, json_arrays
 from service.api.codec.pieces import Piece, json_pieces, npy_pieces
 from service.api.codec.wire import (
     JSON,
@@ -37,10 +40,12 @@ from service.api.codec.wire import (
     options,
     parse_json_object,
     parse_npy,
+    parse_npz,
     read_body,
     response_type,
     target,
 )
+from service.api.decoding_fields import ARRAYS, LISTS
 from service.api.schemas import (
     CompareOptions,
     EmbedOptions,
@@ -73,7 +78,9 @@ NO_EMBED_OPTIONS = "is not read: /embed takes no options (only ?version=)"
 async def decode_topk(request: Request, body_limit: int) -> tuple[TopKRequest, str]:
     """A top-k request and the media type the answer should have."""
     answer = response_type(request, (JSON, NPY, NPZ), JSON)
-    hidden, opts, arrays = await hidden_and_options(request, body_limit, TopKOptions)
+    hidden, opts, arrays = await hidden_and_options(
+        request, body_limit, TopKOptions, TOPK_LISTS, step=True
+    )
     decoded = TopKRequest(
         target(request),
         hidden,
@@ -90,7 +97,8 @@ async def decode_topk(request: Request, body_limit: int) -> tuple[TopKRequest, s
 def _vocabulary(opts: TopKOptions, arrays: dict[str, Any]) -> VocabularyOptions | None:
     """The distribution options, or None when the request has none (the plain fast path)."""
     sample = opts.sample
-    if not (arrays or opts.logit_bias or opts.logprobs_over or sample):
+    step = decoding(opts, arrays)
+    if not (arrays or opts.logit_bias or opts.logprobs_over or sample or step):
         return None
     return VocabularyOptions(
         arrays.get("allowed_token_ids"),
@@ -98,17 +106,24 @@ def _vocabulary(opts: TopKOptions, arrays: dict[str, Any]) -> VocabularyOptions 
         arrays.get("banned_token_ids"),
         opts.logprobs_over,
         None if sample is None else SampleOptions(**sample.model_dump()),
+        step,
     )
 
 
 async def decode_logits(request: Request, body_limit: int) -> tuple[LogitsRequest, str]:
     answer = response_type(request, (NPY, JSON), NPY)
     hidden, opts, arrays = await hidden_and_options(
-        request, body_limit, LogitsOptions, ("allowed_token_ids",)
+        request, body_limit, LogitsOptions, LOGITS_LISTS, step=True
     )
     allowed = arrays.get("allowed_token_ids")
     decoded = LogitsRequest(
-        target(request), hidden, opts.temperature, allowed, opts.states, text=answer == JSON
+        target(request),
+        hidden,
+        opts.temperature,
+        allowed,
+        opts.states,
+        text=answer == JSON,
+        decoding=decoding(opts, arrays),
     )
     return decoded, answer
 
@@ -220,6 +235,8 @@ def _topk_response(result: TopKResult, answer: str) -> Response:
             arrays["sampled_token_ids"] = result.sampled.token_ids
             arrays["sampled_logprobs"] = result.sampled.logprobs
             arrays["seed"] = np.array(result.sampled.seed, np.uint64)  # to draw them again
+        if result.logprobs_mode is not None:
+            arrays["logprobs_mode"] = np.array(result.logprobs_mode)
         return reply(result.head, npz_bytes({**arrays, "logsumexp": result.logsumexp}), NPZ)
     return reply(result.head, npy_pieces(topk_records(result)), NPY)
 
@@ -253,33 +270,62 @@ def _compare_response(result: CompareResult) -> Response:
 
 #: Id lists beside the options: decoded to numpy like the hidden states, not by pydantic.
 ID_LISTS = ("allowed_token_ids", "banned_token_ids")
+#: The routes that take the decoding step's: stop ids may come as the others do.
+TOPK_LISTS = (*ID_LISTS, "stop_token_ids")
+LOGITS_LISTS = ("allowed_token_ids", "stop_token_ids")
 #: Query parameters (``.npy`` bodies) whose value is JSON text.
-JSON_QUERY = (*ID_LISTS, "target_ids", "logit_bias", "sample")
+JSON_QUERY = (*TOPK_LISTS, "target_ids", "logit_bias", "sample")
 QUERY_EXAMPLES = {"logit_bias": '{"3":-100}', "sample": '{"seed":1}'}
 BOOLEANS = ("true", "false")
 
 
 async def hidden_and_options(
-    request: Request, body_limit: int, schema: type[BaseModel], lists: Sequence[str] = ID_LISTS
-) -> tuple[npt.NDArray[Any], Any, dict[str, npt.NDArray[Any]]]:
-    """The rows, the options of ``schema`` and the id ``lists`` the route takes."""
+    request: Request,
+    body_limit: int,
+    schema: type[BaseModel],
+    lists: Sequence[str] = ID_LISTS,
+    step: bool = False,
+) -> tuple[npt.NDArray[Any], Any, dict[str, Any]]:
+    """The rows, the options of ``schema`` and the id ``lists`` the route takes; with
+    ``step``, the decoding step's arrays too (``decoding_wire``), and ``.npz`` bodies: every
+    array an entry of the archive, the scalar options in the query string."""
     body = await read_body(request, body_limit)
-    if content_type(request, (JSON, NPY)) == NPY:
-        array = parse_npy(body, HIDDEN)
-        query = request.query_params
-        values = {k: _query_value(k, v) for k, v in query.items() if k != "version"}
-        literals = sum(query.get(name, "").count(word) for name in lists for word in BOOLEANS)
-        arrays = _id_lists(values, lists, booleans=literals > 0)  # scan lists only then
-        taken = (*lists, "version")
-        typed = {k: v for k, v in values.items() if k in JSON_QUERY}
-        untyped = {k: v for k, v in values.items() if k not in typed}
-        opts = options(schema, untyped, strict=False, taken=taken)
-        if typed:  # JSON text holds JSON types: checked as strictly as in a JSON body
-            checked = options(schema, typed, taken=taken)
-            opts = opts.model_copy(update={name: getattr(checked, name) for name in typed})
-        return array, opts, arrays
-    no_query_options(request)
-    return await off_loop(len(body), _json_hidden_and_options, body, schema, lists)
+    kind = content_type(request, (JSON, NPY, NPZ) if step else (JSON, NPY))
+    if kind == JSON:
+        no_query_options(request)
+        return await off_loop(len(body), _json_hidden_and_options, body, schema, lists, step)
+    if kind == NPZ:
+        entries = await off_loop(len(body), parse_npz, body)
+        array = _required(entries, HIDDEN, "an .npz entry of (rows, d_model) floats")
+        arrays = binary_arrays(entries)
+        arrays |= {name: entries.pop(name) for name in lists if name in entries}
+        if entries:
+            held = ", ".join((HIDDEN, *lists, *BINARY_NAMES))
+            raise InvalidInput(f"unknown .npz entries {few(list(entries))}; it may hold {held}")
+    else:
+        array, arrays = parse_npy(body, HIDDEN), {}
+    opts, listed = _query_options(request, schema, lists)
+    for name in set(listed) & set(arrays):
+        raise InvalidInput(f"{name} is given twice (the body and the query); give it once")
+    return array, opts, arrays | listed
+
+
+def _query_options(
+    request: Request, schema: type[BaseModel], lists: Sequence[str]
+) -> tuple[Any, dict[str, npt.NDArray[Any]]]:
+    """The options of a binary body's query string, and the id lists given there."""
+    query = request.query_params
+    values = {k: _query_value(k, v) for k, v in query.items() if k != "version"}
+    literals = sum(query.get(name, "").count(word) for name in lists for word in BOOLEANS)
+    arrays = _id_lists(values, lists, booleans=literals > 0)  # scan lists only then
+    taken = (*lists, "version")
+    typed = {k: v for k, v in values.items() if k in JSON_QUERY}
+    untyped = {k: v for k, v in values.items() if k not in typed}
+    opts = options(schema, untyped, strict=False, taken=taken)
+    if typed:  # JSON text holds JSON types: checked as strictly as in a JSON body
+        checked = options(schema, typed, taken=taken)
+        opts = opts.model_copy(update={name: getattr(checked, name) for name in typed})
+    return opts, arrays
 
 
 def _query_value(name: str, text: str) -> Any:
@@ -304,14 +350,18 @@ def _id_lists(
 
 
 def _json_hidden_and_options(
-    body: bytes, schema: type[BaseModel], lists: Sequence[str]
-) -> tuple[npt.NDArray[Any], Any, dict[str, npt.NDArray[Any]]]:
+    body: bytes, schema: type[BaseModel], lists: Sequence[str], step: bool = False
+) -> tuple[npt.NDArray[Any], Any, dict[str, Any]]:
     values = parse_json_object(body)
     booleans = booleans_hidden(body, values)
     expected = "(rows, d_model) or (batch, tokens, d_model)"
     array = float_array(_required(values, HIDDEN, expected), HIDDEN, booleans)
-    arrays = _id_lists(values, lists, booleans)
-    return array, options(schema, values, taken=(HIDDEN, *lists)), arrays
+    arrays: dict[str, Any] = _id_lists(values, lists, booleans)
+    taken = (HIDDEN, *lists)
+    if step:
+        arrays |= json_arrays(values, booleans)
+        taken = (*taken, *(name for name in (*LISTS, *ARRAYS) if name not in lists))
+    return array, options(schema, values, taken=taken), arrays
 
 
 def _required(payload: dict[str, Any], field: str, expected: str) -> Any:

@@ -20,6 +20,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
+from service.api.codec.decoding_wire import BINARY_NAMES
 from service.api.codec.pieces import Piece, array_pieces, json_pieces, reply, size
 from service.api.codec.v2outputs import (
     PROJECTION_OUTPUTS,
@@ -53,7 +54,16 @@ DTYPES: dict[str, np.dtype[Any]] = {
     "INT64": np.dtype("<i8"),
     "INT32": np.dtype("<i4"),
 }
-INPUT_TYPES = {"hidden_states": ("FP32", "FP16"), "input_ids": ("INT64", "INT32")}
+INPUT_TYPES = {
+    "hidden_states": ("FP32", "FP16"),
+    "input_ids": ("INT64", "INT32"),
+    # the distribution's array options, binary as any tensor (``decoding_wire``)
+    **dict.fromkeys(("allowed_token_ids", "banned_token_ids"), ("INT64", "INT32")),
+    **dict.fromkeys(BINARY_NAMES, ("INT64", "INT32")),
+    "token_bitmask": ("INT32",),
+}
+#: Inputs that carry options: every one but the rows and the ids to embed.
+OPTION_INPUTS = tuple(name for name in INPUT_TYPES if name not in ("hidden_states", "input_ids"))
 MAX_RANK = 4
 #: Why a V2 infer's query parameters (but ``version``) are refused.
 V2_OPTIONS = "is not read: V2 options go in the body's parameters"
@@ -127,7 +137,9 @@ def decode_header(
         number(parameters, "temperature", 1.0),
         full_logits=any(o.name == "logits" and o.classification is None for o in outputs),
         tokens=any(o.classification is not None for o in outputs),
-        vocabulary=vocabulary(parameters),
+        vocabulary=vocabulary(
+            parameters, {name: inputs[name] for name in OPTION_INPUTS if name in inputs}
+        ),
         at_least_default_k=bool(asked) and takes_default_k(outputs),
         states=states(parameters, header.get("inputs")),
     )
@@ -229,7 +241,7 @@ def _inputs(entries: Any, binary: bytes, booleans: bool) -> dict[str, npt.NDArra
         name, shape, datatype = entry.get("name"), entry.get("shape"), entry.get("datatype")
         if name not in INPUT_TYPES:
             raise InvalidInput(
-                f"unknown input {str(name)[:64]!r}; inputs: hidden_states, input_ids"
+                f"unknown input {str(name)[:64]!r}; inputs: {', '.join(INPUT_TYPES)}"
             )
         if name in arrays:
             raise InvalidInput(f"input {name} is given twice; give each input once")

@@ -2,8 +2,12 @@
 
 gRPC parameters are scalars, so the structured ones (``allowed_token_ids``,
 ``banned_token_ids``, ``logit_bias``, ``sample``) may also come as a string holding their JSON;
-over REST they may be plain JSON values. Draws come back as the outputs ``sampled_token_ids``
-and ``sampled_logprobs`` (one per row).
+over REST they may be plain JSON values. Array options may come as named input tensors
+instead (binary, never parsed as JSON): ``allowed_token_ids``, ``banned_token_ids``,
+``stop_token_ids`` and the decoding step's (``token_bitmask`` INT32, histories and bad words
+as values and ``<name>_lengths``); its scalars (``repetition_penalty``, ...,
+``logprobs_mode``, ``processor_order``) are parameters. Draws come back as the outputs
+``sampled_token_ids`` and ``sampled_logprobs`` (one per row; with ``sample.n``, (rows, n)).
 """
 
 from __future__ import annotations
@@ -13,32 +17,76 @@ from typing import Any
 import numpy.typing as npt
 import orjson
 
+from service.api.codec.decoding_wire import binary_arrays, decoding
 from service.api.codec.wire import int_array
 from service.errors import InvalidInput, few
 from service.messages import SampleOptions, TopKResult, VocabularyOptions
 
 SAMPLED_OUTPUTS = ("sampled_token_ids", "sampled_logprobs")
-SAMPLE_KEYS = ("temperature", "top_k", "top_p", "min_p", "seed")
+SAMPLE_KEYS = ("temperature", "top_k", "top_p", "min_p", "seed", "n")
+#: The decoding step's scalar parameters: numbers, and words.
+STEP_NUMBERS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens")
+STEP_WORDS = ("logprobs_mode", "processor_order")
 
 
-def vocabulary(parameters: dict[str, Any]) -> VocabularyOptions | None:
-    """The distribution options among the parameters; None when there are none."""
-    allowed = _structured(parameters, "allowed_token_ids", list)
-    banned = _structured(parameters, "banned_token_ids", list)
+def vocabulary(
+    parameters: dict[str, Any], inputs: dict[str, npt.NDArray[Any]] | None = None
+) -> VocabularyOptions | None:
+    """The distribution options among the parameters and the option ``inputs`` (named input
+    tensors: allowed and banned ids, the decoding step's arrays); None when there are none."""
+    tensors = dict(inputs or {})
+    allowed = _once(parameters, tensors, "allowed_token_ids")
+    banned = _once(parameters, tensors, "banned_token_ids")
     bias = _structured(parameters, "logit_bias", dict)
     sample = _structured(parameters, "sample", dict)
     over = parameters.get("logprobs_over")
     if over is not None and not isinstance(over, str):
         raise InvalidInput("parameter logprobs_over must be 'candidates' or 'vocabulary'")
-    if allowed is None and banned is None and bias is None and sample is None and over is None:
+    stop = _once(parameters, tensors, "stop_token_ids")
+    arrays = binary_arrays(tensors) | ({} if stop is None else {"stop_token_ids": stop})
+    step = decoding(_step_scalars(parameters), arrays)
+    shaped = (allowed, banned, bias, sample, over, step)
+    if all(value is None for value in shaped):
         return None
     return VocabularyOptions(
-        None if allowed is None else int_array(allowed, "allowed_token_ids"),
+        allowed,
         bias,
-        None if banned is None else int_array(banned, "banned_token_ids"),
+        banned,
         over,
         None if sample is None else _sample(sample),
+        step,
     )
+
+
+def _once(
+    parameters: dict[str, Any], tensors: dict[str, npt.NDArray[Any]], name: str
+) -> npt.NDArray[Any] | None:
+    """Ids given as a parameter (a list, or its JSON) or as an input tensor, not both."""
+    listed = _structured(parameters, name, list)
+    tensor = tensors.pop(name, None)
+    if listed is not None and tensor is not None:
+        raise InvalidInput(f"{name} is given as a parameter and as an input; give it once")
+    return int_array(listed, name) if listed is not None else tensor
+
+
+def _step_scalars(parameters: dict[str, Any]) -> dict[str, Any]:
+    """The decoding step's scalars: numbers (``min_tokens`` an integer) and words."""
+    values = {}
+    for name in (*STEP_NUMBERS, *STEP_WORDS):
+        value = parameters.get(name)
+        if value is None:
+            continue
+        if name in STEP_WORDS and not isinstance(value, str):
+            raise InvalidInput(f"parameter {name} must be a string")
+        if name in STEP_NUMBERS:
+            integral = name == "min_tokens"
+            valid = isinstance(value, int) if integral else isinstance(value, int | float)
+            if isinstance(value, bool) or not valid:
+                raise InvalidInput(
+                    f"parameter {name} must be {'an integer' if integral else 'a number'}"
+                )
+        values[name] = value
+    return values
 
 
 def sampled_arrays(topk: TopKResult) -> dict[str, npt.NDArray[Any] | None]:
@@ -70,7 +118,7 @@ def _sample(values: dict[str, Any]) -> SampleOptions:
     if unknown:
         raise InvalidInput(f"parameter sample takes {list(SAMPLE_KEYS)}, not {few(unknown)}")
     for key, value in values.items():
-        integral = key in ("top_k", "seed")
+        integral = key in ("top_k", "seed", "n")
         valid = isinstance(value, int) if integral else isinstance(value, int | float)
         if value is not None and (isinstance(value, bool) or not valid):
             raise InvalidInput(f"sample.{key} must be {'an integer' if integral else 'a number'}")

@@ -35,7 +35,7 @@ from service.errors import (
 )
 from service.limits import kind_name
 from service.messages import Target
-from service.npyio import NpyError, read_npy
+from service.npyio import NpyError, read_npy, read_npz_body
 
 JSON = "application/json"
 NPY = "application/x-npy"
@@ -245,6 +245,17 @@ def json_error(error: orjson.JSONDecodeError, text: bytes) -> str:
     if NON_STANDARD.match(text, error.pos):
         return f"NaN or Infinity at byte {error.pos}: JSON has no such numbers, send finite ones"
     return f"{error.msg} at byte {error.pos}"
+
+
+def parse_npz(body: bytes) -> dict[str, npt.NDArray[Any]]:
+    """A request's ``.npz`` body, its entries by name (``npyio.read_npz_body``: stored
+    entries only, each read as an ``.npy``)."""
+    try:
+        return read_npz_body(body)
+    except NpyError as error:
+        raise MalformedBody(f"body is not a valid .npz archive ({error})") from None
+    except Exception:  # numpy raises ValueError/OSError/EOFError for broken members
+        raise MalformedBody("body is not a valid .npz archive") from None
 
 
 def parse_npy(body: bytes, field: str) -> npt.NDArray[Any]:

@@ -92,7 +92,7 @@ async def get_model(request: Request) -> dict[str, Any]:
     TopKBody,
     TopKAnswer,
     answers=(NPY, NPZ),
-    alternatives={NPY: BINARY},
+    alternatives={NPY: BINARY, NPZ: BINARY},
     parameters=TOPK_QUERY,
 )
 async def topk(request: Request) -> Response:
@@ -106,7 +106,7 @@ async def topk(request: Request) -> Response:
     LogitsBody,
     LogitsAnswer,
     answers=(NPY,),
-    alternatives={NPY: BINARY},
+    alternatives={NPY: BINARY, NPZ: BINARY},
     parameters=(VERSION_QUERY, *npy_query(LogitsBody)),
 )
 async def logits(request: Request) -> Response:

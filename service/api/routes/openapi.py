@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from service.api.decoding_fields import BODY_ONLY
 from service.api.schemas import (
     CompareBody,
     EmbedBody,
@@ -97,7 +98,7 @@ def npy_query(body: type[BaseModel], array: str = "hidden_states") -> tuple[dict
     schema = body.model_json_schema(ref_template=REF)
     parameters = []
     for name, field in schema["properties"].items():
-        if name == array:
+        if name == array or name in BODY_ONLY:  # arrays of the step: the body's, never a URL's
             continue
         described = {"description": f"With an .npy body: {field.get('description', name)}"}
         plain = _not_null(field)

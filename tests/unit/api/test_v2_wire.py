@@ -152,7 +152,10 @@ def test_the_distribution_options_reach_the_plane() -> None:
         ({"inputs": [7]}, "each input must be a JSON object with name, shape, datatype"),
         (
             {"inputs": [HIDDEN | {"name": "h" * 80}]},
-            f"unknown input {'h' * 64!r}; inputs: hidden_states, input_ids",
+            f"unknown input {'h' * 64!r}; inputs: hidden_states, input_ids, allowed_token_ids, "
+            "banned_token_ids, stop_token_ids, token_bitmask, prompt_token_ids, "
+            "output_token_ids, bad_words_ids, prompt_token_ids_lengths, "
+            "output_token_ids_lengths, bad_words_ids_lengths",
         ),
         ({"inputs": [HIDDEN, HIDDEN]}, "input hidden_states is given twice; give each input once"),
         (
