@@ -91,13 +91,22 @@ def depths(parents: Ids) -> Ids:
 def _draw(weights: Doubles, u: Doubles) -> Ids:
     """One index per row of non-negative ``weights`` (S, V), by inverting the row's CDF in id
     order at ``u`` times its total; an index always has weight > 0 (a row of zeros, which
-    the rules never reach but rounding might, draws its top index)."""
+    the rules never reach but rounding might, draws its top index). One binary search per
+    row: a comparison of every column cost ~10 ms for 64 rows of 32000."""
     cumulative = np.cumsum(weights, axis=1)
     target = u * cumulative[:, -1]
-    index = (cumulative <= target[:, None]).sum(axis=1)
-    last = weights.shape[1] - 1 - np.argmax(weights[:, ::-1] > 0, axis=1)
-    drawn: Ids = np.minimum(index, last).astype(np.int64)
-    return drawn
+    index = np.fromiter(
+        (
+            np.searchsorted(row, at, side="right")
+            for row, at in zip(cumulative, target, strict=True)
+        ),
+        np.int64,
+        count=len(weights),
+    )
+    for row in np.flatnonzero(index >= weights.shape[1]).tolist():  # u * total rounded up
+        positive = np.flatnonzero(weights[row] > 0)
+        index[row] = positive[-1] if len(positive) else weights.shape[1] - 1
+    return index
 
 
 def _assemble(path: Ids, path_tokens: Ids, accepted: Ids, emitted: Ids, at: Ids) -> Verdict:
