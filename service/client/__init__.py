@@ -39,6 +39,7 @@ from service.client.answers import (
     read_topk,
 )
 from service.client.calls import Call, Calls, Retry, checked, model_path, retry_after
+from service.client.verify_call import verify_call
 
 __all__ = ["Arrays", "AsyncClient", "Client", "Lens", "TopK", "UnreadableAnswer"]
 RETRY_STATUS = 503
@@ -165,6 +166,29 @@ class Client:
         for the top tokens' strings (a JSON answer)."""
         options = _lens_options(k, target_ids, states, last_layer)
         return read_lens(self._send(self._calls.lens(model, hidden, options, tokens, version)))
+
+    def verify(
+        self,
+        model: str,
+        hidden: Any,
+        draft_token_ids: Any,
+        *,
+        draft_probs: Any = None,
+        draft_parents: Any = None,
+        seeds: Any = None,
+        version: int | None = None,
+        **options: Any,
+    ) -> dict[str, Any]:
+        """Speculative verification (docs/verify.md): ``hidden`` (sequences, K + 1, d_model),
+        ``draft_token_ids`` (sequences, K), the draft's ``draft_probs`` (sequences, K, vocab)
+        or none (drafts taken as certain); ``options``: temperature (0: greedy), states,
+        sample, logit_bias, banned_token_ids. The answer's ``results``: per sequence
+        accepted, token_ids, logprobs, nodes, seed."""
+        call = _verify(
+            model, hidden, draft_token_ids, draft_probs, draft_parents, seeds, version, options
+        )
+        answer: dict[str, Any] = read_json(self._send(call), has="results")
+        return answer
 
     def models(self) -> list[dict[str, Any]]:
         answer: list[dict[str, Any]] = read_json(self._send(Call("GET", "/v1/models")), "models")
@@ -315,6 +339,24 @@ class AsyncClient:
             await self._send(self._calls.lens(model, hidden, options, tokens, version))
         )
 
+    async def verify(
+        self,
+        model: str,
+        hidden: Any,
+        draft_token_ids: Any,
+        *,
+        draft_probs: Any = None,
+        draft_parents: Any = None,
+        seeds: Any = None,
+        version: int | None = None,
+        **options: Any,
+    ) -> dict[str, Any]:
+        call = _verify(
+            model, hidden, draft_token_ids, draft_probs, draft_parents, seeds, version, options
+        )
+        answer: dict[str, Any] = read_json(await self._send(call), has="results")
+        return answer
+
     async def model(self, name: str) -> dict[str, Any]:
         answer: dict[str, Any] = read_json(
             await self._send(Call("GET", model_path(name))), has="name"
@@ -373,3 +415,20 @@ def _with_states(options: dict[str, Any], states: str | None) -> dict[str, Any]:
 
 def _lens_options(k: int | None, targets: Any, states: str, last_layer: str) -> dict[str, Any]:
     return {"k": k, "target_ids": targets, "states": states, "last_layer": last_layer}
+
+
+def _verify(
+    model: str,
+    hidden: Any,
+    ids: Any,
+    probs: Any,
+    parents: Any,
+    seeds: Any,
+    version: int | None,
+    options: dict[str, Any],
+) -> Call:
+    """``verify``'s call: the arrays in an ``.npz`` body, the options in the query."""
+    arrays = {"hidden_states": hidden, "draft_token_ids": ids, "draft_probs": probs}
+    arrays |= {"draft_parents": parents, "seeds": seeds}
+    arrays["banned_token_ids"] = options.pop("banned_token_ids", None)
+    return verify_call(model, arrays, version, **options)

@@ -5,6 +5,7 @@ reference distribution with the same seeds), greedy verification is greedy decod
 
 from __future__ import annotations
 
+import asyncio
 import io
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
+from service.client import AsyncClient, Client
 from service.heads.files import HeadWeights, save_head
 from service.heads.reference import log_softmax
 from service.runtime.verification import uniforms, verify_chain, verify_tree
@@ -179,3 +181,34 @@ def test_a_seed_gives_the_same_answer_in_split_mode(url: str, repository: Path) 
         answers = [_post(split, json=body).json()["results"] for _ in range(3)]
     assert all(answer == one for answer in answers)
     assert [row["seed"] for row in one] == list(range(7, 7 + SEQUENCES))
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_the_client_sends_an_npz_and_gets_the_same_answer(url: str, asynchronous: bool) -> None:
+    ids, draft = _drafts()
+    body = {
+        "hidden_states": HIDDEN.tolist(),
+        "draft_token_ids": ids.tolist(),
+        "draft_probs": draft.tolist(),
+        "sample": {"top_k": 40},
+        "banned_token_ids": [int(ids[0, 0])],
+        "seeds": SEEDS,
+        "temperature": 0.9,
+    }
+    expected = _post(url, json=body).json()
+    options: dict[str, Any] = {"temperature": 0.9, "sample": {"top_k": 40}}
+    options["banned_token_ids"] = [int(ids[0, 0])]
+    if asynchronous:
+
+        async def call() -> dict[str, Any]:
+            async with AsyncClient(url) as client:
+                return await client.verify(
+                    "head", HIDDEN, ids, draft_probs=draft, seeds=SEEDS, **options
+                )
+
+        answer = asyncio.run(call())
+    else:
+        with Client(url) as client:
+            answer = client.verify("head", HIDDEN, ids, draft_probs=draft, seeds=SEEDS, **options)
+    assert answer["results"] == expected["results"]
+    assert answer["results"][0]["token_ids"][0] != ids[0, 0]  # banned: never emitted
