@@ -411,6 +411,10 @@ class VerifyRequest:
     vocabulary: VocabularyOptions | None = None
     seeds: npt.NDArray[Any] | None = None
     states: str = "final"
+    draft_model: str | None = None
+    """A head of the repository (same tokens) that gives the draft's distribution from
+    ``draft_hidden_states`` (sequences, K, its d_model), with the same options."""
+    draft_hidden_states: npt.NDArray[Any] | None = None
 
 
 @dataclass(frozen=True)

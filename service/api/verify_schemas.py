@@ -40,6 +40,9 @@ class VerifyOptions(_Options):
     logit_bias: dict[str, float] | None = Field(default=None, examples=[{"3": 2.5}])
     """Token id -> added to the target's logit before everything else (in [-100, 100])."""
     sample: VerifySample | None = None
+    draft_model: str | None = Field(default=None, examples=[None])
+    """A head of the repository naming the same tokens that gives the draft's distribution
+    from ``draft_hidden_states``, shaped by the same options (instead of ``draft_probs``)."""
     """top_k, top_p, min_p (and a temperature, 0 greedy) shaping the target's distribution
     before the acceptance test; ``seed`` seeds sequence i with seed + i."""
 
@@ -60,6 +63,8 @@ class VerifyBody(VerifyOptions):
     draft_probs: list[Any] | None = Field(default=None, examples=[None])
     """(sequences, K, vocab): the draft's distribution each draft was sampled from (better as
     an ``.npz`` entry); absent: drafts taken as certain (n-gram, prompt lookup)."""
+    draft_hidden_states: list[Any] | None = Field(default=None, examples=[None])
+    """(sequences, K, the draft head's d_model): the drafter's states, with ``draft_model``."""
     draft_parents: list[int] | None = Field(default=None, examples=[[-1]])
     """(K,): each draft's parent, -1 for the root's children, else an earlier draft: a tree
     whose siblings are tried in order (drafts taken as certain)."""

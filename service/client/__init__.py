@@ -182,8 +182,8 @@ class Client:
         """Speculative verification (docs/verify.md): ``hidden`` (sequences, K + 1, d_model),
         ``draft_token_ids`` (sequences, K), the draft's ``draft_probs`` (sequences, K, vocab)
         or none (drafts taken as certain); ``options``: temperature (0: greedy), states,
-        sample, logit_bias, banned_token_ids. The answer's ``results``: per sequence
-        accepted, token_ids, logprobs, nodes, seed."""
+        sample, logit_bias, banned_token_ids, draft_model with draft_hidden_states. The
+        answer's ``results``: per sequence accepted, token_ids, logprobs, nodes, seed."""
         call = _verify(
             model, hidden, draft_token_ids, draft_probs, draft_parents, seeds, version, options
         )
@@ -430,5 +430,6 @@ def _verify(
     """``verify``'s call: the arrays in an ``.npz`` body, the options in the query."""
     arrays = {"hidden_states": hidden, "draft_token_ids": ids, "draft_probs": probs}
     arrays |= {"draft_parents": parents, "seeds": seeds}
-    arrays["banned_token_ids"] = options.pop("banned_token_ids", None)
+    for name in ("banned_token_ids", "draft_hidden_states"):
+        arrays[name] = options.pop(name, None)
     return verify_call(model, arrays, version, **options)

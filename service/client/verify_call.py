@@ -19,6 +19,7 @@ ARRAYS = {
     "hidden_states": np.float32,
     "draft_token_ids": np.int64,
     "draft_probs": np.float32,
+    "draft_hidden_states": np.float32,
     "draft_parents": np.int64,
     "banned_token_ids": np.int64,
     "seeds": np.int64,

@@ -291,4 +291,23 @@ def verify(
     return Cost(held, run_bytes(model, rows))
 
 
+def verify_call(
+    model: LoadedVersion,
+    drafts: list[LoadedVersion],
+    hidden: tuple[int, ...],
+    shape: Shape | None,
+    *,
+    draft_probs: bool,
+    residual: bool,
+) -> Cost:
+    """``/verify`` of states shaped ``hidden`` (sequences, K + 1, d_model), with its draft
+    head's runs and rows beside the target's when one is named."""
+    sequences, positions = hidden[:2]
+    probs = draft_probs or bool(drafts)
+    cost = verify(model, sequences, positions, shape, draft_probs=probs, residual=residual)
+    for head in drafts:
+        cost += verify(head, sequences, positions - 1, shape, draft_probs=False, residual=residual)
+    return cost
+
+
 _NONE = Processors()

@@ -352,18 +352,19 @@ class DataPlane(ControlAPI):
             return await read_lens(model, checked, request.tokens)
 
     async def verify(self, request: VerifyRequest) -> VerifyResult:
-        """Speculative verification: drafts accepted or not, one token emitted (``verify``)."""
-        with self._serving("verify", request.target) as (model,):
-            checked = verify.check(request, model, self._limits)
+        """Speculative verification: drafts accepted or not, one token emitted (``verify``);
+        with ``draft_model``, the draft's distribution from that head too."""
+        drafter = () if request.draft_model is None else (Target(request.draft_model),)
+        with self._serving("verify", request.target, *drafter) as (model, *draft):
+            checked = verify.check(request, model, self._limits, *draft)
             residual = lens_options.residual(request.states, model)
-            sequences, positions = checked.hidden.shape[:2]
             probs = checked.draft_probs is not None
-            cost = costs.verify(
-                model, sequences, positions, checked.shape, draft_probs=probs, residual=residual
+            shape = checked.hidden.shape
+            cost = costs.verify_call(
+                model, draft, shape, checked.shape, draft_probs=probs, residual=residual
             )
             self._admit(cost, "verify")
-            hidden = await final_states(model, checked.hidden, residual)
-            result = await verify.verify(model, checked, hidden.reshape(-1, model.d_model))
+            result = await verify.run(model, draft, checked, residual)
             self._metrics.drafted_tokens.labels(model.name).inc(checked.draft_ids.size)
             self._metrics.accepted_tokens.labels(model.name).inc(int(result.accepted.sum()))
             return result

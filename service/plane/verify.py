@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -27,6 +27,7 @@ import numpy.typing as npt
 from service.errors import InvalidInput
 from service.limits import Limits
 from service.messages import VerifyRequest, VerifyResult
+from service.plane.lens import final_states
 from service.plane.options import token_ids, vocabulary_shape
 from service.repository.loaded_version import LoadedVersion
 from service.runtime.filters import filtered_prefix
@@ -62,6 +63,7 @@ class CheckedVerify:
     temperature: float
     greedy: bool
     seeds: Ids
+    draft_hidden: Floats | None = None
 
     @property
     def filtered(self) -> bool:
@@ -69,8 +71,11 @@ class CheckedVerify:
         return spec is not None and (spec.top_k, spec.top_p, spec.min_p) != (None,) * 3
 
 
-def check(request: VerifyRequest, model: LoadedVersion, limits: Limits) -> CheckedVerify:
-    """Every input, before any math; each refusal names its field, expected and actual."""
+def check(
+    request: VerifyRequest, model: LoadedVersion, limits: Limits, draft: LoadedVersion | None = None
+) -> CheckedVerify:
+    """Every input, before any math; each refusal names its field, expected and actual
+    (``draft``: the ``draft_model``'s head, when one is named)."""
     hidden = limits.hidden_states(request.hidden_states, model.d_model)
     if hidden.ndim != 3:
         raise InvalidInput(
@@ -111,7 +116,59 @@ def check(request: VerifyRequest, model: LoadedVersion, limits: Limits) -> Check
             )
         greedy |= shape.sample is not None and shape.sample.temperature == 0
     seeds = _seeds(request.seeds, shape, sequences)
-    return CheckedVerify(hidden, draft_ids, probs, parents, shape, temperature, greedy, seeds)
+    checked = CheckedVerify(hidden, draft_ids, probs, parents, shape, temperature, greedy, seeds)
+    return _with_draft_states(request, checked, model, draft, limits)
+
+
+def _with_draft_states(
+    request: VerifyRequest,
+    checked: CheckedVerify,
+    model: LoadedVersion,
+    draft: LoadedVersion | None,
+    limits: Limits,
+) -> CheckedVerify:
+    """``draft_model``: a head naming the same tokens, its states (sequences, K, d_model),
+    no ``draft_probs`` beside it, a chain, and no per-row decoding options (their rows are
+    the target's positions)."""
+    if draft is None:
+        if request.draft_hidden_states is not None:
+            raise InvalidInput("draft_hidden_states needs draft_model: the head that reads them")
+        return checked
+    if checked.draft_probs is not None or checked.parents is not None:
+        raise InvalidInput("draft_model takes neither draft_probs nor draft_parents")
+    if checked.shape is not None and checked.shape.processors is not None:
+        raise InvalidInput("draft_model: the decoding step's per-row options are not taken")
+    if draft.vocab_size != model.vocab_size or not draft.space.same_tokens(model.space):
+        raise InvalidInput(
+            f"draft_model {draft.name} must name the same tokens as {model.name}: vocabularies "
+            f"of {draft.vocab_size} and {model.vocab_size} tokens (or trimmed to other ids)"
+        )
+    if request.draft_hidden_states is None:
+        raise InvalidInput(f"draft_model needs draft_hidden_states (sequences, K, {draft.d_model})")
+    states = limits.hidden_states(request.draft_hidden_states, draft.d_model, "draft_hidden_states")
+    expected = (*checked.draft_ids.shape, draft.d_model)
+    if states.shape != expected:
+        raise InvalidInput(
+            f"draft_hidden_states must have shape {list(expected)} (one state per draft, "
+            f"{draft.name}'s d_model), got {list(states.shape)}"
+        )
+    return replace(checked, draft_hidden=states)
+
+
+async def with_draft(draft: LoadedVersion, checked: CheckedVerify, states: Floats) -> CheckedVerify:
+    """The draft's distribution from its head (``states``: its final states), shaped by the
+    same options as the target's; each draft must have had a chance to be sampled there."""
+    rows = states.reshape(-1, draft.d_model)
+    _, probs = await _runs(draft, rows, checked, checked.shape or Shape())
+    probs = probs.reshape(*checked.draft_ids.shape, -1)
+    own = np.take_along_axis(probs, checked.draft_ids[:, :, None], axis=2)[:, :, 0]
+    if (own <= 0).any():
+        s, k = (int(i) for i in np.argwhere(own <= 0)[0])
+        raise InvalidInput(
+            f"draft_token_ids[{s}][{k}]: draft_model {draft.name} gives token "
+            f"{int(checked.draft_ids[s, k])} probability 0 under these options"
+        )
+    return replace(checked, draft_probs=probs)
 
 
 def _parents(raw: npt.NDArray[Any] | None, nodes: int) -> Ids | None:
@@ -185,25 +242,27 @@ def _seeds(raw: npt.NDArray[Any] | None, shape: Shape | None, sequences: int) ->
     return seeds.astype(np.int64)
 
 
+async def run(
+    model: LoadedVersion, drafts: list[LoadedVersion], checked: CheckedVerify, residual: bool
+) -> VerifyResult:
+    """The request's rows as final states (through the norm when ``residual``), the draft
+    head's distribution when one is named, then ``verify``."""
+    hidden = await final_states(model, checked.hidden, residual)
+    for draft in drafts:
+        if checked.draft_hidden is not None:
+            states = await final_states(draft, checked.draft_hidden, residual)
+            checked = await with_draft(draft, checked, states)
+    return await verify(model, checked, hidden.reshape(-1, model.d_model))
+
+
 async def verify(model: LoadedVersion, checked: CheckedVerify, hidden: Floats) -> VerifyResult:
     """One projection of every position (``hidden``: final states, (S * (K + 1), d_model)),
     run by run, each run's processed distribution in the inference executor; then the rule."""
     sequences, positions = checked.hidden.shape[:2]
     shape = checked.shape or Shape()
     processors = shape.processors or Processors()
-    raw = np.empty((len(hidden), model.vocab_size), np.float32)
-    probs = np.empty_like(raw)
+    raw, probs = await _runs(model, hidden, checked, shape)
     loop = asyncio.get_running_loop()
-    step = model.rows_per_run
-    for start in range(0, len(hidden), step):
-        stop = min(start + step, len(hidden))
-        projection = await model.project(
-            hidden[start:stop], 1, temperature=checked.temperature, full_logits=True
-        )
-        assert projection.logits is not None
-        args = (projection.logits, checked, processors.part(start, stop), shape)
-        part = await loop.run_in_executor(model.runner.executor, _distribution, *args)
-        raw[start:stop], probs[start:stop] = part
     raw3 = raw.reshape(sequences, positions, -1)
     probs3 = probs.reshape(sequences, positions, -1)
     verdict = await loop.run_in_executor(model.runner.executor, _verdict, raw3, probs3, checked)
@@ -226,6 +285,27 @@ async def verify(model: LoadedVersion, checked: CheckedVerify, hidden: Floats) -
         checked.seeds,
         mode,
     )
+
+
+async def _runs(
+    model: LoadedVersion, hidden: Floats, checked: CheckedVerify, shape: Shape
+) -> tuple[Floats, Floats]:
+    """Every row's raw log-probs and processed probabilities (rows, vocab), run by run."""
+    processors = shape.processors or Processors()
+    raw = np.empty((len(hidden), model.vocab_size), np.float32)
+    probs = np.empty_like(raw)
+    loop = asyncio.get_running_loop()
+    step = model.rows_per_run
+    for start in range(0, len(hidden), step):
+        stop = min(start + step, len(hidden))
+        projection = await model.project(
+            hidden[start:stop], 1, temperature=checked.temperature, full_logits=True
+        )
+        assert projection.logits is not None
+        args = (projection.logits, checked, processors.part(start, stop), shape)
+        part = await loop.run_in_executor(model.runner.executor, _distribution, *args)
+        raw[start:stop], probs[start:stop] = part
+    return raw, probs
 
 
 def _distribution(

@@ -28,12 +28,14 @@ TABLE = (0.4 * RNG.standard_normal((VOCAB, D))).astype(np.float32)
 SEQUENCES, K = 5, 3
 HIDDEN = RNG.standard_normal((SEQUENCES, K + 1, D)).astype(np.float32)
 SEEDS = list(range(40, 40 + SEQUENCES))
+DRAFTER = (0.4 * RNG.standard_normal((VOCAB, 8))).astype(np.float32)
 
 
 @pytest.fixture(scope="module")
 def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("verify")
     save_head(HeadWeights.from_arrays(TABLE), root / "head" / "1")
+    save_head(HeadWeights.from_arrays(DRAFTER), root / "drafter" / "1")
     return root
 
 
@@ -212,3 +214,30 @@ def test_the_client_sends_an_npz_and_gets_the_same_answer(url: str, asynchronous
             answer = client.verify("head", HIDDEN, ids, draft_probs=draft, seeds=SEEDS, **options)
     assert answer["results"] == expected["results"]
     assert answer["results"][0]["token_ids"][0] != ids[0, 0]  # banned: never emitted
+
+
+def test_a_draft_model_computes_the_draft_distribution(url: str) -> None:
+    """The drafter head (d_model 8) reads its own states with the same temperature: its
+    distribution is the rule's q; the request carries 8 floats per draft, not 300."""
+    states = RNG.standard_normal((SEQUENCES, K, 8)).astype(np.float32)
+    logits = states.astype(np.float64) @ DRAFTER.astype(np.float64).T / 0.8
+    q = np.exp(log_softmax(logits))
+    ids = np.argmax(q, axis=2)
+    ids[:, 0] = np.argmax(_reference(0.8)[:, 0], axis=1)
+    with Client(url) as client:
+        answer = client.verify(
+            "head",
+            HIDDEN,
+            ids,
+            seeds=SEEDS,
+            temperature=0.8,
+            draft_model="drafter",
+            draft_hidden_states=states,
+        )
+    expected = verify_chain(_reference(0.8), ids, uniforms(SEEDS, K + 1), q)
+    for row, result in enumerate(answer["results"]):
+        assert result["token_ids"] == expected.token_ids[row, : result["accepted"] + 1].tolist()
+    body = {"hidden_states": HIDDEN.tolist(), "draft_token_ids": ids.tolist()}
+    refused = _post(url, json=body | {"draft_model": "drafter"})
+    assert refused.status_code == 422
+    assert "draft_hidden_states" in refused.text

@@ -39,7 +39,7 @@ from service.errors import InvalidInput, MalformedBody
 from service.messages import SampleOptions, VerifyRequest, VerifyResult, VocabularyOptions
 from service.npyio import read_npz
 
-FLOATS = ("hidden_states", "draft_probs")
+FLOATS = ("hidden_states", "draft_probs", "draft_hidden_states")
 INTEGERS = ("draft_token_ids", "draft_parents", "banned_token_ids", "seeds")
 #: Query parameters of an ``.npz`` body holding JSON text.
 JSON_QUERY = ("sample", "logit_bias")
@@ -77,6 +77,8 @@ async def decode_verify(request: Request, body_limit: int) -> VerifyRequest:
         vocabulary,
         arrays.get("seeds"),
         opts.states,
+        opts.draft_model,
+        arrays.get("draft_hidden_states"),
     )
 
 

@@ -30,6 +30,7 @@ from tests.conftest import D_MODEL, VOCAB, reference_logits
 HEAD = Target("head")
 RUN_ROWS = 8
 SEQUENCES, K = 6, 3
+DRAFT_D = 24
 T = TypeVar("T")
 Doubles = npt.NDArray[np.float64]
 
@@ -39,6 +40,10 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("verify")
     table = np.random.default_rng(46).standard_normal((VOCAB, D_MODEL), dtype=np.float32)
     save_head(HeadWeights.from_arrays(table * 0.3), root / HEAD.model / "1")
+    drafter = np.random.default_rng(47).standard_normal((VOCAB, DRAFT_D), dtype=np.float32)
+    save_head(HeadWeights.from_arrays(drafter * 0.3), root / "drafter" / "1")
+    other = np.random.default_rng(48).standard_normal((VOCAB - 1, D_MODEL), dtype=np.float32)
+    save_head(HeadWeights.from_arrays(other), root / "other" / "1")
     return root
 
 
@@ -68,9 +73,11 @@ def _served(repository: Path, call: Callable[[DataPlane], Awaitable[T]]) -> tupl
     return asyncio.run(main())
 
 
-def _target(repository: Path, hidden: Doubles, temperature: float, top_k: int | None) -> Doubles:
+def _target(
+    repository: Path, hidden: Doubles, temperature: float, top_k: int | None, head: str = "head"
+) -> Doubles:
     """The reference distribution at every position: softmax(logits / T), top-k kept."""
-    logits = reference_logits(repository / HEAD.model / "1", hidden.reshape(-1, D_MODEL))
+    logits = reference_logits(repository / head / "1", hidden.reshape(-1, hidden.shape[-1]))
     logits = logits / temperature
     if top_k is not None:
         floor = np.sort(logits, axis=1)[:, -top_k][:, None]
@@ -230,4 +237,67 @@ def test_bad_input_is_refused_naming_the_field(
         }
     with pytest.raises(InvalidInput, match=None) as refused:
         _verify(repository, VerifyRequest(**_bad(**changes)))
+    assert named in str(refused.value)
+
+
+def test_a_draft_model_gives_the_draft_distribution_with_the_same_options(
+    repository: Path,
+) -> None:
+    """The drafter (another head, d_model 24) reads its own states; its distribution, shaped
+    by the same temperature and top-k, is the q of the rule: the answer is the rule's over
+    both reference distributions."""
+    hidden, _ = _inputs(6)
+    states = np.random.default_rng(7).standard_normal((SEQUENCES, K, DRAFT_D), dtype=np.float32)
+    target = _target(repository, hidden.astype(np.float64), 0.9, 60)
+    draft = _target(repository, states.astype(np.float64), 0.9, 60, head="drafter")
+    draft_ids = np.argmax(draft, axis=2)
+    draft_ids[:, 0] = np.argmax(target[:, 0], axis=1)  # kept by the drafter's top-60 or not
+    seeds = np.arange(3, 3 + SEQUENCES)
+    options = VocabularyOptions(sample=SampleOptions(temperature=0.9, top_k=60))
+    request = VerifyRequest(
+        HEAD,
+        hidden,
+        draft_ids,
+        vocabulary=options,
+        seeds=seeds,
+        draft_model="drafter",
+        draft_hidden_states=states,
+    )
+    if (np.take_along_axis(draft, draft_ids[:, :, None], axis=2) == 0).any():
+        with pytest.raises(InvalidInput, match="probability 0 under these options"):
+            _verify(repository, request)
+        draft_ids[:, 0] = np.argmax(draft[:, 0], axis=1)
+        request = VerifyRequest(
+            HEAD,
+            hidden,
+            draft_ids,
+            vocabulary=options,
+            seeds=seeds,
+            draft_model="drafter",
+            draft_hidden_states=states,
+        )
+    result, _ = _verify(repository, request)
+    expected = verify_chain(target, draft_ids, uniforms(seeds.tolist(), K + 1), draft)
+    assert result.token_ids.tolist() == expected.token_ids.tolist()
+
+
+@pytest.mark.parametrize(
+    ("changes", "named"),
+    [
+        ({"draft_model": "other"}, "must name the same tokens"),
+        ({"draft_model": "drafter"}, "draft_model needs draft_hidden_states"),
+        (
+            {"draft_model": "drafter", "draft_hidden_states": np.zeros((SEQUENCES, K, D_MODEL))},
+            "draft_hidden_states",
+        ),
+        ({"draft_hidden_states": np.zeros((SEQUENCES, K, DRAFT_D))}, "needs draft_model"),
+    ],
+)
+def test_a_bad_draft_model_is_refused_naming_the_field(
+    repository: Path, changes: dict[str, Any], named: str
+) -> None:
+    fields = _bad(**changes)
+    del fields["draft_probs"]
+    with pytest.raises(InvalidInput) as refused:
+        _verify(repository, VerifyRequest(**fields))
     assert named in str(refused.value)
