@@ -29,6 +29,7 @@ from service.plane.options import CheckedInfer, CheckedTopK
 from service.repository.disk import LABELS_FILE
 from service.repository.loaded_version import LoadedVersion
 from service.repository.registry import Registry
+from service.runtime.vocabulary import SampleSpec, Shape
 from service.settings import Settings
 from tests.server import running_server, server_process
 
@@ -204,6 +205,25 @@ def _v2(rows: int, k: int, logits: bool) -> Case:
     )
 
 
+def _verify(sequences: int, k: int, top_p: float | None) -> Case:
+    """Drafts taken as certain (a draft distribution would be as wide as the head), the
+    target shaped by top_p or not: every position's raw log-probs and probabilities held."""
+    hidden = _states(sequences, k + 1, D_MODEL)
+    ids = np.random.default_rng(k).integers(0, 4096, (sequences, k))
+    payload: dict[str, Any] = {"hidden_states": hidden, "draft_token_ids": ids}
+    shape = None
+    if top_p is not None:
+        payload["sample"] = {"top_p": top_p, "seed": 1}
+        shape = Shape(sample=SampleSpec(top_p=top_p, seed=1))
+    return Case(
+        f"verify-{sequences}x{k}{'-top_p' if top_p else ''}",
+        "verify",
+        _json(payload),
+        "application/json",
+        lambda m: costs.verify(m, sequences, k + 1, shape, draft_probs=False, residual=False),
+    )
+
+
 CASES = [
     _topk(1, 5, False),
     _topk(64, 1000, False),
@@ -220,6 +240,8 @@ CASES = [
     _compare(512),
     _v2(256, 1000, False),
     _v2(64, 5, True),
+    _verify(64, 4, None),
+    _verify(128, 4, 0.9),
 ]
 
 
