@@ -26,7 +26,7 @@ import numpy.typing as npt
 
 from service.errors import InvalidInput
 from service.limits import Limits
-from service.messages import VerifyRequest, VerifyResult
+from service.messages import DecodingOptions, TokenLists, VerifyRequest, VerifyResult
 from service.plane.lens import final_states
 from service.plane.options import token_ids, vocabulary_shape
 from service.repository.loaded_version import LoadedVersion
@@ -109,6 +109,9 @@ def check(
         if options.allowed_token_ids is not None:
             raise InvalidInput("allowed_token_ids: /verify takes bans and bias, not allowed ids")
         rows = sequences * positions
+        if options.decoding is not None:
+            decoding = _per_position(options.decoding, raw_ids, parents, positions)
+            options = replace(options, decoding=decoding)
         shape, temperature = vocabulary_shape(options, rows, model.space, limits, temperature)
         if shape.sample is not None and shape.sample.n is not None:
             raise InvalidInput(
@@ -169,6 +172,49 @@ async def with_draft(draft: LoadedVersion, checked: CheckedVerify, states: Float
             f"{int(checked.draft_ids[s, k])} probability 0 under these options"
         )
     return replace(checked, draft_probs=probs)
+
+
+def _per_position(
+    options: DecodingOptions, drafts: npt.NDArray[Any], parents: Ids | None, positions: int
+) -> DecodingOptions:
+    """Histories given per sequence, made per position: the target's distribution at a
+    drafted position follows the earlier drafts (on a tree, the node's ancestors), so each
+    position's output history is the sequence's with those drafts appended (penalties and
+    ``min_tokens`` count them, as the step after them would); the prompt repeats. A grammar's
+    bitmask is given per position already ((sequences * (K + 1), words) or one row)."""
+    nodes = positions - 1
+    tree = np.arange(-1, nodes - 1) if parents is None else parents
+    paths: list[list[int]] = [[]]  # position j + 1 follows node j: its ancestors and itself
+    for node in range(nodes):
+        paths.append([*paths[int(tree[node]) + 1], node])
+    sequences = len(drafts)
+
+    def expanded(lists: TokenLists | None, field: str, with_drafts: bool) -> TokenLists | None:
+        if lists is None:
+            return None
+        lengths = np.asarray(lists.lengths, np.int64)
+        if len(lengths) != sequences:
+            raise InvalidInput(
+                f"{field} must hold one list per sequence: got {len(lengths)} lists for "
+                f"{sequences} sequences"
+            )
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        values = np.asarray(lists.values)
+        rows = []
+        for sequence in range(sequences):
+            own = values[offsets[sequence] : offsets[sequence + 1]].tolist()
+            for path in paths:
+                tail = drafts[sequence, path].tolist() if with_drafts else []
+                rows.append(own + tail)
+        return TokenLists.of(rows)
+
+    return replace(
+        options,
+        prompt_token_ids=expanded(options.prompt_token_ids, "prompt_token_ids", False),
+        output_token_ids=expanded(
+            options.output_token_ids or TokenLists.of([[]] * sequences), "output_token_ids", True
+        ),
+    )
 
 
 def _parents(raw: npt.NDArray[Any] | None, nodes: int) -> Ids | None:

@@ -19,7 +19,14 @@ import pytest
 
 from service.errors import InvalidInput
 from service.heads.files import HeadWeights, save_head
-from service.messages import SampleOptions, Target, VerifyRequest, VerifyResult, VocabularyOptions
+from service.messages import (
+    DecodingOptions,
+    SampleOptions,
+    Target,
+    VerifyRequest,
+    VerifyResult,
+    VocabularyOptions,
+)
 from service.metrics import Metrics
 from service.plane.dataplane import DataPlane
 from service.repository.registry import Registry
@@ -301,3 +308,31 @@ def test_a_bad_draft_model_is_refused_naming_the_field(
     with pytest.raises(InvalidInput) as refused:
         _verify(repository, VerifyRequest(**fields))
     assert named in str(refused.value)
+
+
+def test_penalties_count_the_earlier_drafts(repository: Path) -> None:
+    """Histories are per sequence; each position's counts the drafts before it. Positions 0
+    and 1 share their state (the same top token), every draft is that token: without the
+    drafts in the history the second would be accepted; a presence penalty of 2 on it (the
+    first draft counted) moves the greedy top where the runner-up is within 2."""
+    hidden, _ = _inputs(8)
+    hidden[:, 1] = hidden[:, 0]
+    logits = reference_logits(repository / HEAD.model / "1", hidden.reshape(-1, D_MODEL))
+    logits = logits.reshape(SEQUENCES, K + 1, -1)
+    top = np.argmax(logits[:, 0], axis=1)
+    draft_ids = np.repeat(top[:, None], K, axis=1)
+    expected_accepted = []
+    for sequence in range(SEQUENCES):
+        accepted = 0
+        for position in range(K + 1):
+            seen = set(draft_ids[sequence, :position].tolist())
+            penalized = logits[sequence, position] - 2.0 * np.isin(np.arange(VOCAB), list(seen))
+            if position == K or int(np.argmax(penalized)) != draft_ids[sequence, position]:
+                break
+            accepted += 1
+        expected_accepted.append(accepted)
+    assert 1 in expected_accepted  # the penalty turned the second draft down somewhere
+    options = VocabularyOptions(decoding=DecodingOptions(presence_penalty=2.0))
+    request = VerifyRequest(HEAD, hidden, draft_ids, temperature=0.0, vocabulary=options)
+    result, _ = _verify(repository, request)
+    assert result.accepted.tolist() == expected_accepted
