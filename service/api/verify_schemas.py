@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from service.api.decoding_fields import ArrayFields, PenaltyFields, StepFields
 from service.api.schemas import Identity, States, _Document, _example, _Options
 
 _EXAMPLE_ROW = [0.5, -1.25, 0.75, 2.0]
@@ -29,9 +30,11 @@ class VerifySample(_Options):
     """Sequence i's seed is seed + i, when ``seeds`` is absent."""
 
 
-class VerifyOptions(_Options):
+class VerifyOptions(PenaltyFields, StepFields, _Options):
     """Options of ``/verify``: in the JSON body beside the arrays, or as query parameters
-    with an ``.npz`` body (``sample`` and ``logit_bias`` as JSON text there)."""
+    with an ``.npz`` body (``sample`` and ``logit_bias`` as JSON text there). The decoding
+    step's options apply to the target (and a draft_model) as on ``/topk``; its histories
+    are one list per sequence: each drafted position's counts the drafts before it."""
 
     temperature: float = 1.0
     """The target's temperature; 0 verifies greedily (accept while the draft is the top)."""
@@ -47,7 +50,7 @@ class VerifyOptions(_Options):
     before the acceptance test; ``seed`` seeds sequence i with seed + i."""
 
 
-class VerifyBody(VerifyOptions):
+class VerifyBody(ArrayFields, VerifyOptions):
     model_config = _example(
         hidden_states=[[_EXAMPLE_ROW, _EXAMPLE_ROW]],
         draft_token_ids=[[7]],

@@ -241,3 +241,50 @@ def test_a_draft_model_computes_the_draft_distribution(url: str) -> None:
     refused = _post(url, json=body | {"draft_model": "drafter"})
     assert refused.status_code == 422
     assert "draft_hidden_states" in refused.text
+
+
+def test_penalties_over_the_wire_count_the_earlier_drafts(url: str) -> None:
+    """JSON and .npz bodies carry per-sequence histories: the answer with a presence
+    penalty and histories equals the greedy reference with the drafts counted."""
+    hidden = HIDDEN.copy()
+    hidden[:, 1] = hidden[:, 0]
+    logits = hidden.astype(np.float64) @ TABLE.astype(np.float64).T
+    top = np.argmax(logits[:, 0], axis=1)
+    ids = np.repeat(top[:, None], K, axis=1)
+    history = [[int(top[s]) + 1] for s in range(SEQUENCES)]
+    expected = []
+    for s in range(SEQUENCES):
+        accepted = 0
+        for position in range(K + 1):
+            seen = [*history[s], *ids[s, :position].tolist()]
+            shifted = logits[s, position] - 1.5 * np.isin(np.arange(VOCAB), seen)
+            if position == K or int(np.argmax(shifted)) != ids[s, position]:
+                break
+            accepted += 1
+        expected.append(accepted)
+    body = {
+        "hidden_states": hidden.tolist(),
+        "draft_token_ids": ids.tolist(),
+        "temperature": 0,
+        "presence_penalty": 1.5,
+        "output_token_ids": history,
+    }
+    answer = _post(url, json=body)
+    assert answer.status_code == 200, answer.text
+    assert [row["accepted"] for row in answer.json()["results"]] == expected
+    archive = io.BytesIO()
+    np.savez(
+        archive,
+        hidden_states=hidden,
+        draft_token_ids=ids,
+        output_token_ids=np.array([h[0] for h in history]),
+        output_token_ids_lengths=np.ones(SEQUENCES, np.int64),
+    )
+    binary = _post(
+        url,
+        content=archive.getvalue(),
+        params={"temperature": "0", "presence_penalty": "1.5"},
+        headers={"content-type": "application/x-npz"},
+    )
+    assert binary.status_code == 200, binary.text
+    assert [row["accepted"] for row in binary.json()["results"]] == expected

@@ -13,12 +13,12 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
 from service.api.codec.answer_bodies import identity
+from service.api.codec.decoding_wire import binary_arrays, decoding, json_arrays
 from service.api.codec.native import reply
 from service.api.codec.wire import (
     JSON,
@@ -34,6 +34,7 @@ from service.api.codec.wire import (
     read_body,
     target,
 )
+from service.api.decoding_fields import ARRAYS, LENGTHS, LISTS
 from service.api.verify_schemas import VerifyOptions
 from service.errors import InvalidInput, MalformedBody
 from service.messages import SampleOptions, VerifyRequest, VerifyResult, VocabularyOptions
@@ -58,14 +59,16 @@ async def decode_verify(request: Request, body_limit: int) -> VerifyRequest:
             raise InvalidInput(f"{name} is required")
     sample = opts.sample
     banned = arrays.get("banned_token_ids")
+    step = decoding(opts, arrays)
     vocabulary = None
-    if sample is not None or opts.logit_bias or banned is not None:
+    if sample is not None or opts.logit_bias or banned is not None or step is not None:
         vocabulary = VocabularyOptions(
             None,
             opts.logit_bias,
             banned,
             None,
             None if sample is None else SampleOptions(**sample.model_dump()),
+            step,
         )
     return VerifyRequest(
         target(request),
@@ -82,10 +85,10 @@ async def decode_verify(request: Request, body_limit: int) -> VerifyRequest:
     )
 
 
-def _json_body(body: bytes) -> tuple[dict[str, npt.NDArray[Any]], VerifyOptions]:
+def _json_body(body: bytes) -> tuple[dict[str, Any], VerifyOptions]:
     payload = parse_json_object(body)
     booleans = booleans_hidden(body, payload)
-    arrays: dict[str, npt.NDArray[Any]] = {}
+    arrays: dict[str, Any] = json_arrays(payload, booleans)
     for name in FLOATS:
         value = payload.pop(name, None)
         if value is not None:
@@ -94,23 +97,26 @@ def _json_body(body: bytes) -> tuple[dict[str, npt.NDArray[Any]], VerifyOptions]
         value = payload.pop(name, None)
         if value is not None:
             arrays[name] = int_array(value, name, booleans)
-    checked: VerifyOptions = options(VerifyOptions, payload, taken=(*FLOATS, *INTEGERS))
+    taken = (*FLOATS, *INTEGERS, *LISTS, *ARRAYS)
+    checked: VerifyOptions = options(VerifyOptions, payload, taken=taken)
     return arrays, checked
 
 
-def _npz_body(body: bytes) -> dict[str, npt.NDArray[Any]]:
+def _npz_body(body: bytes) -> dict[str, Any]:
     try:
         entries = read_npz(body)
     except Exception:  # numpy raises ValueError/OSError/EOFError/BadZipFile for broken files
         raise MalformedBody("body is not a valid .npz archive") from None
+    step: dict[str, Any] = binary_arrays(entries)
     unknown = sorted(set(entries) - {*FLOATS, *INTEGERS})
     if unknown:
-        held = ", ".join((*FLOATS, *INTEGERS))
+        lists = (name + LENGTHS for name in LISTS)
+        held = ", ".join((*FLOATS, *INTEGERS, *LISTS, *lists, *ARRAYS))
         raise InvalidInput(f"unknown .npz entries {unknown[:4]}; it may hold {held}")
     for name in INTEGERS:
         if name in entries and entries[name].dtype.kind not in "iu":
             raise InvalidInput(f"{name} must be integers, got {entries[name].dtype.name}")
-    return entries
+    return {**entries, **step}
 
 
 def _query_options(request: Request) -> VerifyOptions:
