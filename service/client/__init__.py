@@ -430,6 +430,5 @@ def _verify(
     """``verify``'s call: the arrays in an ``.npz`` body, the options in the query."""
     arrays = {"hidden_states": hidden, "draft_token_ids": ids, "draft_probs": probs}
     arrays |= {"draft_parents": parents, "seeds": seeds}
-    for name in ("banned_token_ids", "draft_hidden_states"):
-        arrays[name] = options.pop(name, None)
+    arrays["draft_hidden_states"] = options.pop("draft_hidden_states", None)
     return verify_call(model, arrays, version, **options)

@@ -23,18 +23,33 @@ ARRAYS = {
     "draft_parents": np.int64,
     "banned_token_ids": np.int64,
     "seeds": np.int64,
+    "stop_token_ids": np.int64,
+    "token_bitmask": np.int32,
 }
+#: Lists of lists: an entry of their values and one of their lengths each.
+LISTS = ("prompt_token_ids", "output_token_ids", "bad_words_ids")
 
 
 def verify_call(model: str, arrays: dict[str, Any], version: int | None, **options: Any) -> Call:
     """``arrays``: hidden_states, draft_token_ids and the optional ones (None: not sent);
-    ``options``: temperature, states, sample, logit_bias (None: not sent)."""
-    unknown = sorted(set(arrays) - set(ARRAYS))
+    ``options``: temperature, states, sample, logit_bias, the decoding step's scalars in the
+    query, its arrays and lists of lists (one per sequence) taken into the body."""
+    for name in LISTS:
+        lists = options.pop(name, None)
+        if lists is not None:
+            arrays[f"{name}_lengths"] = [len(tokens) for tokens in lists]
+            arrays[name] = [token for tokens in lists for token in tokens]
+    for name in ARRAYS:
+        if name in options:
+            arrays[name] = options.pop(name)
+    unknown = sorted(set(arrays) - set(ARRAYS) - {*LISTS, *(f"{n}_lengths" for n in LISTS)})
     if unknown:
         raise TypeError(f"verify got unknown arrays {unknown}; it takes {sorted(ARRAYS)}")
     buffer = io.BytesIO()
     given = {
-        name: np.asarray(value, ARRAYS[name]) for name, value in arrays.items() if value is not None
+        name: np.asarray(value, ARRAYS.get(name, np.int64))
+        for name, value in arrays.items()
+        if value is not None
     }
     np.savez(buffer, **given)  # type: ignore[arg-type]
     params = {

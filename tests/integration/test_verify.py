@@ -288,3 +288,8 @@ def test_penalties_over_the_wire_count_the_earlier_drafts(url: str) -> None:
     )
     assert binary.status_code == 200, binary.text
     assert [row["accepted"] for row in binary.json()["results"]] == expected
+    with Client(url) as client:
+        sent = client.verify(
+            "head", hidden, ids, temperature=0, presence_penalty=1.5, output_token_ids=history
+        )
+    assert [row["accepted"] for row in sent["results"]] == expected
