@@ -29,6 +29,7 @@ from service.limits import Limits
 from service.messages import DecodingOptions, TokenLists, VerifyRequest, VerifyResult
 from service.plane.lens import final_states
 from service.plane.options import token_ids, vocabulary_shape
+from service.plane.verify_plain import plain_chain
 from service.repository.loaded_version import LoadedVersion
 from service.runtime.filters import filtered_prefix
 from service.runtime.processors import Processors
@@ -294,6 +295,17 @@ async def run(
     """The request's rows as final states (through the norm when ``residual``), the draft
     head's distribution when one is named, then ``verify``."""
     hidden = await final_states(model, checked.hidden, residual)
+    if checked.shape is None and checked.parents is None and not drafts:
+        probs = checked.draft_probs
+        return await plain_chain(
+            model,
+            hidden,
+            checked.draft_ids,
+            probs,
+            checked.seeds,
+            checked.temperature,
+            checked.greedy,
+        )
     for draft in drafts:
         if checked.draft_hidden is not None:
             states = await final_states(draft, checked.draft_hidden, residual)

@@ -132,23 +132,42 @@ def verify_chain(target: Probs, draft_ids: Ids, u: Doubles, draft: Probs | None 
     rows, k = draft_ids.shape
     every = np.arange(rows)
     p_x = np.take_along_axis(target[:, :k], draft_ids[:, :, None], axis=2)[:, :, 0]
-    p_x = p_x.astype(np.float64)
-    if draft is None:
-        q_x = np.ones_like(p_x)
-    else:
+    q_x = None
+    if draft is not None:
         q_x = np.take_along_axis(draft, draft_ids[:, :, None], axis=2)[:, :, 0]
-        q_x = q_x.astype(np.float64)
-    passed = u[:, :k] * q_x < p_x
-    accepted = np.cumprod(passed, axis=1).sum(axis=1).astype(np.int64)
+    accepted = chain_accepted(p_x, q_x, u)
     stop = np.minimum(accepted, k - 1) if k else accepted
-    weights = target[every, accepted].astype(np.float64)  # p at the stopping position
+    q_rows = None if draft is None or not k else draft[every, stop]
+    return chain_verdict(target[every, accepted], q_rows, draft_ids, accepted, u)
+
+
+def chain_accepted(p_x: Probs, q_x: Probs | None, u: Doubles) -> Ids:
+    """How many drafts each sequence accepts: ``p_x`` (S, K) the target's probability of
+    each draft, ``q_x`` the draft's (None: one-hot, 1), ``u`` (S, K + 1)."""
+    k = p_x.shape[1]
+    q = 1.0 if q_x is None else q_x.astype(np.float64)
+    passed = u[:, :k] * q < p_x.astype(np.float64)
+    accepted: Ids = np.cumprod(passed, axis=1).sum(axis=1).astype(np.int64)
+    return accepted
+
+
+def chain_verdict(
+    p_rows: Probs, q_rows: Probs | None, draft_ids: Ids, accepted: Ids, u: Doubles
+) -> Verdict:
+    """The emitted token and the verdict, from each sequence's target row at its stopping
+    position (``p_rows`` (S, V)) and the draft's there (``q_rows``; None: one-hot): the
+    residual ``max(0, p - q)`` where a draft was rejected, ``p`` itself after all K."""
+    rows, k = draft_ids.shape
+    every = np.arange(rows)
+    stop = np.minimum(accepted, k - 1) if k else accepted
+    weights = p_rows.astype(np.float64)
     rejected = accepted < k
     if k and rejected.any():
-        if draft is None:  # one-hot q: max(0, p - onehot) is p with the draft removed
+        if q_rows is None:  # one-hot q: max(0, p - onehot) is p with the draft removed
             residual = weights.copy()
             residual[every, draft_ids[every, stop]] = 0.0
         else:
-            residual = np.maximum(weights - draft[every, stop].astype(np.float64), 0.0)
+            residual = np.maximum(weights - q_rows.astype(np.float64), 0.0)
         weights = np.where(rejected[:, None], residual, weights)
     emitted = _draw(weights, u[:, k])
     path = np.where(np.arange(k)[None, :] < accepted[:, None], np.arange(k)[None, :], -1)
@@ -194,8 +213,13 @@ def verify_greedy(target: Probs, draft_ids: Ids, parents: Ids | None = None) -> 
     """Temperature 0: accept while the draft is the target's top token (ties: the lower
     id), then emit the top token there; a tree's first child (in order) that matches is
     the one followed. ``parents`` None: a chain."""
-    rows, nodes = draft_ids.shape
     top = np.argmax(target, axis=2).astype(np.int64)  # (S, positions): the first maximum
+    return greedy_of_top(top, draft_ids, parents)
+
+
+def greedy_of_top(top: Ids, draft_ids: Ids, parents: Ids | None = None) -> Verdict:
+    """``verify_greedy`` from each position's top token (S, positions), however found."""
+    rows, nodes = draft_ids.shape
     tree = chain_parents(nodes) if parents is None else parents
     depth = int(depths(tree).max()) if nodes else 0
     current = np.full(rows, -1, np.int64)

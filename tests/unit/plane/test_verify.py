@@ -336,3 +336,29 @@ def test_penalties_count_the_earlier_drafts(repository: Path) -> None:
     request = VerifyRequest(HEAD, hidden, draft_ids, temperature=0.0, vocabulary=options)
     result, _ = _verify(repository, request)
     assert result.accepted.tolist() == expected_accepted
+
+
+@pytest.mark.parametrize("with_probs", [True, False])
+def test_the_fast_path_answers_as_the_dense_one(repository: Path, with_probs: bool) -> None:
+    """A plain chain (a temperature, nothing else) reads the drafts' logits and the stopping
+    rows alone (``verify_plain``); the same request through every position's whole row (a
+    sample block without filters sends it there) gives the same answer."""
+    hidden, draft = _inputs(9)
+    target = _target(repository, hidden.astype(np.float64), 0.7, None)
+    draft_ids = np.argmax(target[:, :K], axis=2)
+    draft_ids[::2, 1] = np.argmax(draft[::2, 1], axis=1)
+    draft[np.arange(SEQUENCES)[:, None], np.arange(K)[None, :], draft_ids] += 0.3
+    draft /= draft.sum(axis=2, keepdims=True)
+    probs = draft.astype(np.float32) if with_probs else None
+    seeds = np.arange(11, 11 + SEQUENCES)
+    plain, _ = _verify(
+        repository, VerifyRequest(HEAD, hidden, draft_ids, probs, temperature=0.7, seeds=seeds)
+    )
+    options = VocabularyOptions(sample=SampleOptions(temperature=0.7))
+    dense, _ = _verify(
+        repository, VerifyRequest(HEAD, hidden, draft_ids, probs, vocabulary=options, seeds=seeds)
+    )
+    assert plain.token_ids.tolist() == dense.token_ids.tolist()
+    assert len(set(plain.accepted.tolist())) >= 2
+    listed = plain.token_ids >= 0
+    np.testing.assert_allclose(plain.logprobs[listed], dense.logprobs[listed], atol=1e-4)
