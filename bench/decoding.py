@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
+from bench.decoding_served import served_report
 from bench.machine import describe_machine
 from service.heads.files import HeadWeights, save_head
 from service.messages import (
@@ -55,15 +56,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--sizes", default="32000x512,128256x2048")
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--served", action="store_true")
     parser.add_argument("--output", type=Path)
     args = parser.parse_args(argv)
     lines = [describe_machine(), "", _legend(), ""]
     lines += ["| head | request | wall ms | CPU ms | vs plain (wall) | vs plain (CPU) |"]
     lines += ["|---|---|---|---|---|---|"]
-    for size in args.sizes.split(","):
-        vocab, d_model = (int(part) for part in size.split("x"))
+    sizes = [tuple(int(part) for part in size.split("x")) for size in args.sizes.split(",")]
+    for vocab, d_model in sizes:
         rounds = args.rounds if vocab * d_model <= 2**25 else max(3, args.rounds // 3)
         lines += _engine_rows(vocab, d_model, rounds)
+    if args.served:
+        lines += ["", *served_report(sizes, requests)]
     report = "\n".join(lines)
     print(report)
     if args.output:
