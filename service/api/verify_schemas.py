@@ -70,7 +70,8 @@ class VerifyBody(ArrayFields, VerifyOptions):
     """(sequences, K, the draft head's d_model): the drafter's states, with ``draft_model``."""
     draft_parents: list[int] | None = Field(default=None, examples=[[-1]])
     """(K,): each draft's parent, -1 for the root's children, else an earlier draft: a tree
-    whose siblings are tried in order (drafts taken as certain)."""
+    whose siblings are tried in order (taken as certain, or independent draws from their
+    draft_probs row, the same for siblings)."""
     banned_token_ids: list[int] | None = Field(default=None, examples=[[3]])
     """Tokens the target never emits (their probability 0)."""
     seeds: list[int] | None = Field(default=None, examples=[[1]])

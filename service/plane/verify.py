@@ -96,11 +96,6 @@ def check(
     parents = _parents(request.draft_parents, positions - 1)
     probs = None
     if request.draft_probs is not None:
-        if parents is not None:
-            raise InvalidInput(
-                "draft_probs with draft_parents: a tree's drafts are taken as certain; send "
-                "no draft_probs"
-            )
         probs = _draft_probs(request.draft_probs, draft_ids, model.vocab_size)
     greedy = request.temperature == 0
     temperature = 1.0 if greedy else limits.temperature(request.temperature)
@@ -401,5 +396,5 @@ def _verdict(raw: Floats, probs: Floats, checked: CheckedVerify) -> Verdict:
         return verify_greedy(raw, checked.draft_ids, checked.parents)
     u = uniforms(checked.seeds.tolist(), nodes + 1)
     if checked.parents is not None:
-        return verify_tree(probs, checked.draft_ids, checked.parents, u)
+        return verify_tree(probs, checked.draft_ids, checked.parents, u, checked.draft_probs)
     return verify_chain(probs, checked.draft_ids, u, checked.draft_probs)

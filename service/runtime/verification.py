@@ -174,11 +174,16 @@ def chain_verdict(
     return _assemble(path.astype(np.int64), draft_ids, accepted, emitted, accepted)
 
 
-def verify_tree(target: Probs, draft_ids: Ids, parents: Ids, u: Doubles) -> Verdict:
-    """A tree of N drafted nodes per sequence, drafts taken as certain: ``target``
-    (S, N + 1, V) (position 0: the root's next token, j + 1: node j's), ``draft_ids`` (S, N),
-    ``parents`` (N,) shared by the sequences (checked by the caller: -1 or earlier), ``u``
-    (S, N + 1)."""
+def verify_tree(
+    target: Probs, draft_ids: Ids, parents: Ids, u: Doubles, draft: Probs | None = None
+) -> Verdict:
+    """A tree of N drafted nodes per sequence: ``target`` (S, N + 1, V) (position 0: the
+    root's next token, j + 1: node j's), ``draft_ids`` (S, N), ``parents`` (N,) shared by the
+    sequences (checked by the caller: -1 or earlier), ``u`` (S, N + 1). ``draft`` None:
+    drafts taken as certain. ``draft`` (S, N, V): row j is the distribution node j was drawn
+    from, the same for siblings, which are independent draws from it (SpecInfer's multi-draft
+    rule): a child x is accepted when ``u * q(x) < r(x)``, r the normalized residual, and a
+    rejection makes the residual ``max(0, r - q)``."""
     rows, nodes = draft_ids.shape
     every = np.arange(rows)
     depth = int(depths(parents).max()) if nodes else 0
@@ -193,10 +198,18 @@ def verify_tree(target: Probs, draft_ids: Ids, parents: Ids, u: Doubles) -> Verd
             continue
         token = draft_ids[:, node]
         mass = residual[every, token]
-        passed = trying & (u[:, node] * total < mass)
+        q_x = 1.0 if draft is None else draft[every, node, token].astype(np.float64)
+        passed = trying & (u[:, node] * q_x * total < mass)
         failed = trying & ~passed
-        residual[failed, token[failed]] = 0.0
-        total = np.where(failed, total - mass, total)
+        if draft is None:
+            residual[failed, token[failed]] = 0.0
+            total = np.where(failed, total - mass, total)
+        elif failed.any():
+            rejected = np.flatnonzero(failed)
+            scale = np.maximum(total[rejected, None], np.finfo(np.float64).tiny)
+            shifted = residual[rejected] / scale - draft[rejected, node]
+            residual[rejected] = np.maximum(shifted, 0.0)
+            total[rejected] = residual[rejected].sum(axis=1)
         if passed.any():
             moved = np.flatnonzero(passed)
             path[moved, accepted[moved]] = node

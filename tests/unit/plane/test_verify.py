@@ -231,7 +231,6 @@ def _zero_own() -> npt.NDArray[np.float32]:
         ({"draft_probs": "zero own"}, "probability 0"),
         ({"draft_probs": None, "draft_parents": np.array([-1, 1, 0])}, "draft_parents[1]"),
         ({"draft_probs": None, "draft_parents": np.array([-1, 2, 0])}, "points forward"),
-        ({"draft_parents": np.array([-1, 0, 1])}, "draft_probs with draft_parents"),
         ({"seeds": np.zeros(2, np.int64)}, "seeds must be 6 integers"),
     ],
 )
@@ -362,3 +361,28 @@ def test_the_fast_path_answers_as_the_dense_one(repository: Path, with_probs: bo
     assert len(set(plain.accepted.tolist())) >= 2
     listed = plain.token_ids >= 0
     np.testing.assert_allclose(plain.logprobs[listed], dense.logprobs[listed], atol=1e-4)
+
+
+def test_a_tree_with_draft_probs_follows_the_multi_draft_rule(repository: Path) -> None:
+    """Two root children drawn from one q, a grandchild under the second: the answer is
+    the rule's (``verify_tree`` with the draft rows) over the reference distribution."""
+    hidden, draft = _inputs(10)
+    target = _target(repository, hidden.astype(np.float64), 1.0, None)
+    draft[:, 0] = draft[:, 1] = 0.5 * draft[:, 0] + 0.5 * target[:, 0]  # siblings share q
+    draft[:, 2] = 0.5 * draft[:, 2] + 0.5 * target[:, 2]
+    parents = np.array([-1, -1, 1])
+    rng = np.random.default_rng(10)
+    draft_ids = np.stack(
+        [
+            np.array([rng.choice(VOCAB, p=row / row.sum()) for row in draft[:, node]])
+            for node in range(K)
+        ],
+        axis=1,
+    )
+    seeds = np.arange(20, 20 + SEQUENCES)
+    probs = draft.astype(np.float32)
+    request = VerifyRequest(HEAD, hidden, draft_ids, probs, draft_parents=parents, seeds=seeds)
+    result, _ = _verify(repository, request)
+    expected = verify_tree(target, draft_ids, parents, uniforms(seeds.tolist(), K + 1), draft)
+    assert result.token_ids.tolist() == expected.token_ids.tolist()
+    assert result.nodes.tolist() == expected.nodes.tolist()

@@ -205,3 +205,31 @@ def test_a_seed_gives_the_same_answer_whatever_else_is_sent() -> None:
     assert together.token_ids.tolist() == again.token_ids.tolist()
     assert uniforms([6], 4)[0].tolist() == uniforms([1, 6], 4)[1].tolist()
     assert uniforms([6], 4).dtype == np.float64
+
+
+def test_a_tree_of_independent_draws_from_the_draft_emits_exactly_the_target() -> None:
+    """Three children at the root, each an independent draw from q (siblings may repeat):
+    the multi-draft rule keeps the first token's distribution p; the acceptance rate is
+    1 - the mass the three rejections leave, computed here in float64 by the same recursion
+    over q's expectation (exact: each rejection's residual depends on q alone)."""
+    rng = np.random.default_rng(464)
+    target = _distributions(rng, 4, sharp=0.5)
+    q = rng.dirichlet(np.full(VOCAB, 0.8))
+    children = np.stack([_sampled(q, rng) for _ in range(3)], axis=1)
+    draft = np.broadcast_to(np.stack([q, q, q]), (RUNS, 3, VOCAB))
+    verdict = verify_tree(
+        np.broadcast_to(target, (RUNS, 4, VOCAB)),
+        children,
+        np.array([-1, -1, -1]),
+        rng.random((RUNS, 4)),
+        draft,
+    )
+    first = verdict.token_ids[:, 0]
+    assert chi_square_p(np.bincount(first, minlength=VOCAB), RUNS * target[0]) >= 0.001
+    residual, rejected = target[0].copy(), 1.0
+    for _ in range(3):  # P(reject | residual r) = 1 - sum(min(r, q)); then r <- norm(max(0, r - q))
+        rejected *= 1.0 - np.minimum(residual, q).sum()
+        residual = np.maximum(residual - q, 0.0)
+        residual /= residual.sum()
+    hits = int((verdict.accepted >= 1).sum())
+    assert within_4_se(hits, RUNS, 1.0 - rejected)
