@@ -515,6 +515,9 @@ def test_a_refusal_behind_a_long_answer_waits_for_all_of_it(repository: Path) ->
         "max_logits_bytes": str(2**25),
         "max_body_bytes": str(2**20),
         "max_inflight_bytes": str(2**26),  # the answer's declared cost, ~16 MB
+        # A 3 s window: the reader below keeps 6x the floor (1 MiB a window) over ~8 s, and a
+        # stall of a loaded machine's scheduler has to last windows, not one second, to drop it
+        "body_timeout_s": "3",
     }
     body = _npy(_rows(4096, seed=6))
     valid = (
@@ -528,15 +531,15 @@ def test_a_refusal_behind_a_long_answer_waits_for_all_of_it(repository: Path) ->
         client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
         client.connect((host, int(port)))
         client.sendall(valid + b"GARBAGE\r\n\r\n")
-        data, deadline = b"", time.monotonic() + 30
-        # ~6 MB/s, 6x the 1 MiB/s an answer must leave at: ~2.5 s for the answer, past the
-        # 1 s backstop (at ~2 MB/s a loaded 2-core machine's pauses cut it short, once)
+        data, deadline = b"", time.monotonic() + 60
+        # ~2 MB/s: ~8 s for the answer, past the 3 s backstop (at 1 s windows, a loaded
+        # 2-core machine's pauses cut the reader short twice in three full runs)
         while time.monotonic() < deadline:
             chunk = client.recv(65536)
             if not chunk:
                 break
             data += chunk
-            time.sleep(0.01)
+            time.sleep(0.03)
     assert data.count(b"HTTP/1.1 200") == 1
     assert len(data) > expected  # the whole answer came
     assert b"HTTP/1.1 400" in data[expected:]  # then the refusal, then the close
