@@ -26,9 +26,11 @@ import math
 from dataclasses import dataclass, replace
 
 from service.budget import charge, ran
-from service.errors import PayloadTooLarge
+from service.errors import PayloadTooLarge, ServiceError
 from service.limits import LOGIT_BYTES, Limits
+from service.messages import TopKRequest
 from service.plane.decoding import width_of
+from service.plane.grouping import Kept
 from service.plane.options import CheckedInfer, CheckedTopK
 from service.repository.loaded_version import LoadedVersion
 from service.runtime.processors import Processors
@@ -83,6 +85,29 @@ def admit(cost: Cost, limits: Limits, what: str) -> None:
         )
     charge(cost.held)
     ran(cost.run)
+
+
+def admit_each(
+    model: LoadedVersion,
+    kept: list[Kept],
+    k: int,
+    first: TopKRequest,
+    residual: bool,
+    limits: Limits,
+) -> tuple[list[Kept], list[tuple[int, ServiceError]]]:
+    """Calls served as one (``DataPlane.topk_group``), each admitted by its own declared cost:
+    a call the budget refuses fails alone. The admitted calls, and each refused one's error."""
+    admitted, refused = [], []
+    for index, hidden in kept:
+        checked = CheckedTopK(hidden, k, 1.0)
+        cost = topk(model, checked, logprobs=first.logprobs, tokens=first.tokens, residual=residual)
+        try:
+            admit(cost, limits, "topk")
+        except ServiceError as error:
+            refused.append((index, error))
+        else:
+            admitted.append((index, hidden))
+    return admitted, refused
 
 
 def _id_text(model: LoadedVersion) -> int:

@@ -23,7 +23,7 @@ import math
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import asdict, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -55,7 +55,7 @@ from service.messages import (
 )
 from service.metrics import Metrics
 from service.plane import (
-    comparison,
+    comparing,
     costs,
     decoding,
     distribution,
@@ -72,11 +72,9 @@ from service.plane.shadow import ShadowTraffic
 from service.repository.loaded_version import LoadedVersion
 from service.repository.registry import Registry
 from service.runtime.session import Projection
-from service.runtime.vocabulary import Shape, refuse_overflow
+from service.runtime.vocabulary import refuse_overflow
 from service.settings import Settings
 
-SPEED_ROWS = 64
-SPEED_RUNS = 5
 SHADOW_CLOSE_S = 2.0
 
 
@@ -148,7 +146,7 @@ class DataPlane(ControlAPI):
             )
             checked = await self._final(model, checked, residual)
             if checked.shape is not None:
-                shaped = await self._shaped(model, checked, checked.shape, request.tokens)
+                shaped = await decoding.shaped_topk(model, checked, checked.shape, request.tokens)
                 return shaped if request.logprobs else replace(shaped, logprobs=None)
             projection = await self._project(model, checked, full_logits=False)
             return self._topk_result(model, projection, request.logprobs, request.tokens)
@@ -173,7 +171,8 @@ class DataPlane(ControlAPI):
                 residual = lens_options.residual(first.states, model)
                 each_alone = len(kept) > 1 and grouping.rows(kept) > model.group_room()
                 if not each_alone:  # alone, each call is admitted by ``topk``
-                    kept, refused = await self._admit_each(model, kept, k, first, residual)
+                    kept, refused = costs.admit_each(model, kept, k, first, residual, self._limits)
+                    kept = [(i, await final_states(model, rows, residual)) for i, rows in kept]
                     failed += refused
                 for index, error in failed:
                     answers[index] = error
@@ -280,7 +279,9 @@ class DataPlane(ControlAPI):
                 checked = replace(checked, topk=final)
             topk, logits = None, None
             if checked.topk is not None and checked.topk.shape is not None:
-                topk = await self._shaped(model, checked.topk, checked.topk.shape, request.tokens)
+                topk = await decoding.shaped_topk(
+                    model, checked.topk, checked.topk.shape, request.tokens
+                )
             elif checked.topk is not None:
                 full = checked.full_logits
                 projection = await self._project(model, checked.topk, full_logits=full)
@@ -314,32 +315,10 @@ class DataPlane(ControlAPI):
             return scoring.score_result(model.info, scored, candidates, checked.k, model.space)
 
     async def compare(self, request: CompareRequest) -> CompareResult:
-        """The same rows through two heads: agreement, KL both ways, NLL per head, speed."""
+        """The same rows through two heads (``service.plane.comparing``)."""
         first, second = (Target(name) for name in request.models)
-        with self._serving("compare", first, second) as heads:
-            a, b = heads
-            checked = options.compare(request, (a, b), self._limits)
-            hidden, targets, k = checked.hidden, checked.targets, checked.k
-            flags = [lens_options.residual(request.states, head) for head in heads]
-            rows = math.prod(hidden.shape[:-1])
-            self._admit(costs.compare((a, b), rows, any(flags)), "compare")
-            states = [await final_states(h, hidden, f) for h, f in zip(heads, flags, strict=True)]
-            full = [await self._full(h, rows) for h, rows in zip(heads, states, strict=True)]
-            (logits_a, _), (logits_b, _) = full
-            agreement = await self._statistics(comparison.agreement, logits_a, logits_b, k)
-            blocks = (_block(a), _block(b))
-            ties = None
-            if targets is not None:
-                scores = [await self._statistics(comparison.score, *f, targets) for f in full]
-                *wins, ties = comparison.wins(scores[0], scores[1])
-                for block, result, won in zip(blocks, scores, wins, strict=True):
-                    block["nll"], block["perplexity"] = result.nll, result.perplexity
-                    block["wins"] = won
-            if request.measure_speed:
-                for head, block in zip(heads, blocks, strict=True):
-                    block["rows_per_s"] = await head.rows_per_second(hidden, SPEED_ROWS, SPEED_RUNS)
-                    block["speed_rows"] = SPEED_ROWS
-            return CompareResult(agreement, blocks, ties)
+        with self._serving("compare", first, second) as (a, b):
+            return await comparing.compare_heads(request, (a, b), self._limits, self._statistics)
 
     async def lens(self, request: LensRequest) -> LensResult:
         """Every layer's states through the head (the logit lens; ``service.plane.lens``)."""
@@ -381,30 +360,6 @@ class DataPlane(ControlAPI):
         """The request's declared cost, admitted or refused before any run (``costs``)."""
         costs.admit(cost, self._limits, verb)
 
-    async def _admit_each(
-        self,
-        model: LoadedVersion,
-        kept: list[grouping.Kept],
-        k: int,
-        first: TopKRequest,
-        residual: bool,
-    ) -> tuple[list[grouping.Kept], list[tuple[int, ServiceError]]]:
-        """Calls served as one, each admitted by its own declared cost (a call the budget
-        refuses fails alone), their rows as final states."""
-        admitted, refused = [], []
-        for index, hidden in kept:
-            checked = options.CheckedTopK(hidden, k, 1.0)
-            cost = costs.topk(
-                model, checked, logprobs=first.logprobs, tokens=first.tokens, residual=residual
-            )
-            try:
-                self._admit(cost, "topk")
-            except ServiceError as error:
-                refused.append((index, error))
-            else:
-                admitted.append((index, await final_states(model, hidden, residual)))
-        return admitted, refused
-
     def _serving(self, verb: str, *targets: Target) -> Serving:
         """Look up and lease each target (no ``await`` between), and record the call."""
         return Serving(self._registry, self._metrics, verb, targets)
@@ -429,18 +384,6 @@ class DataPlane(ControlAPI):
             self._shadow.submit(model, hidden, projection.logits, temperature)
         return projection
 
-    async def _shaped(
-        self, model: LoadedVersion, checked: options.CheckedTopK, shape: Shape, tokens: bool
-    ) -> TopKResult:
-        """Top-k of the distribution the options shape (never shadowed: not the head's own)."""
-        hidden = checked.hidden
-        rows = hidden.reshape(-1, model.d_model)
-        if shape.processors is not None:  # the decoding step: every row whole
-            step = await decoding.decoding_topk(model, rows, checked.k, checked.temperature, shape)
-            return decoding.decoding_result(model, hidden.shape[:-1], step, shape, tokens)
-        shaped = await distribution.shaped_topk(model, rows, checked.k, checked.temperature, shape)
-        return distribution.topk_result(model, hidden.shape[:-1], shaped, shape, tokens)
-
     async def _shadow_logits(
         self, primary: LoadedVersion, name: str, rows: npt.NDArray[np.float32], temperature: float
     ) -> npt.NDArray[np.float32]:
@@ -451,16 +394,6 @@ class DataPlane(ControlAPI):
             projection = await shadow.project(rows, 1, temperature=temperature, full_logits=True)
             assert projection.logits is not None
             return projection.logits
-
-    async def _full(
-        self, model: LoadedVersion, hidden: npt.NDArray[np.float32]
-    ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
-        """Full (rows, vocab) logits and log-sum-exp (``options.compare`` checked their bytes)."""
-        rows = hidden.reshape(-1, model.d_model)
-        projection = await model.project(rows, 1, full_logits=True)
-        assert projection.logits is not None
-        refuse_overflow(projection.logsumexp, projection.logits)
-        return projection.logits, projection.logsumexp
 
     async def _statistics(self, function: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._stats, function, *args)
@@ -477,8 +410,3 @@ class DataPlane(ControlAPI):
             projection.topk_logprobs if logprobs else None,
             model.tokens(ids) if tokens else None,
         )
-
-
-def _block(head: LoadedVersion) -> dict[str, Any]:
-    """A head's block in compare's answer: its name and details, filled in by ``compare``."""
-    return {"name": head.name, **asdict(head.details())}

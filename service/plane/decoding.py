@@ -26,7 +26,9 @@ import numpy as np
 import numpy.typing as npt
 
 from service.messages import LogitsResult, Sampled, TopKResult
+from service.plane import distribution
 from service.plane.distribution import SAMPLE_PREFIX
+from service.plane.options import CheckedTopK
 from service.repository.loaded_version import LoadedVersion
 from service.runtime.filters import streams
 from service.runtime.processors import Processors
@@ -189,3 +191,18 @@ def logits_result(
         chosen.reshape(*leading, -1),
         model.space.original(np.ascontiguousarray(every)).reshape(*leading, -1),
     )
+
+
+async def shaped_topk(
+    model: LoadedVersion, checked: CheckedTopK, shape: Shape, tokens: bool
+) -> TopKResult:
+    """Top-k of the distribution the options shape (never shadowed: not the head's own): the
+    decoding step when its processors are asked (every row whole), else the shaped
+    distribution's cheaper paths (``service.plane.distribution``)."""
+    hidden = checked.hidden
+    rows = hidden.reshape(-1, model.d_model)
+    if shape.processors is not None:
+        step = await decoding_topk(model, rows, checked.k, checked.temperature, shape)
+        return decoding_result(model, hidden.shape[:-1], step, shape, tokens)
+    shaped = await distribution.shaped_topk(model, rows, checked.k, checked.temperature, shape)
+    return distribution.topk_result(model, hidden.shape[:-1], shaped, shape, tokens)
