@@ -24,9 +24,8 @@ from service.api.schemas import (
     LogitsBody,
     ScoreBody,
     TopKBody,
-    V2ErrorAnswer,
-    V2InferBody,
 )
+from service.api.v2_schemas import V2ErrorAnswer, V2InferBody
 from service.api.verify_schemas import VerifyBody
 
 NPY = "application/x-npy"

@@ -24,7 +24,7 @@ from service.api.routes.openapi import (
     errors,
     operation,
 )
-from service.api.schemas import V2InferAnswer, V2InferBody, V2ModelMetadata, V2ServerMetadata
+from service.api.v2_schemas import V2InferAnswer, V2InferBody, V2ModelMetadata, V2ServerMetadata
 
 router = APIRouter(prefix="/v2", tags=["v2"])
 HEADER_LENGTH = {
