@@ -167,6 +167,15 @@ class Limits:
                 "(send fewer rows, or use top-k)"
             )
 
+    def run(self, nbytes: int, what: str) -> None:
+        """Refuse (413) a request whose largest run would hold ``nbytes`` of logits (its
+        declared cost, ``service.plane.costs``): every verb's runs stay within the setting."""
+        if nbytes > self.max_logits_bytes:
+            raise PayloadTooLarge(
+                f"{what}: one run would hold {nbytes} bytes of logits; the limit is "
+                f"LMHEAD_MAX_LOGITS_BYTES={self.max_logits_bytes} (send fewer rows or layers)"
+            )
+
     def fits_logits(self, rows: int, vocab_size: int, copies: int = 1) -> bool:
         return rows * vocab_size * LOGIT_BYTES * copies <= self.max_logits_bytes
 

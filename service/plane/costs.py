@@ -72,11 +72,7 @@ class Cost:
 def admit(cost: Cost, limits: Limits, what: str) -> None:
     """Refuse (413) a request whose run or whole cost no setting allows; charge the rest to
     the request's reservation (503 when the requests in flight leave no room)."""
-    if cost.run > limits.max_logits_bytes:
-        raise PayloadTooLarge(
-            f"{what}: one run would hold {cost.run} bytes of logits; the limit is "
-            f"LMHEAD_MAX_LOGITS_BYTES={limits.max_logits_bytes} (send fewer rows or layers)"
-        )
+    limits.run(cost.run, what)
     if cost.held > limits.max_inflight_bytes:
         raise PayloadTooLarge(
             f"{what}: the answer and its working memory would hold ~{cost.held} bytes; the "
