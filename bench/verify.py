@@ -25,11 +25,12 @@ import numpy as np
 
 from bench.machine import describe_machine
 from service.heads.files import HeadWeights, save_head
-from service.messages import Target, TopKRequest, VerifyRequest
+from service.messages import Target, TopKRequest
 from service.metrics import Metrics
 from service.plane.dataplane import DataPlane
 from service.repository.registry import Registry
 from service.settings import Settings
+from service.verify_messages import VerifyRequest
 
 SEQUENCES, DRAFTS, K = 64, 4, 10
 HEAD = Target("head")

@@ -50,8 +50,6 @@ from service.messages import (
     Target,
     TopKRequest,
     TopKResult,
-    VerifyRequest,
-    VerifyResult,
 )
 from service.metrics import Metrics
 from service.plane import (
@@ -74,6 +72,7 @@ from service.repository.registry import Registry
 from service.runtime.session import Projection
 from service.runtime.vocabulary import refuse_overflow
 from service.settings import Settings
+from service.verify_messages import VerifyRequest, VerifyResult
 
 SHADOW_CLOSE_S = 2.0
 

@@ -38,9 +38,8 @@ from service.messages import (
     Target,
     TopKRequest,
     TopKResult,
-    VerifyRequest,
-    VerifyResult,
 )
+from service.verify_messages import VerifyRequest, VerifyResult
 
 
 class InferencePlane(Protocol):

@@ -26,7 +26,7 @@ import numpy.typing as npt
 
 from service.errors import InvalidInput
 from service.limits import Limits
-from service.messages import DecodingOptions, TokenLists, VerifyRequest, VerifyResult
+from service.messages import DecodingOptions, TokenLists
 from service.plane.lens import final_states
 from service.plane.options import token_ids, vocabulary_shape
 from service.plane.verify_plain import plain_chain
@@ -42,6 +42,7 @@ from service.runtime.verification import (
     verify_tree,
 )
 from service.runtime.vocabulary import Floats, Ids, Shape, top_sorted
+from service.verify_messages import VerifyRequest, VerifyResult
 
 #: How far a draft row's sum may be from 1.
 SUM_TOLERANCE = 1e-3

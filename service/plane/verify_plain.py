@@ -19,7 +19,6 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from service.messages import VerifyResult
 from service.plane.distribution import candidate_logits
 from service.repository.loaded_version import LoadedVersion
 from service.runtime.verification import (
@@ -30,6 +29,7 @@ from service.runtime.verification import (
     uniforms,
 )
 from service.runtime.vocabulary import Floats, Ids
+from service.verify_messages import VerifyResult
 
 
 async def plain_chain(

@@ -37,8 +37,9 @@ from service.api.codec.wire import (
 from service.api.decoding_fields import ARRAYS, LENGTHS, LISTS
 from service.api.verify_schemas import VerifyOptions
 from service.errors import InvalidInput, MalformedBody
-from service.messages import SampleOptions, VerifyRequest, VerifyResult, VocabularyOptions
+from service.messages import SampleOptions, VocabularyOptions
 from service.npyio import read_npz
+from service.verify_messages import VerifyRequest, VerifyResult
 
 FLOATS = ("hidden_states", "draft_probs", "draft_hidden_states")
 INTEGERS = ("draft_token_ids", "draft_parents", "banned_token_ids", "seeds")

@@ -23,8 +23,6 @@ from service.messages import (
     DecodingOptions,
     SampleOptions,
     Target,
-    VerifyRequest,
-    VerifyResult,
     VocabularyOptions,
 )
 from service.metrics import Metrics
@@ -32,6 +30,7 @@ from service.plane.dataplane import DataPlane
 from service.repository.registry import Registry
 from service.runtime.verification import uniforms, verify_chain, verify_tree
 from service.settings import Settings
+from service.verify_messages import VerifyRequest, VerifyResult
 from tests.conftest import D_MODEL, VOCAB, reference_logits
 
 HEAD = Target("head")
