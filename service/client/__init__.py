@@ -22,7 +22,6 @@ service (``make layers`` checks it), so it installs and imports without onnxrunt
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any
 
@@ -38,11 +37,21 @@ from service.client.answers import (
     read_lens,
     read_topk,
 )
-from service.client.calls import Call, Calls, Retry, checked, model_path, retry_after
-from service.client.verify_call import verify_call
+from service.client.async_client import AsyncClient
+from service.client.calls import (
+    RETRY_STATUS,
+    Call,
+    Calls,
+    Retry,
+    checked,
+    lens_options,
+    model_path,
+    retry_after,
+    with_states,
+)
+from service.client.verify_call import verify_arrays_call
 
 __all__ = ["Arrays", "AsyncClient", "Client", "Lens", "TopK", "UnreadableAnswer"]
-RETRY_STATUS = 503
 
 
 class Client:
@@ -93,7 +102,7 @@ class Client:
         in an ``.npz`` body (in JSON mode, in the JSON body). ``states``: ``"residual"`` sends
         pre-norm states, through the head's final norm first (heads that hold one); None: not
         sent (the service's ``"final"``)."""
-        options = _with_states(options, states)
+        options = with_states(options, states)
         call = self._calls.topk(model, hidden, k, logprobs, temperature, tokens, version, options)
         return read_topk(self._send(call))
 
@@ -130,7 +139,7 @@ class Client:
         **options: Any,
     ) -> dict[str, Any]:
         """``options``: candidate_ids, k, logprobs_over. The answer as the service sends it."""
-        options = _with_states(options, states)
+        options = with_states(options, states)
         answer: dict[str, Any] = read_json(
             self._send(self._calls.score(model, hidden, target_ids, version, **options)),
             has="results",
@@ -141,7 +150,7 @@ class Client:
         self, model_a: str, model_b: str, hidden: Any, *, states: str | None = None, **options: Any
     ) -> dict[str, Any]:
         """``options``: target_ids, k, measure_speed."""
-        options = _with_states(options, states)
+        options = with_states(options, states)
         answer: dict[str, Any] = read_json(
             self._send(self._calls.compare((model_a, model_b), hidden, **options)), has="rows"
         )
@@ -164,7 +173,7 @@ class Client:
         the last layer post-norm already (``last_layer="final"``). ``target_ids`` (tokens,):
         the real next tokens, for their log-prob and rank per layer. ``tokens=True`` asks
         for the top tokens' strings (a JSON answer)."""
-        options = _lens_options(k, target_ids, states, last_layer)
+        options = lens_options(k, target_ids, states, last_layer)
         return read_lens(self._send(self._calls.lens(model, hidden, options, tokens, version)))
 
     def verify(
@@ -184,7 +193,7 @@ class Client:
         or none (drafts taken as certain); ``options``: temperature (0: greedy), states,
         sample, logit_bias, banned_token_ids, draft_model with draft_hidden_states. The
         answer's ``results``: per sequence accepted, token_ids, logprobs, nodes, seed."""
-        call = _verify(
+        call = verify_arrays_call(
             model, hidden, draft_token_ids, draft_probs, draft_parents, seeds, version, options
         )
         answer: dict[str, Any] = read_json(self._send(call), has="results")
@@ -234,201 +243,3 @@ class Client:
                 return checked(answer)
             time.sleep(retry_after(answer, wait))
         raise AssertionError("unreachable: the last wait is None")
-
-
-class AsyncClient:
-    """The same calls as ``Client``, awaited (one pooled ``httpx.AsyncClient``)."""
-
-    def __init__(
-        self,
-        url: str,
-        *,
-        timeout: float = 30.0,
-        retries: int = 3,
-        backoff_s: float = 0.1,
-        binary: bool = True,
-        token: str | None = None,
-        transport: httpx.AsyncBaseTransport | None = None,
-    ) -> None:
-        self._http = httpx.AsyncClient(base_url=url, timeout=timeout, transport=transport)
-        self._calls = Calls(binary, token)
-        self._retry = Retry(retries, backoff_s)
-
-    async def __aenter__(self) -> AsyncClient:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-    async def close(self) -> None:
-        await self._http.aclose()
-
-    async def topk(
-        self,
-        model: str,
-        hidden: Any,
-        k: int | None = None,
-        *,
-        logprobs: bool = False,
-        temperature: float = 1.0,
-        tokens: bool = False,
-        version: int | None = None,
-        states: str | None = None,
-        **options: Any,
-    ) -> TopK:
-        options = _with_states(options, states)
-        call = self._calls.topk(model, hidden, k, logprobs, temperature, tokens, version, options)
-        return read_topk(await self._send(call))
-
-    async def logits(
-        self,
-        model: str,
-        hidden: Any,
-        *,
-        temperature: float = 1.0,
-        version: int | None = None,
-        allowed_token_ids: Any = None,
-        states: str | None = None,
-        **decoding: Any,
-    ) -> Arrays:
-        call = self._calls.logits(
-            model, hidden, temperature, version, allowed_token_ids, states, decoding
-        )
-        return read_array(await self._send(call))
-
-    async def embed(self, model: str, ids: Any, *, version: int | None = None) -> Arrays:
-        return read_array(await self._send(self._calls.embed(model, ids, version)))
-
-    async def score(
-        self,
-        model: str,
-        hidden: Any,
-        target_ids: Any,
-        *,
-        version: int | None = None,
-        states: str | None = None,
-        **options: Any,
-    ) -> dict[str, Any]:
-        call = self._calls.score(
-            model, hidden, target_ids, version, **_with_states(options, states)
-        )
-        answer: dict[str, Any] = read_json(await self._send(call), has="results")
-        return answer
-
-    async def compare(
-        self, model_a: str, model_b: str, hidden: Any, *, states: str | None = None, **options: Any
-    ) -> dict[str, Any]:
-        call = self._calls.compare((model_a, model_b), hidden, **_with_states(options, states))
-        answer: dict[str, Any] = read_json(await self._send(call), has="rows")
-        return answer
-
-    async def lens(
-        self,
-        model: str,
-        hidden: Any,
-        *,
-        k: int | None = None,
-        target_ids: Any = None,
-        states: str = "residual",
-        last_layer: str = "final",
-        tokens: bool = False,
-        version: int | None = None,
-    ) -> Lens:
-        options = _lens_options(k, target_ids, states, last_layer)
-        return read_lens(
-            await self._send(self._calls.lens(model, hidden, options, tokens, version))
-        )
-
-    async def verify(
-        self,
-        model: str,
-        hidden: Any,
-        draft_token_ids: Any,
-        *,
-        draft_probs: Any = None,
-        draft_parents: Any = None,
-        seeds: Any = None,
-        version: int | None = None,
-        **options: Any,
-    ) -> dict[str, Any]:
-        call = _verify(
-            model, hidden, draft_token_ids, draft_probs, draft_parents, seeds, version, options
-        )
-        answer: dict[str, Any] = read_json(await self._send(call), has="results")
-        return answer
-
-    async def model(self, name: str) -> dict[str, Any]:
-        answer: dict[str, Any] = read_json(
-            await self._send(Call("GET", model_path(name))), has="name"
-        )
-        return answer
-
-    async def load(self, name: str, version: int | None = None) -> dict[str, Any]:
-        answer: dict[str, Any] = read_json(
-            await self._send(self._calls.control("load", name, version)), has="state"
-        )
-        return answer
-
-    async def unload(self, name: str) -> dict[str, Any]:
-        answer: dict[str, Any] = read_json(
-            await self._send(self._calls.control("unload", name, None))
-        )
-        return answer
-
-    async def models(self) -> list[dict[str, Any]]:
-        models = await self._send(Call("GET", "/v1/models"))
-        answer: list[dict[str, Any]] = read_json(models, "models")
-        return answer
-
-    async def ready(self) -> bool:
-        """Whether the service is ready; False while it cannot be reached."""
-        try:
-            return (await self._http.get("/health/ready")).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    async def _send(self, call: Call) -> httpx.Response:
-        for wait in self._retry.waits():
-            try:
-                answer = await self._http.request(
-                    call.method,
-                    call.path,
-                    content=call.content,
-                    headers=call.headers,
-                    params=call.params,
-                )
-            except httpx.TransportError:
-                if not call.idempotent or wait is None:
-                    raise
-                await asyncio.sleep(wait)
-                continue
-            if answer.status_code != RETRY_STATUS or wait is None:
-                return checked(answer)
-            await asyncio.sleep(retry_after(answer, wait))
-        raise AssertionError("unreachable: the last wait is None")
-
-
-def _with_states(options: dict[str, Any], states: str | None) -> dict[str, Any]:
-    """``states`` as one more option, when given (else the service's default, ``final``)."""
-    return options if states is None else {**options, "states": states}
-
-
-def _lens_options(k: int | None, targets: Any, states: str, last_layer: str) -> dict[str, Any]:
-    return {"k": k, "target_ids": targets, "states": states, "last_layer": last_layer}
-
-
-def _verify(
-    model: str,
-    hidden: Any,
-    ids: Any,
-    probs: Any,
-    parents: Any,
-    seeds: Any,
-    version: int | None,
-    options: dict[str, Any],
-) -> Call:
-    """``verify``'s call: the arrays in an ``.npz`` body, the options in the query."""
-    arrays = {"hidden_states": hidden, "draft_token_ids": ids, "draft_probs": probs}
-    arrays |= {"draft_parents": parents, "seeds": seeds}
-    arrays["draft_hidden_states"] = options.pop("draft_hidden_states", None)
-    return verify_call(model, arrays, version, **options)

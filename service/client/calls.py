@@ -35,6 +35,8 @@ BINARY_OPTIONS = (
     "token_bitmask",
     *RAGGED_OPTIONS,
 )
+#: The status the client retries (with backoff, after the service's ``Retry-After``).
+RETRY_STATUS = 503
 #: Options longer than this go in a JSON body instead of the query (the service refuses
 #: header bytes past ``LMHEAD_MAX_HEADER_BYTES``, 32 KiB by default: 4096 ids did not fit).
 MAX_QUERY_CHARS = 8192
@@ -296,3 +298,12 @@ def _npy_bytes(array: Any) -> bytes:
 def _jsonable(value: Any) -> Any:
     """Arrays (and anything with ``__array__``) as nested lists in JSON bodies."""
     return np.asarray(value).tolist()
+
+
+def with_states(options: dict[str, Any], states: str | None) -> dict[str, Any]:
+    """``states`` as one more option, when given (else the service's default, ``final``)."""
+    return options if states is None else {**options, "states": states}
+
+
+def lens_options(k: int | None, targets: Any, states: str, last_layer: str) -> dict[str, Any]:
+    return {"k": k, "target_ids": targets, "states": states, "last_layer": last_layer}

@@ -59,3 +59,20 @@ def verify_call(model: str, arrays: dict[str, Any], version: int | None, **optio
     }
     path = model_path(model) + ("" if version is None else f"/versions/{version}") + "/verify"
     return Call("POST", path, buffer.getvalue(), {"content-type": NPZ, "accept": JSON}, params)
+
+
+def verify_arrays_call(
+    model: str,
+    hidden: Any,
+    ids: Any,
+    probs: Any,
+    parents: Any,
+    seeds: Any,
+    version: int | None,
+    options: dict[str, Any],
+) -> Call:
+    """``verify``'s call: the arrays in an ``.npz`` body, the options in the query."""
+    arrays = {"hidden_states": hidden, "draft_token_ids": ids, "draft_probs": probs}
+    arrays |= {"draft_parents": parents, "seeds": seeds}
+    arrays["draft_hidden_states"] = options.pop("draft_hidden_states", None)
+    return verify_call(model, arrays, version, **options)
