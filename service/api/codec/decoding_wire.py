@@ -11,7 +11,7 @@ checks the rest (``service.plane.decoding_options``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -39,15 +39,24 @@ SCALARS = (
 def json_arrays(values: dict[str, Any], booleans: bool) -> dict[str, Any]:
     """The step's arrays taken out of a JSON body's ``values``: lists of lists as
     ``TokenLists``, flat ones as int64 arrays; one sent as null is not given."""
+    return taken_from(values, LISTS, _json_lists, booleans) | taken_from(
+        values, ARRAYS, int_array, booleans
+    )
+
+
+def taken_from(
+    values: dict[str, Any],
+    names: tuple[str, ...],
+    read: Callable[[Any, str, bool], Any],
+    booleans: bool,
+) -> dict[str, Any]:
+    """``names`` taken out of a JSON body's ``values``, each read as ``read(value, name,
+    booleans)``; one absent or sent as null is not given."""
     taken: dict[str, Any] = {}
-    for name in LISTS:
+    for name in names:
         given = values.pop(name, None)
         if given is not None:
-            taken[name] = _json_lists(given, name, booleans)
-    for name in ARRAYS:
-        given = values.pop(name, None)
-        if given is not None:
-            taken[name] = int_array(given, name, booleans)
+            taken[name] = read(given, name, booleans)
     return taken
 
 

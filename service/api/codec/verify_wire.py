@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from service.api.codec.answer_bodies import identity
-from service.api.codec.decoding_wire import binary_arrays, decoding, json_arrays
+from service.api.codec.decoding_wire import binary_arrays, decoding, json_arrays, taken_from
 from service.api.codec.native import reply
 from service.api.codec.wire import (
     JSON,
@@ -90,14 +90,8 @@ def _json_body(body: bytes) -> tuple[dict[str, Any], VerifyOptions]:
     payload = parse_json_object(body)
     booleans = booleans_hidden(body, payload)
     arrays: dict[str, Any] = json_arrays(payload, booleans)
-    for name in FLOATS:
-        value = payload.pop(name, None)
-        if value is not None:
-            arrays[name] = float_array(value, name, booleans)
-    for name in INTEGERS:
-        value = payload.pop(name, None)
-        if value is not None:
-            arrays[name] = int_array(value, name, booleans)
+    arrays |= taken_from(payload, FLOATS, float_array, booleans)
+    arrays |= taken_from(payload, INTEGERS, int_array, booleans)
     taken = (*FLOATS, *INTEGERS, *LISTS, *ARRAYS)
     checked: VerifyOptions = options(VerifyOptions, payload, taken=taken)
     return arrays, checked
