@@ -62,6 +62,7 @@ from service.plane import (
     options,
     scoring,
     verify,
+    verify_checks,
 )
 from service.plane.control import ControlAPI
 from service.plane.lens import final_states, read_lens
@@ -334,7 +335,7 @@ class DataPlane(ControlAPI):
         with ``draft_model``, the draft's distribution from that head too."""
         drafter = () if request.draft_model is None else (Target(request.draft_model),)
         with self._serving("verify", request.target, *drafter) as (model, *draft):
-            checked = verify.check(request, model, self._limits, *draft)
+            checked = verify_checks.check(request, model, self._limits, *draft)
             residual = lens_options.residual(request.states, model)
             probs = checked.draft_probs is not None
             shape = checked.hidden.shape
