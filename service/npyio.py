@@ -1,4 +1,5 @@
-"""``.npy`` and ``.npz`` bytes read safely from several threads (the service and its client).
+"""``.npy`` and ``.npz`` bytes read safely from several threads (the service and its client), and
+``.npz`` answers written without ``zipfile`` (``write_npz``).
 
 numpy parses an ``.npy`` header with ``ast.literal_eval``. On CPython 3.11 the AST
 constructor's recursion depth is kept per interpreter, not per thread, so two threads parsing
@@ -17,8 +18,10 @@ from __future__ import annotations
 import io
 import math
 import re
+import struct
 import threading
 import zipfile
+import zlib
 from typing import Any
 
 import numpy as np
@@ -150,3 +153,59 @@ def read_npz(data: bytes) -> dict[str, npt.NDArray[Any]]:
     """Every array of an ``.npz`` archive (small answers: read whole under the lock)."""
     with _HEADERS:
         return dict(np.load(io.BytesIO(data), allow_pickle=False))
+
+
+#: A zip member's date and time as DOS writes them: 1980-01-01 00:00 (the answer's own time
+#: says nothing; ``np.savez`` writes the clock's).
+_DOS_DATE = (1 << 5) | 1
+#: Sizes past this need zip64 records: such archives go to ``np.savez``.
+_ZIP32_BYTES = (1 << 32) - 1
+
+
+def write_npz(arrays: dict[str, npt.NDArray[Any]]) -> bytes:
+    """The ``.npz`` archive ``np.savez(**arrays)`` would write (members stored, each an
+    ``.npy`` of version 1.0, C order), built in one join: ``np.savez`` goes through
+    ``zipfile`` and took ~190 us (profiled) for a one-row top-k answer of three arrays.
+    Arrays of structured or object dtypes, and archives past 4 GiB, go to ``np.savez``."""
+    if any(array.dtype.fields is not None or array.dtype.hasobject for array in arrays.values()):
+        return _savez(arrays)
+    parts: list[Any] = []
+    directory: list[bytes] = []
+    offset = 0
+    for name, array in arrays.items():
+        data = np.require(array, requirements="C")
+        header = _npy_header(data)
+        member = (name + ".npy").encode()
+        size = len(header) + data.nbytes
+        if offset + size > _ZIP32_BYTES:
+            return _savez(arrays)
+        crc = zlib.crc32(data, zlib.crc32(header)) if data.nbytes else zlib.crc32(header)
+        fields = struct.pack("<HHHHHIII", 20, 0, 0, 0, _DOS_DATE, crc, size, size)
+        parts += [b"PK\x03\x04", fields, struct.pack("<HH", len(member), 0), member, header]
+        parts.append(data.reshape(-1).view(np.uint8).data if data.nbytes else b"")
+        central = struct.pack("<HHHHH", len(member), 0, 0, 0, 0) + struct.pack("<II", 0, offset)
+        directory.append(b"PK\x01\x02" + struct.pack("<H", 20) + fields + central + member)
+        offset += 30 + len(member) + size
+    listing = b"".join(directory)
+    count = len(directory)
+    end = struct.pack("<4s4H2IH", b"PK\x05\x06", 0, 0, count, count, len(listing), offset, 0)
+    return b"".join([*parts, listing, end])
+
+
+def _npy_header(array: npt.NDArray[Any]) -> bytes:
+    """Version 1.0's magic and header for a C-order array, padded as numpy pads it (the data
+    starts at a multiple of 64 bytes)."""
+    descr = np.lib.format.dtype_to_descr(array.dtype)
+    text = f"{{'descr': {descr!r}, 'fortran_order': False, 'shape': {array.shape!r}, }}"
+    padding = 64 - (10 + len(text) + 1) % 64
+    encoded = (text + " " * (padding % 64) + "\n").encode("latin-1")
+    return b"\x93NUMPY\x01\x00" + struct.pack("<H", len(encoded)) + encoded
+
+
+def _savez(arrays: dict[str, npt.NDArray[Any]]) -> bytes:
+    stream = io.BytesIO()
+    # Numeric arrays are never pickled: no allow_pickle=False, which numpy < 2.2 stored as an
+    # array of that name (and Any: numpy >= 2.2's stubs match **arrays against allow_pickle).
+    fields: dict[str, Any] = dict(arrays)
+    np.savez(stream, **fields)
+    return stream.getvalue()

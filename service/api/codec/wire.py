@@ -35,7 +35,7 @@ from service.errors import (
 )
 from service.limits import kind_name
 from service.messages import Target
-from service.npyio import NpyError, read_npy, read_npz_body
+from service.npyio import NpyError, read_npy, read_npz_body, write_npz
 
 JSON = "application/json"
 NPY = "application/x-npy"
@@ -362,12 +362,7 @@ def npy_bytes(array: npt.NDArray[Any]) -> bytes:
 
 
 def npz_bytes(arrays: Mapping[str, npt.NDArray[Any]]) -> bytes:
-    stream = io.BytesIO()
-    # Numeric arrays are never pickled: no allow_pickle=False, which numpy < 2.2 stored as an
-    # array of that name (and Any: numpy >= 2.2's stubs match **arrays against allow_pickle).
-    fields: dict[str, Any] = dict(arrays)
-    np.savez(stream, **fields)
-    return stream.getvalue()
+    return write_npz(dict(arrays))
 
 
 def _diagnose(value: list[Any], field: str, what: str) -> str:
