@@ -23,7 +23,7 @@ import numpy as np
 
 from service.errors import InvalidInput
 from service.plane.lens import final_states
-from service.plane.verify_checks import CheckedVerify
+from service.plane.verify_checks import CheckedVerify, draft_shape
 from service.plane.verify_plain import plain_chain
 from service.repository.loaded_version import LoadedVersion
 from service.runtime.filters import filtered_prefix
@@ -47,7 +47,7 @@ async def with_draft(draft: LoadedVersion, checked: CheckedVerify, states: Float
     """The draft's distribution from its head (``states``: its final states), shaped by the
     same options as the target's; each draft must have had a chance to be sampled there."""
     rows = states.reshape(-1, draft.d_model)
-    _, probs = await _runs(draft, rows, checked, checked.shape or Shape())
+    _, probs = await _runs(draft, rows, checked, draft_shape(checked))
     probs = probs.reshape(*checked.draft_ids.shape, -1)
     own = np.take_along_axis(probs, checked.draft_ids[:, :, None], axis=2)[:, :, 0]
     if (own <= 0).any():

@@ -14,9 +14,11 @@ import numpy.typing as npt
 
 from service.errors import InvalidInput
 from service.limits import Limits
-from service.messages import DecodingOptions, TokenLists
-from service.plane.options import token_ids, vocabulary_shape
+from service.messages import DecodingOptions, TokenLists, VocabularyOptions
+from service.plane.decoding_options import allowed_mask, refuse_empty_rows
+from service.plane.options import token_ids, token_lists, vocabulary_shape
 from service.repository.loaded_version import LoadedVersion
+from service.runtime.processors import Histories, Processors, Words
 from service.runtime.vocabulary import Floats, Ids, Shape
 from service.verify_messages import VerifyRequest
 
@@ -76,22 +78,97 @@ def check(
     temperature = 1.0 if greedy else limits.temperature(request.temperature)
     shape = None
     if request.vocabulary is not None:
-        options = request.vocabulary
-        if options.allowed_token_ids is not None:
-            raise InvalidInput("allowed_token_ids: /verify takes bans and bias, not allowed ids")
-        rows = sequences * positions
-        if options.decoding is not None:
-            decoding = _per_position(options.decoding, raw_ids, parents, positions)
-            options = replace(options, decoding=decoding)
-        shape, temperature = vocabulary_shape(options, rows, model.space, limits, temperature)
-        if shape.sample is not None and shape.sample.n is not None:
-            raise InvalidInput(
-                f"sample.n: /verify draws one token per sequence, got {shape.sample.n}"
-            )
+        shape, temperature = _shape(
+            request.vocabulary, raw_ids, parents, model, limits, temperature
+        )
         greedy |= shape.sample is not None and shape.sample.temperature == 0
     seeds = _seeds(request.seeds, shape, sequences)
     checked = CheckedVerify(hidden, draft_ids, probs, parents, shape, temperature, greedy, seeds)
     return _with_draft_states(request, checked, model, draft, limits)
+
+
+def _shape(
+    options: VocabularyOptions,
+    drafts: npt.NDArray[Any],
+    parents: Ids | None,
+    model: LoadedVersion,
+    limits: Limits,
+    temperature: float,
+) -> tuple[Shape, float]:
+    """The target's distribution at every position (sequences x (K + 1) rows): histories
+    made per position; ``allowed_token_ids`` a mask among the processors (the tokens it
+    leaves out at -inf, as the bitmask's: the distribution is renormalized over the allowed
+    ones, at every position, for the target and a draft_model alike)."""
+    sequences, positions = drafts.shape[0], drafts.shape[1] + 1
+    rows = sequences * positions
+    if options.logprobs_over is not None:
+        raise InvalidInput(
+            "logprobs_over does not apply to /verify: log-probs are over the tokens the "
+            "options leave (logprobs_mode says raw or processed)"
+        )
+    decoding = options.decoding
+    if decoding is not None:
+        decoding = _per_position(decoding, drafts, parents, positions)
+    allowed = options.allowed_token_ids
+    if allowed is not None:
+        decoding = decoding or DecodingOptions()  # the processors hold the allowed ids' mask
+    options = replace(options, allowed_token_ids=None, decoding=decoding)
+    shape, temperature = vocabulary_shape(options, rows, model.space, limits, temperature)
+    if shape.sample is not None and shape.sample.n is not None:
+        raise InvalidInput(
+            f"sample.n does not apply to /verify (got {shape.sample.n}): a verification "
+            "emits one token per sequence, the draw after its accepted drafts; leave n out"
+        )
+    if allowed is None:
+        return shape, temperature
+    assert shape.processors is not None
+    mask = _allowed_mask(np.asarray(allowed), sequences, positions, model, limits)
+    given = shape.processors.bitmask
+    processors = replace(
+        shape.processors, bitmask=mask if given is None else np.bitwise_and(given, mask)
+    )
+    banned = options.banned_token_ids
+    if banned is not None:
+        banned = token_ids(np.asarray(banned), model.space, limits, "banned_token_ids")
+    refuse_empty_rows(processors, rows, shape_vocab(model), banned)
+    return replace(shape, processors=processors), temperature
+
+
+def shape_vocab(model: LoadedVersion) -> int:
+    """The columns of the head's distribution (a trimmed head's kept tokens)."""
+    space = model.space
+    return len(space.kept) if space.kept is not None else space.size
+
+
+def _allowed_mask(
+    allowed: npt.NDArray[Any], sequences: int, positions: int, model: LoadedVersion, limits: Limits
+) -> Words:
+    """``allowed_token_ids`` as a bitmask over the head's columns with a row per position:
+    one list for every position (n,), one per sequence (sequences, n), the same at its K + 1
+    positions, or one per position (sequences * (K + 1), n)."""
+    lists = len(allowed) if allowed.ndim == 2 else 1
+    if allowed.ndim == 2 and lists not in (sequences, sequences * positions):
+        raise InvalidInput(
+            f"allowed_token_ids must be one list for every position, one per sequence "
+            f"({sequences}) or one per position (sequences x (K + 1) = {sequences * positions}), "
+            f"got {lists} lists"
+        )
+    columns = token_lists(allowed, lists, model.space, limits, "allowed_token_ids")
+    mask = allowed_mask(columns, shape_vocab(model))
+    if allowed.ndim == 2 and lists == sequences and positions > 1:
+        mask = np.repeat(mask, positions, axis=0)
+    return mask
+
+
+def draft_rows(checked: CheckedVerify) -> Ids:
+    """The target's rows whose options a draft_model's rows take: draft j of sequence s was
+    drawn where node j's parent stands (a chain: position j), after the same drafts, so its
+    distribution is processed as the target's at row s * (K + 1) + parents[j] + 1 is."""
+    sequences, nodes = checked.draft_ids.shape
+    tree = np.arange(-1, nodes - 1) if checked.parents is None else checked.parents
+    starts = np.arange(sequences, dtype=np.int64)[:, None] * (nodes + 1)
+    rows: Ids = (starts + tree[None, :] + 1).reshape(-1)
+    return rows
 
 
 def _with_draft_states(
@@ -102,16 +179,16 @@ def _with_draft_states(
     limits: Limits,
 ) -> CheckedVerify:
     """``draft_model``: a head naming the same tokens, its states (sequences, K, d_model),
-    no ``draft_probs`` beside it, a chain, and no per-row decoding options (their rows are
-    the target's positions)."""
+    no ``draft_probs`` beside it; on a tree, siblings' states equal (they are draws from one
+    distribution: the multi-draft rule is exact for that alone)."""
     if draft is None:
         if request.draft_hidden_states is not None:
             raise InvalidInput("draft_hidden_states needs draft_model: the head that reads them")
         return checked
-    if checked.draft_probs is not None or checked.parents is not None:
-        raise InvalidInput("draft_model takes neither draft_probs nor draft_parents")
-    if checked.shape is not None and checked.shape.processors is not None:
-        raise InvalidInput("draft_model: the decoding step's per-row options are not taken")
+    if checked.draft_probs is not None:
+        raise InvalidInput(
+            "draft_model takes no draft_probs beside it: the head gives the draft's distribution"
+        )
     if draft.vocab_size != model.vocab_size or not draft.space.same_tokens(model.space):
         raise InvalidInput(
             f"draft_model {draft.name} must name the same tokens as {model.name}: vocabularies "
@@ -126,7 +203,55 @@ def _with_draft_states(
             f"draft_hidden_states must have shape {list(expected)} (one state per draft, "
             f"{draft.name}'s d_model), got {list(states.shape)}"
         )
+    if checked.parents is not None:
+        _siblings_alike(states, checked.parents)
     return replace(checked, draft_hidden=states)
+
+
+def _siblings_alike(states: Floats, parents: Ids) -> None:
+    """A tree's siblings were drawn from one draft distribution, so their drafter states
+    (each node's: the state where its parent stands) must be one state."""
+    first: dict[int, int] = {}
+    for node, parent in enumerate(parents.tolist()):
+        sibling = first.setdefault(parent, node)
+        if sibling != node and not np.array_equal(states[:, node], states[:, sibling]):
+            raise InvalidInput(
+                f"draft_hidden_states[:, {node}] must equal draft_hidden_states[:, {sibling}]: "
+                f"nodes {sibling} and {node} are siblings (draft_parents), draws from one "
+                "draft distribution, so they share the drafter's state"
+            )
+
+
+def draft_shape(checked: CheckedVerify) -> Shape:
+    """The draft_model's distribution's options: the target's (bias, bans, filters), its
+    processors' rows those of the target's rows the drafts were drawn at (``draft_rows``)."""
+    shape = checked.shape or Shape()
+    if shape.processors is None:
+        return shape
+    return replace(shape, processors=rows_of(shape.processors, draft_rows(checked)))
+
+
+def rows_of(processors: Processors, index: Ids) -> Processors:
+    """The processors of rows ``index`` (any order, repeats allowed): their histories and
+    bitmask rows; what holds for every row (penalties, stop ids, bad words) as it is."""
+
+    def lists(histories: Histories | None) -> Histories | None:
+        if histories is None:
+            return None
+        lengths = histories.lengths[index]
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        shift = np.repeat(histories.offsets[index] - offsets[:-1], lengths)
+        return Histories(histories.values[np.arange(offsets[-1]) + shift], offsets)
+
+    bitmask = processors.bitmask
+    if bitmask is not None and len(bitmask) > 1:
+        bitmask = bitmask[index]
+    return replace(
+        processors,
+        prompt=lists(processors.prompt),
+        output=lists(processors.output),
+        bitmask=bitmask,
+    )
 
 
 def _per_position(
