@@ -179,10 +179,11 @@ def write_npz(arrays: dict[str, npt.NDArray[Any]]) -> bytes:
         size = len(header) + data.nbytes
         if offset + size > _ZIP32_BYTES:
             return _savez(arrays)
-        crc = zlib.crc32(data, zlib.crc32(header)) if data.nbytes else zlib.crc32(header)
+        body = data.reshape(-1).view(np.uint8).data if data.nbytes else b""
+        crc = zlib.crc32(body, zlib.crc32(header))
         fields = struct.pack("<HHHHHIII", 20, 0, 0, 0, _DOS_DATE, crc, size, size)
         parts += [b"PK\x03\x04", fields, struct.pack("<HH", len(member), 0), member, header]
-        parts.append(data.reshape(-1).view(np.uint8).data if data.nbytes else b"")
+        parts.append(body)
         central = struct.pack("<HHHHH", len(member), 0, 0, 0, 0) + struct.pack("<II", 0, offset)
         directory.append(b"PK\x01\x02" + struct.pack("<H", 20) + fields + central + member)
         offset += 30 + len(member) + size
