@@ -155,10 +155,11 @@ class LoadedVersion:
         *,
         temperature: float = 1.0,
         full_logits: bool = False,
+        alone: bool = False,
     ) -> Projection:
         """``Runner.project``: through the batcher, in runs of at most ``rows_per_run``."""
         return await self.runner.project(
-            hidden, k, temperature=temperature, full_logits=full_logits
+            hidden, k, temperature=temperature, full_logits=full_logits, alone=alone
         )
 
     def check_comparable(self, other: LoadedVersion) -> None:

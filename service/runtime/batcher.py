@@ -102,6 +102,13 @@ class Batcher:
         return self._queued_rows
 
     @property
+    def idle(self) -> bool:
+        """Serving, with nothing queued, being collected or running: a run started now waits
+        for nobody, and nobody waits for it (``Runner.project``'s run without a hop)."""
+        serving = self._task is not None and not self._task.done() and not self._closing
+        return serving and not self._queue and not self._collecting and self._unanswered == 0
+
+    @property
     def closing(self) -> bool:
         """True once ``close`` has begun: no run starts after the one in progress."""
         return self._closing

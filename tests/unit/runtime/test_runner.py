@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -91,3 +92,47 @@ def test_runs_beside_the_batcher_are_counted_failed_or_not(tied_path: Path) -> N
         (3, 1, False),
         (7, 1, True),
     ]
+
+
+class _CountingExecutor(ThreadPoolExecutor):
+    """A real executor that counts the runs handed to it."""
+
+    submitted = 0
+
+    def submit(self, *args: Any, **kwargs: Any) -> Any:
+        self.submitted += 1
+        return super().submit(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("alone", "rows", "full_logits", "hops"),
+    [(True, 1, False, 0), (False, 1, False, 1), (True, 1, True, 1), (True, 40, False, 1)],
+)
+def test_a_lone_tiny_run_takes_no_thread_hop_and_answers_the_same(
+    tied_path: Path, alone: bool, rows: int, full_logits: bool, hops: int
+) -> None:
+    """A lone request's run of a head this small runs where it is asked (no executor, no
+    batcher); with others in flight, full logits or more rows than ``inline_rows``, it goes
+    through the batcher. Either way the answer is the session's, and the run is counted."""
+    hidden = np.random.default_rng(5).standard_normal((rows, D_MODEL)).astype(np.float32)
+
+    async def main() -> tuple[Any, int, list[BatchStats], int]:
+        with _CountingExecutor(1) as executor:
+            runs: list[BatchStats] = []
+            runner = Runner(HeadSession(tied_path, tied=True), "tied/1")
+            runner.start(executor, BatchLimits(max_batch_rows=64), 64, runs.append, lambda: None)
+            try:
+                got = await runner.project(
+                    hidden, 5, temperature=0.5, full_logits=full_logits, alone=alone
+                )
+            finally:
+                await runner.close()
+            return got, executor.submitted, runs, runner.inline_rows
+
+    got, submitted, runs, inline_rows = asyncio.run(main())
+    assert 1 <= inline_rows < 40
+    assert submitted == hops
+    assert [(stats.rows, stats.requests, stats.failed) for stats in runs] == [(rows, 1, False)]
+    whole = HeadSession(tied_path, tied=True).project(hidden, 5, temperature=0.5)
+    np.testing.assert_array_equal(got.topk_token_ids, whole.topk_token_ids)
+    np.testing.assert_allclose(got.topk_logits, whole.topk_logits, rtol=1e-6)
