@@ -27,6 +27,8 @@ from tritonclient.grpc import service_pb2_grpc
 
 from service import __version__
 from service.api.codec import grpc as codec
+from service.api.codec import grpc_verify
+from service.api.codec.v2_verify import VerifyCall
 from service.api.codec.wire import off_loop
 from service.budget import BODY_EXPANSION, charge
 from service.errors import (
@@ -144,8 +146,12 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: 
             with self._plane.admit():  # the request's memory, held until answered
                 size = request.ByteSize()  # raw or typed contents alike
                 charge(size * BODY_EXPANSION)
-                decoded, plan = await off_loop(size, codec.decode, request)
-                result = await self._plane.infer(decoded)
+                decoded = await off_loop(size, grpc_verify.decode, request)
+                if isinstance(decoded, VerifyCall):  # the input draft_token_ids: /verify
+                    verified = await self._plane.verify(decoded.request)
+                    return await off_loop(size, grpc_verify.encode, verified, decoded.plan)
+                infer_request, plan = decoded
+                result = await self._plane.infer(infer_request)
                 return await off_loop(size, codec.encode, result, plan)
 
         return await self._answer("ModelInfer", context, infer)

@@ -72,6 +72,10 @@ class VerifyBody(ArrayFields, VerifyOptions):
     """(K,): each draft's parent, -1 for the root's children, else an earlier draft: a tree
     whose siblings are tried in order (taken as certain, or independent draws from their
     draft_probs row, the same for siblings)."""
+    allowed_token_ids: list[Any] | None = Field(default=None, examples=[None])
+    """The only tokens the target (and a draft_model) may give mass: one list for every
+    position, one per sequence, or one per position (sequences x (K + 1)); each distribution
+    is renormalized over them, and a draft outside them is rejected."""
     banned_token_ids: list[int] | None = Field(default=None, examples=[[3]])
     """Tokens the target never emits (their probability 0)."""
     seeds: list[int] | None = Field(default=None, examples=[[1]])

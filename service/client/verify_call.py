@@ -21,6 +21,7 @@ ARRAYS = {
     "draft_probs": np.float32,
     "draft_hidden_states": np.float32,
     "draft_parents": np.int64,
+    "allowed_token_ids": np.int64,
     "banned_token_ids": np.int64,
     "seeds": np.int64,
     "stop_token_ids": np.int64,

@@ -13,10 +13,11 @@ service, messages and field numbers, so KServe's clients speak it too).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 from tritonclient.grpc import service_pb2 as pb
 
 from service.api.codec import v2
@@ -56,6 +57,12 @@ def parameters(mapping: Mapping[str, Any]) -> dict[str, Any]:
 
 def decode(request: Any) -> tuple[InferRequest, OutputPlan]:
     """The infer request as the data plane's message, plus the outputs to answer."""
+    header, binary, to = header_of(request)
+    return v2.decode_header(header, binary, False, to)
+
+
+def header_of(request: Any) -> tuple[dict[str, Any], bytes, Target]:
+    """The REST codec's header of an infer request, its raw contents joined, its target."""
     raw = list(request.raw_input_contents)
     if raw and len(raw) != len(request.inputs):
         raise InvalidInput(
@@ -76,9 +83,7 @@ def decode(request: Any) -> tuple[InferRequest, OutputPlan]:
         ]
     if request.id:
         header["id"] = request.id
-    return v2.decode_header(
-        header, b"".join(raw), False, target(request.model_name, request.model_version)
-    )
+    return header, b"".join(raw), target(request.model_name, request.model_version)
 
 
 def _input(tensor: Any, raw: bytes | None) -> dict[str, Any]:
@@ -113,25 +118,29 @@ def _input(tensor: Any, raw: bytes | None) -> dict[str, Any]:
 
 def encode(result: InferResult, plan: OutputPlan) -> Any:
     """The answer: raw output contents (as Triton sends), or typed contents for every output."""
-    response = pb.ModelInferResponse(
-        model_name=result.head.name, model_version=str(result.head.version), id=plan.request_id
+    return response(result.head, plan, (select(output, result) for output in plan.outputs))
+
+
+def response(head: HeadInfo, plan: OutputPlan, arrays: Iterable[npt.NDArray[Any]]) -> Any:
+    """``encode`` of the outputs' ``arrays`` (one per output of the plan, in order)."""
+    answer = pb.ModelInferResponse(
+        model_name=head.name, model_version=str(head.version), id=plan.request_id
     )
-    response.parameters["tied"].bool_param = result.head.tied
+    answer.parameters["tied"].bool_param = head.tied
     raw = all(output.binary for output in plan.outputs)
-    for output in plan.outputs:
-        array = select(output, result)
+    for output, array in zip(plan.outputs, arrays, strict=True):
         datatype = "BYTES" if array.dtype.kind in "OUS" else v2.datatype(array.dtype)
-        tensor = response.outputs.add(name=output.name, datatype=datatype, shape=array.shape)
+        tensor = answer.outputs.add(name=output.name, datatype=datatype, shape=array.shape)
         if raw:
             blob = v2.bytes_blob(array) if datatype == "BYTES" else np.ascontiguousarray(array)
-            response.raw_output_contents.append(bytes(blob))
+            answer.raw_output_contents.append(bytes(blob))
         elif datatype == "BYTES":
             tensor.contents.bytes_contents.extend(str(s).encode() for s in array.reshape(-1))
         else:
             values, flat = getattr(tensor.contents, CONTENTS[datatype]), array.reshape(-1)
             for start in range(0, flat.size, CONTENTS_CHUNK):
                 values.extend(flat[start : start + CONTENTS_CHUNK].tolist())
-    return response
+    return answer
 
 
 def model_metadata(head: HeadInfo, versions: list[int]) -> Any:

@@ -12,6 +12,7 @@ expected and what came, and never echoes data.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -73,13 +74,19 @@ MAX_ID_CHARS = 256
 
 async def decode_http(request: Request, body_limit: int) -> tuple[InferRequest, OutputPlan]:
     """An HTTP infer request: body (JSON or binary extension), target from the path."""
+    body, length, to = await read_http(request, body_limit)
+    return await off_loop(len(body), decode, body, length, to)
+
+
+async def read_http(request: Request, body_limit: int) -> tuple[bytes, str | None, Target]:
+    """An HTTP infer request's body, its header length (binary extension) and target."""
     no_query_options(request, V2_OPTIONS)
     body = await read_body(request, body_limit)
     length = header(request, HEADER_LENGTH.encode())
     names = [name for name, _ in request.scope["headers"]]
     if length is not None and names.count(HEADER_LENGTH.encode()) > 1:  # the last one won
         raise MalformedBody(f"{HEADER_LENGTH} is given more than once")
-    return await off_loop(len(body), decode, body, length, target(request))
+    return body, length, target(request)
 
 
 async def encode_http(result: InferResult, plan: OutputPlan) -> Response:
@@ -88,16 +95,26 @@ async def encode_http(result: InferResult, plan: OutputPlan) -> Response:
     if result.topk is not None:  # classification strings are made from it too
         size += result.topk.token_ids.size * 32
     pieces, headers = await off_loop(size, encode, result, plan)
-    headers |= {
-        "x-lmhead-model": result.head.name,
-        "x-lmhead-version": str(result.head.version),
-        "x-lmhead-tied": "true" if result.head.tied else "false",
+    return reply(pieces, None, headers | head_headers(result.head))
+
+
+def head_headers(head: HeadInfo) -> dict[str, str]:
+    """The headers every lmhead inference answer carries: the head that answered."""
+    return {
+        "x-lmhead-model": head.name,
+        "x-lmhead-version": str(head.version),
+        "x-lmhead-tied": "true" if head.tied else "false",
     }
-    return reply(pieces, None, headers)
 
 
 def decode(body: bytes, header_length: str | None, to: Target) -> tuple[InferRequest, OutputPlan]:
     """Split header and binary part, read inputs, parameters and requested outputs."""
+    return decode_header(*parse(body, header_length), to)
+
+
+def parse(body: bytes, header_length: str | None) -> tuple[dict[str, Any], bytes, bool]:
+    """The JSON header as an object, the binary part after it, and whether the header has
+    JSON booleans (which numpy would read as numbers inside data)."""
     header_bytes, binary = _split(body, header_length)
     charge_json(header_bytes)
     try:
@@ -109,7 +126,7 @@ def decode(body: bytes, header_length: str | None, to: Target) -> tuple[InferReq
         raise MalformedBody("inference header must be a JSON object")
     # numpy reads a JSON ``true`` inside data as 1: scan for them when the header has any.
     booleans = b"true" in header_bytes or b"false" in header_bytes
-    return decode_header(header, binary, booleans, to)
+    return header, binary, booleans
 
 
 def decode_header(
@@ -118,7 +135,7 @@ def decode_header(
     """The request once parsed: inputs (typed ``data`` or ``binary_data_size`` bytes of
     ``binary``), parameters and outputs. The gRPC front end builds the same header."""
     parameters = mapping(header.get("parameters"), "parameters")
-    inputs = _inputs(header.get("inputs"), binary, booleans)
+    inputs = read_inputs(header.get("inputs"), binary, booleans)
     binary_output = flag(parameters, "binary_data_output")
     outputs = requested_outputs(header.get("outputs"), parameters, inputs, binary_output)
     names = {output.name for output in outputs}
@@ -143,22 +160,38 @@ def decode_header(
         at_least_default_k=bool(asked) and takes_default_k(outputs),
         states=states(parameters, header.get("inputs")),
     )
-    request_id = header.get("id")
-    if request_id is not None and not isinstance(request_id, str):
-        raise InvalidInput(f"id must be a string, got a JSON {type(request_id).__name__}")
-    if request_id is not None and len(request_id) > MAX_ID_CHARS:  # echoed whole, or refused
-        raise InvalidInput(f"id has {len(request_id)} characters; at most {MAX_ID_CHARS}")
-    return request, OutputPlan(request_id, outputs)
+    return request, OutputPlan(request_id(header), outputs)
+
+
+def request_id(header: dict[str, Any]) -> str | None:
+    """The request's ``id``, echoed in the answer: a string of at most ``MAX_ID_CHARS``."""
+    given = header.get("id")
+    if given is not None and not isinstance(given, str):
+        raise InvalidInput(f"id must be a string, got a JSON {type(given).__name__}")
+    if given is not None and len(given) > MAX_ID_CHARS:  # echoed whole, or refused
+        raise InvalidInput(f"id has {len(given)} characters; at most {MAX_ID_CHARS}")
+    return given
 
 
 def encode(result: InferResult, plan: OutputPlan) -> tuple[list[Piece], dict[str, str]]:
     """JSON answer, or a JSON header + binary tensors when any output asked for binary; in
     pieces (``service.api.codec.pieces``): a large tensor's JSON a few rows per encoder call,
     its binary data as views of its memory."""
+    return encode_arrays(result.head, plan, (select(request, result) for request in plan.outputs))
+
+
+def encode_arrays(
+    head: HeadInfo,
+    plan: OutputPlan,
+    arrays: Iterable[npt.NDArray[Any]],
+    parameters: dict[str, Any] | None = None,
+) -> tuple[list[Piece], dict[str, str]]:
+    """``encode`` of the outputs' ``arrays`` (one per output of the plan, in order), with
+    the answer's ``parameters`` when given."""
     outputs: list[dict[str, Any]] = []
     blobs: list[Piece] = []
-    for request in plan.outputs:
-        array = np.require(select(request, result), requirements="C")  # k-cut views are strided
+    for request, selected in zip(plan.outputs, arrays, strict=True):
+        array = np.require(selected, requirements="C")  # k-cut views are strided
         kind = "BYTES" if array.dtype.kind in "OUS" else datatype(array.dtype)
         entry: dict[str, Any] = {"name": request.name, "datatype": kind, "shape": list(array.shape)}
         if request.binary:
@@ -169,10 +202,12 @@ def encode(result: InferResult, plan: OutputPlan) -> tuple[list[Piece], dict[str
             entry["data"] = array.reshape(-1)
         outputs.append(entry)
     payload: dict[str, Any] = {
-        "model_name": result.head.name,
-        "model_version": str(result.head.version),
+        "model_name": head.name,
+        "model_version": str(head.version),
         "outputs": outputs,
     }
+    if parameters:
+        payload["parameters"] = parameters
     if plan.request_id is not None:
         payload["id"] = plan.request_id
     header = json_pieces(payload)
@@ -228,7 +263,10 @@ def _dimension(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31
 
 
-def _inputs(entries: Any, binary: bytes, booleans: bool) -> dict[str, npt.NDArray[Any]]:
+def read_inputs(
+    entries: Any, binary: bytes, booleans: bool, types: dict[str, tuple[str, ...]] = INPUT_TYPES
+) -> dict[str, npt.NDArray[Any]]:
+    """Each input's array, ``types`` naming the inputs taken and their datatypes."""
     if not isinstance(entries, list) or not entries:
         raise InvalidInput(
             "inputs must be a non-empty list of tensors (hidden_states or input_ids)"
@@ -239,15 +277,13 @@ def _inputs(entries: Any, binary: bytes, booleans: bool) -> dict[str, npt.NDArra
         if not isinstance(entry, dict):
             raise InvalidInput("each input must be a JSON object with name, shape, datatype")
         name, shape, datatype = entry.get("name"), entry.get("shape"), entry.get("datatype")
-        if name not in INPUT_TYPES:
-            raise InvalidInput(
-                f"unknown input {str(name)[:64]!r}; inputs: {', '.join(INPUT_TYPES)}"
-            )
+        if name not in types:
+            raise InvalidInput(f"unknown input {str(name)[:64]!r}; inputs: {', '.join(types)}")
         if name in arrays:
             raise InvalidInput(f"input {name} is given twice; give each input once")
-        if datatype not in INPUT_TYPES[name]:
+        if datatype not in types[name]:
             raise InvalidInput(
-                f"input {name} must have datatype {' or '.join(INPUT_TYPES[name])}, "
+                f"input {name} must have datatype {' or '.join(types[name])}, "
                 f"got {str(datatype)[:16]!r}"
             )
         if (

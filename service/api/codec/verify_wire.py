@@ -2,10 +2,10 @@
 
 The body is JSON (every array a nested list beside the options) or ``application/x-npz``
 (``hidden_states``, ``draft_token_ids`` and optionally ``draft_probs``, ``draft_parents``,
-``banned_token_ids``, ``seeds`` as entries; the options in the query string): a
-``draft_probs`` of 64 x 4 x 128256 float32 is 131 MB as an entry, several times that as JSON
-text. The answer is JSON: per sequence its accepted drafts and emitted token, trimmed to
-what was chosen (no padding).
+``allowed_token_ids``, ``banned_token_ids``, ``seeds`` as entries; the options in the query
+string): a ``draft_probs`` of 64 x 4 x 128256 float32 is 131 MB as an entry, several times
+that as JSON text. The answer is JSON: per sequence its accepted drafts and emitted token,
+trimmed to what was chosen (no padding).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from service.npyio import read_npz
 from service.verify_messages import VerifyRequest, VerifyResult
 
 FLOATS = ("hidden_states", "draft_probs", "draft_hidden_states")
-INTEGERS = ("draft_token_ids", "draft_parents", "banned_token_ids", "seeds")
+INTEGERS = ("draft_token_ids", "draft_parents", "allowed_token_ids", "banned_token_ids", "seeds")
 #: Query parameters of an ``.npz`` body holding JSON text.
 JSON_QUERY = ("sample", "logit_bias")
 
@@ -59,12 +59,13 @@ async def decode_verify(request: Request, body_limit: int) -> VerifyRequest:
         if name not in arrays:
             raise InvalidInput(f"{name} is required")
     sample = opts.sample
-    banned = arrays.get("banned_token_ids")
+    allowed, banned = arrays.get("allowed_token_ids"), arrays.get("banned_token_ids")
     step = decoding(opts, arrays)
     vocabulary = None
-    if sample is not None or opts.logit_bias or banned is not None or step is not None:
+    shaped = (sample, allowed, banned, step)
+    if opts.logit_bias or any(value is not None for value in shaped):
         vocabulary = VocabularyOptions(
-            None,
+            allowed,
             opts.logit_bias,
             banned,
             None,

@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from service import __version__
-from service.api.codec import v2
+from service.api.codec import v2, v2_verify
 from service.api.codec.wire import target
 from service.api.routes.deps import PlaneDep, body_limit, plane_of
 from service.api.routes.openapi import (
@@ -105,6 +105,11 @@ def _infer_operation(path: str) -> dict[str, Any]:
     openapi_extra=_infer_operation("/v2/models/{name}/versions/{version}/infer"),
 )
 async def infer(request: Request) -> Response:
-    """Top-k, log-probs, full logits, classification and embeddings (JSON or binary)."""
-    decoded, plan = await v2.decode_http(request, body_limit(request))
-    return await v2.encode_http(await plane_of(request).infer(decoded), plan)
+    """Top-k, log-probs, full logits, classification and embeddings (JSON or binary); with
+    the input draft_token_ids, speculative verification (docs/verify.md)."""
+    decoded = await v2_verify.decode_http(request, body_limit(request))
+    if isinstance(decoded, v2_verify.VerifyCall):
+        result = await plane_of(request).verify(decoded.request)
+        return await v2_verify.encode_http(result, decoded.plan)
+    infer_request, plan = decoded
+    return await v2.encode_http(await plane_of(request).infer(infer_request), plan)
