@@ -18,6 +18,7 @@ import tritonclient.grpc as triton_grpc
 import tritonclient.http as triton_http
 from tritonclient.utils import InferenceServerException
 
+from service.client import Client
 from service.heads.files import HeadWeights, save_head
 from tests.server import free_port, running_server
 
@@ -122,7 +123,8 @@ def test_a_chain_over_v2_http_answers_as_native(served: tuple[str, str], binary:
 
 def test_the_decoding_options_over_v2_json_answer_as_native(served: tuple[str, str]) -> None:
     """Plain JSON tensors (no client library): allowed ids per sequence, output histories
-    as values and lengths, a presence penalty, top-k and processed log-probs."""
+    as values and lengths, a presence penalty, top-k and processed log-probs; and the same
+    through ``Client.verify`` (an .npz body)."""
     url, _ = served
     ids, _ = _drafts()
     allowed = np.stack([RNG.choice(VOCAB, 200, replace=False) for _ in range(SEQUENCES)])
@@ -170,6 +172,18 @@ def test_the_decoding_options_over_v2_json_answer_as_native(served: tuple[str, s
     assert list(outputs) == ["accepted", "token_ids", "logprobs", "nodes", "seed"]  # default
     _same(_trimmed(outputs), native)
     assert answer.headers["x-lmhead-model"] == "head"
+    with Client(url) as client:  # the native wire's .npz body: the same answer
+        sent = client.verify(
+            "head",
+            HIDDEN,
+            ids,
+            allowed_token_ids=allowed,
+            output_token_ids=histories,
+            presence_penalty=1.0,
+            logprobs_mode="processed",
+            sample=sample,
+        )
+    _same(sent["results"], native)
 
 
 def _grpc_inputs(arrays: Arrays) -> list[triton_grpc.InferInput]:
