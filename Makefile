@@ -193,6 +193,7 @@ bench: install
 	$(BIN)/python -m bench.swap --large --output bench/results-swap.md
 	$(BIN)/python -m bench.shadow --output bench/results-shadow.md
 	$(BIN)/python -m bench.protocols --output bench/results-protocols.md
+	$(BIN)/python -m bench.latency --output bench/results-latency.md
 	$(BIN)/python -m bench.vocabulary --output bench/results-vocabulary.md
 	$(BIN)/python -m bench.client --output bench/results-client.md
 	$(BIN)/python -m bench.workers --output bench/results-workers.md
