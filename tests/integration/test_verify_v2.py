@@ -2,11 +2,13 @@
 with the input ``draft_token_ids`` over REST (``tritonclient.http`` with binary tensors, and
 plain JSON) and gRPC (``tritonclient.grpc``) answers what the native ``/verify`` answers for
 the same seeds: a chain with draft_probs, the decoding step's options with allowed ids, a
-tree, a draft_model; bad input is refused with the native message (400 / INVALID_ARGUMENT)."""
+tree, a draft_model; bad input is refused with the native message (400 / INVALID_ARGUMENT);
+split mode answers as one process."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -33,13 +35,18 @@ Arrays = dict[str, npt.NDArray[Any]]
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
-    """The server's HTTP URL and gRPC address."""
+def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("verify-v2")
     save_head(HeadWeights.from_arrays(TABLE), root / "head" / "1")
     save_head(HeadWeights.from_arrays(DRAFTER), root / "drafter" / "1")
+    return root
+
+
+@pytest.fixture(scope="module")
+def served(repository: Path) -> Iterator[tuple[str, str]]:
+    """The server's HTTP URL and gRPC address."""
     port = free_port()
-    with running_server(root, grpc_port=str(port)) as url:
+    with running_server(repository, grpc_port=str(port)) as url:
         yield url, f"127.0.0.1:{port}"
 
 
@@ -267,3 +274,40 @@ def test_bad_input_over_v2_is_refused_with_the_native_message(
         grpc_client.close()
     assert failed.value.status() == str(grpc.StatusCode.INVALID_ARGUMENT)
     assert failed.value.message() == expected
+
+
+def test_split_mode_answers_as_one_process(served: tuple[str, str], repository: Path) -> None:
+    """LMHEAD_WORKERS=2 (fronts forward to the engine): V2 over REST and gRPC with a
+    draft_model, allowed ids and a penalty with histories give the one process's answer."""
+    url, _ = served
+    states = RNG.standard_normal((SEQUENCES, K, DRAFT_D)).astype(np.float32)
+    ids = np.argmax(states @ DRAFTER.T, axis=2).astype(np.int64)
+    allowed = np.unique(np.concatenate([ids.reshape(-1), RNG.choice(VOCAB, 150)]))
+    arrays: Arrays = {
+        "hidden_states": HIDDEN,
+        "draft_token_ids": ids,
+        "draft_hidden_states": states,
+        "allowed_token_ids": allowed.astype(np.int64),
+        "output_token_ids": np.array([1, 2, 3], np.int64),
+        "output_token_ids_lengths": np.array([0, 1, 2, 0, 0], np.int64),
+        "seeds": SEEDS,
+    }
+    parameters = {"draft_model": "drafter", "frequency_penalty": 0.5, "temperature": 0.9}
+    names = ("accepted", "token_ids", "logprobs", "nodes", "seed")
+
+    def answers(http: str, address: str) -> list[list[dict[str, Any]]]:
+        client = triton_http.InferenceServerClient(http.removeprefix("http://"))
+        rest = client.infer("head", _http_inputs(arrays), parameters=parameters)
+        remote = triton_grpc.InferenceServerClient(address)
+        try:
+            called = remote.infer("head", _grpc_inputs(arrays), parameters=parameters)
+        finally:
+            remote.close()
+        return [_trimmed({name: done.as_numpy(name) for name in names}) for done in (rest, called)]
+
+    one = answers(url, served[1])
+    _same(one[1], one[0])
+    port = free_port()
+    with running_server(repository, workers="2", grpc_port=str(port)) as split:
+        for answer in answers(split, f"127.0.0.1:{port}"):
+            _same(answer, one[0])
