@@ -29,11 +29,12 @@ from service.budget import charge, ran
 from service.errors import PayloadTooLarge, ServiceError
 from service.limits import LOGIT_BYTES, Limits
 from service.messages import TopKRequest
-from service.plane.decoding import width_of
+from service.plane.decoding import RAW_SLACK, width_of
 from service.plane.grouping import Kept
 from service.plane.options import CheckedInfer, CheckedTopK
 from service.repository.loaded_version import LoadedVersion
 from service.runtime.processors import Processors
+from service.runtime.sparse_step import SPARSE
 from service.runtime.vocabulary import Shape
 
 #: JSON text of one value, its separator included: a float32 as orjson writes numpy's
@@ -165,14 +166,18 @@ def topk(
 def decoding(model: LoadedVersion, rows: int, k: int, shape: Shape, tokens: bool) -> int:
     """The decoding step beside its top-k answer (``plane.decoding``): one run's logits kept
     and processed in place, the selection's log-softmax of them and the bitmask unpacked to a
-    byte per token (one run at a time); each row's sorted prefix and its float64 filters; the
+    byte per token (one run at a time), the run's own top and the sparse reading's indexes
+    (``runtime.sparse_step``); each row's sorted prefix and its float64 filters; the
     draws (``sample.n`` per row: ids, values, log-probs, uniforms, text); the options' arrays
     (``decoding_inputs``)."""
     run = min(rows, model.rows_per_run) * model.vocab_size
     spec = shape.sample
     width = width_of(k, shape, model.vocab_size)
     prefix = rows * width * (2 * LOGIT_BYTES + ID_BYTES + 4 * F64_BYTES + 2)
-    held = 2 * run * LOGIT_BYTES + run + prefix
+    raw = rows * (width + RAW_SLACK) * (LOGIT_BYTES + ID_BYTES)  # the run's own top
+    # the sparse reading's indexes: a row forbidding up to vocab / SPARSE tokens (8 bytes each)
+    forbidden = run * ID_BYTES // SPARSE
+    held = 2 * run * LOGIT_BYTES + run + prefix + raw + forbidden
     if spec is not None:
         draws = rows * spec.draws
         per_draw = 2 * ID_BYTES + 2 * LOGIT_BYTES + F64_BYTES + _id_text(model) + F32_TEXT

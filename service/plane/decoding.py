@@ -32,8 +32,13 @@ from service.plane.options import CheckedTopK
 from service.repository.loaded_version import LoadedVersion
 from service.runtime.filters import streams
 from service.runtime.processors import Processors
+from service.runtime.sparse_step import RawTop
 from service.runtime.step import StepRun, step_run
 from service.runtime.vocabulary import Floats, Ids, Shape
+
+#: Raw tokens the graph's top holds past the prefix's width: a row's top is read from them
+#: while at least ``width`` of them are outside the row's changed tokens (``sparse_step``).
+RAW_SLACK = 32
 
 
 @dataclass(frozen=True)
@@ -67,12 +72,13 @@ async def decoding_topk(
     runs: list[StepRun] = []
     step = model.rows_per_run
     loop = asyncio.get_running_loop()
+    raw_width = min(model.vocab_size, width + RAW_SLACK)
     for start in range(0, len(rows), step):
         stop = min(start + step, len(rows))
-        logits = await _full_logits(model, rows[start:stop], temperature)
+        logits, raw = await _full_logits(model, rows[start:stop], temperature, raw_width)
         part = processors.part(start, stop)
         drawn = None if u is None else u[start:stop]
-        args = (logits, temperature, part, shape.bias, spec, width, drawn)
+        args = (logits, temperature, part, shape.bias, spec, width, drawn, raw)
         runs.append(await loop.run_in_executor(model.runner.executor, step_run, *args))
         del logits
     return _joined(runs, k)
@@ -97,10 +103,15 @@ async def processed_logits(
     return logits
 
 
-async def _full_logits(model: LoadedVersion, rows: Floats, temperature: float) -> Floats:
-    projection = await model.project(rows, 1, temperature=temperature, full_logits=True)
+async def _full_logits(
+    model: LoadedVersion, rows: Floats, temperature: float, k: int
+) -> tuple[Floats, RawTop]:
+    """A run's full logits, with the raw top ``k`` and log-sum-exp its graph took of them
+    (``sparse_step`` reads most rows from these, not from a second pass)."""
+    projection = await model.project(rows, k, temperature=temperature, full_logits=True)
     assert projection.logits is not None
-    return projection.logits
+    raw = RawTop(projection.topk_logits, projection.topk_token_ids, projection.logsumexp)
+    return projection.logits, raw
 
 
 A = TypeVar("A", bound=npt.NDArray[Any])

@@ -118,18 +118,36 @@ class Processors:
             self.order,
         )
 
-    def apply(self, logits: Floats, temperature: float) -> None:
+    @property
+    def penalizes(self) -> bool:
+        return self.repetition != 1.0 or bool(self.presence) or bool(self.frequency)
+
+    def penalized(self, vocab: int) -> Penalized | None:
+        """Where these options' penalties fall in a run of their rows (None: nowhere)."""
+        if not self.penalizes:
+            return None
+        return Penalized.of(self.prompt, self.output, vocab, self.repetition != 1.0)
+
+    def apply(
+        self,
+        logits: Floats,
+        temperature: float,
+        penalized: Penalized | None = None,
+        *,
+        mask: bool = True,
+    ) -> None:
         """Every processor, in place, on a run's logits (already divided by ``temperature``),
-        these options' rows being the run's."""
-        if self.bad_words is not None and self.output is not None:
-            ban_bad_words(logits, self.output, self.bad_words)
-        elif self.bad_words is not None:
-            ban_bad_words(logits, Histories.of([[]] * len(logits)), self.bad_words)
+        these options' rows being the run's; ``penalized`` where the penalties fall, when
+        the caller has it already; the bitmask last, unless ``mask`` is False."""
+        if self.bad_words is not None:
+            output = self.output if self.output is not None else Histories.of([[]] * len(logits))
+            ban_bad_words(logits, output, self.bad_words)
         if self.min_tokens and self.stop_ids is not None:
             ban_stop_ids(logits, self.output, self.min_tokens, self.stop_ids)
-        penalties = (self.repetition, self.presence, self.frequency)
-        penalize(logits, self.prompt, self.output, *penalties, temperature)
-        if self.bitmask is not None:
+        at = penalized if penalized is not None else self.penalized(logits.shape[1])
+        if at is not None:
+            penalize_at(logits, at, self.repetition, self.presence, self.frequency, temperature)
+        if mask and self.bitmask is not None:
             apply_bitmask(logits, self.bitmask)
 
 
@@ -160,6 +178,34 @@ def _counted(flat: Ids) -> tuple[Ids, Ids]:
     return ordered[starts], counts
 
 
+@dataclass(frozen=True)
+class Penalized:
+    """Where a run's penalties fall, as indexes of its flattened logits: ``seen`` the
+    distinct tokens of each row's prompt and output (repetition), ``outputs`` the distinct
+    tokens of each row's output with their ``counts`` (frequency and presence). Built once
+    per run; ``sparse_step`` also reads them as tokens the step changes."""
+
+    seen: Ids | None
+    outputs: Ids | None
+    counts: Ids | None
+
+    @classmethod
+    def of(
+        cls, prompt: Histories | None, output: Histories | None, vocab: int, repetition: bool
+    ) -> Penalized:
+        outputs = counts = None
+        if output is not None:
+            outputs, counts = _counted(_flat(output, vocab))
+        seen = None
+        if repetition:
+            parts = ([] if prompt is None else [_flat(prompt, vocab)]) + (
+                [] if outputs is None else [outputs]
+            )
+            if parts:
+                seen = _counted(np.concatenate(parts))[0] if prompt is not None else parts[0]
+        return cls(seen, outputs, counts)
+
+
 def penalize(
     logits: Floats,
     prompt: Histories | None,
@@ -174,21 +220,28 @@ def penalize(
     a negative one multiplied: CTRL's, as vLLM applies it), then ``- (frequency * count +
     presence) / T`` on each token of its output, ``count`` its occurrences there (OpenAI's,
     vLLM's; the graph divided the logits by T already)."""
-    vocab = logits.shape[1]
+    if repetition == 1.0 and not presence and not frequency:
+        return
+    at = Penalized.of(prompt, output, logits.shape[1], repetition != 1.0)
+    penalize_at(logits, at, repetition, presence, frequency, temperature)
+
+
+def penalize_at(
+    logits: Floats,
+    at: Penalized,
+    repetition: float,
+    presence: float,
+    frequency: float,
+    temperature: float,
+) -> None:
+    """``penalize`` where ``at`` says the penalties fall."""
     flat = logits.reshape(-1)
-    outputs = counts = None
-    if output is not None:
-        outputs, counts = _counted(_flat(output, vocab))
-    if repetition != 1.0:
-        seen = [] if prompt is None else [_flat(prompt, vocab)]
-        seen += [] if outputs is None else [outputs]
-        if seen:
-            at = _counted(np.concatenate(seen))[0] if prompt is not None else seen[0]
-            values = flat[at]
-            factor = np.float32(repetition)
-            flat[at] = np.where(values > 0, values / factor, values * factor)
-    if outputs is not None and counts is not None and (presence or frequency):
-        flat[outputs] -= ((frequency * counts + presence) / temperature).astype(np.float32)
+    if repetition != 1.0 and at.seen is not None:
+        values = flat[at.seen]
+        factor = np.float32(repetition)
+        flat[at.seen] = np.where(values > 0, values / factor, values * factor)
+    if at.outputs is not None and at.counts is not None and (presence or frequency):
+        flat[at.outputs] -= ((frequency * at.counts + presence) / temperature).astype(np.float32)
 
 
 def ban_stop_ids(logits: Floats, output: Histories | None, min_tokens: int, stop: Ids) -> None:

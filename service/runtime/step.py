@@ -20,6 +20,7 @@ import numpy.typing as npt
 from service.runtime.filters import drawn, filtered_prefix
 from service.runtime.processors import Processors
 from service.runtime.selection import selector
+from service.runtime.sparse_step import RawTop, Sparse, sparse_selection
 from service.runtime.vocabulary import Bias, SampleSpec, refuse_overflow, top_sorted
 
 Floats = npt.NDArray[np.float32]
@@ -62,13 +63,21 @@ def step_run(
     sample: SampleSpec | None,
     width: int,
     u: npt.NDArray[np.float64] | None,
+    raw: RawTop | None = None,
 ) -> StepRun:
     """The step over one run's ``logits`` (modified in place: afterwards they are the
-    processed logits, before the filters); ``u`` the run's rows' uniforms (rows, n)."""
-    if bias is not None:  # the bias is divided by the temperature already (``Bias.at``)
-        logits[:, bias.ids] += bias.values
-    processors.apply(logits, temperature)
-    values, ids, lse = selector().top(logits, width)
+    processed logits, before the filters, but for the masks ``Sparse.pending`` holds);
+    ``u`` the run's rows' uniforms (rows, n); ``raw`` the run's own top and log-sum-exp,
+    which let rows with few changed tokens skip a second pass (``sparse_step``)."""
+    sparse: Sparse | None = None
+    if raw is not None:
+        sparse = sparse_selection(logits, temperature, processors, bias, width, raw)
+        values, ids, lse = sparse.values, sparse.ids, sparse.lse
+    else:
+        if bias is not None:  # the bias is divided by the temperature already (``Bias.at``)
+            logits[:, bias.ids] += bias.values
+        processors.apply(logits, temperature)
+        values, ids, lse = selector().top(logits, width)
     refuse_overflow(lse, lse, temperature=temperature)
     vocab = logits.shape[1]
     kept = filtered_prefix(values, lse, sample, processors.order, vocab)
@@ -81,6 +90,8 @@ def step_run(
         redo |= ~inside
     keep, mass = kept.keep, kept.mass
     for row in np.flatnonzero(redo).tolist():  # a wider prefix of the row, then all of it
+        if sparse is not None:
+            sparse.whole_row(logits, row)
         for wider in (min(vocab, max(WIDER, 16 * values.shape[1])), vocab):
             ranked, order = top_sorted(logits[row : row + 1], columns(vocab), wider)
             whole = filtered_prefix(ranked, lse[row : row + 1], sample, processors.order, vocab)
