@@ -34,7 +34,7 @@ from service.plane.grouping import Kept
 from service.plane.options import CheckedInfer, CheckedTopK
 from service.repository.loaded_version import LoadedVersion
 from service.runtime.processors import Processors
-from service.runtime.sparse_step import SPARSE
+from service.runtime.sparse_masks import SPARSE
 from service.runtime.vocabulary import Shape
 
 #: JSON text of one value, its separator included: a float32 as orjson writes numpy's

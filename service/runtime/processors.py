@@ -122,11 +122,11 @@ class Processors:
     def penalizes(self) -> bool:
         return self.repetition != 1.0 or bool(self.presence) or bool(self.frequency)
 
-    def penalized(self, vocab: int) -> Penalized | None:
+    def penalized(self, vocab: int, distinct: bool = True) -> Penalized | None:
         """Where these options' penalties fall in a run of their rows (None: nowhere)."""
         if not self.penalizes:
             return None
-        return Penalized.of(self.prompt, self.output, vocab, self.repetition != 1.0)
+        return Penalized.of(self.prompt, self.output, vocab, self.repetition != 1.0, distinct)
 
     def apply(
         self,
@@ -191,8 +191,15 @@ class Penalized:
 
     @classmethod
     def of(
-        cls, prompt: Histories | None, output: Histories | None, vocab: int, repetition: bool
+        cls,
+        prompt: Histories | None,
+        output: Histories | None,
+        vocab: int,
+        repetition: bool,
+        distinct: bool = True,
     ) -> Penalized:
+        """``distinct=False`` leaves repeats in ``seen``: the repetition's gather and
+        scatter write the same value for each (a sort spared)."""
         outputs = counts = None
         if output is not None:
             outputs, counts = _counted(_flat(output, vocab))
@@ -201,8 +208,11 @@ class Penalized:
             parts = ([] if prompt is None else [_flat(prompt, vocab)]) + (
                 [] if outputs is None else [outputs]
             )
-            if parts:
-                seen = _counted(np.concatenate(parts))[0] if prompt is not None else parts[0]
+            if len(parts) > 1:
+                joined = np.concatenate(parts)
+                seen = _counted(joined)[0] if distinct else joined
+            elif parts:  # the outputs are distinct already; a prompt alone may repeat
+                seen = _counted(parts[0])[0] if distinct and prompt is not None else parts[0]
         return cls(seen, outputs, counts)
 
 

@@ -15,7 +15,8 @@ So each row is read one of three ways, and only the rows that fit none are proce
   C merged with C's new values (exact while the raw top-``k'`` holds ``width`` tokens outside
   C), and its log-sum-exp the raw one corrected: ``L + log(1 - sum_C e^(raw - L) +
   sum_C e^(new - L))`` in float64, kept only while C held at most half the raw mass (no
-  cancellation worth a float32 ulp; past it the row is processed whole).
+  cancellation worth a float32 ulp; past it, as where the model's favourite token is
+  penalized, the processed row is summed, one pass over that row).
 - **whole**: the mask applied densely and the row selected by ``selection`` (the graph's
   kernels), as every row was before.
 
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from service.runtime import sparse_masks
 from service.runtime.processors import (
     Histories,
     Penalized,
@@ -41,16 +43,16 @@ from service.runtime.processors import (
     bad_word_hits,
 )
 from service.runtime.selection import selector
+from service.runtime.sparse_masks import MaskPlan
 from service.runtime.vocabulary import Bias, top_sorted
 
 Floats = npt.NDArray[np.float32]
 Ids = npt.NDArray[np.int64]
-#: A row is read sparsely while its mask allows (or forbids) at most vocab / SPARSE tokens.
-SPARSE = 16
-#: Runs of adjacent rows selected whole one at a time, past which all rows go at once.
-MAX_BLOCKS = 8
+Rows = npt.NDArray[np.bool_]
 #: The changed tokens' raw mass past which a row's log-sum-exp is taken whole.
 MAX_REMOVED = 0.5
+#: Runs of adjacent rows selected whole one at a time, past which all rows go at once.
+MAX_BLOCKS = 8
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,20 @@ class Sparse:
             apply_bitmask(logits[row : row + 1], words[None, :])
 
 
+@dataclass(frozen=True)
+class Changes:
+    """The tokens a run's processors, bias and forbidding masks change: their flat indexes
+    (ascending, once each), their raw and new values, and where each row's start."""
+
+    at: Ids
+    before: Floats
+    after: Floats
+    bounds: Ids
+
+    def row_of(self) -> Ids:
+        return np.repeat(np.arange(len(self.bounds) - 1, dtype=np.int64), np.diff(self.bounds))
+
+
 def sparse_selection(
     logits: Floats,
     temperature: float,
@@ -91,38 +107,173 @@ def sparse_selection(
     """The processors applied to ``logits`` in place and each row's top ``width`` and
     log-sum-exp, reading each row the cheapest exact way (module docstring)."""
     rows, vocab = logits.shape
-    flat = logits.reshape(-1)
-    allowed_few, forbidden, whole = _mask_rows(processors.bitmask, rows, vocab, width)
-    penalized = processors.penalized(vocab)
-    changed = _touched(processors, penalized, bias, forbidden, rows, vocab)
-    before = flat[changed]
-    if bias is not None:  # the bias is divided by the temperature already (``Bias.at``)
-        logits[:, bias.ids] += bias.values
-    processors.apply(logits, temperature, penalized, mask=False)
-    if forbidden is not None:
-        flat[forbidden] = -np.inf
-    after = flat[changed]
-    values = np.empty((rows, min(width, vocab)), np.float32)
+    width = min(width, vocab)
+    masks = sparse_masks.plan(processors.bitmask, rows, vocab, width)
+    penalized = processors.penalized(vocab, distinct=False)  # the scatters take repeats
+    changes = _changed(logits, temperature, processors, penalized, bias, masks)
+    values = np.empty((rows, width), np.float32)
     ids = np.empty(values.shape, np.int64)
     lse = np.empty(rows, np.float32)
     done = np.zeros(rows, np.bool_)
-    if allowed_few:
-        done |= _read_allowed(logits, allowed_few, width, values, ids, lse)
-    delta = ~done & ~whole
-    if delta.any():
-        done |= _read_changed(raw, changed, before, after, vocab, delta, values, ids, lse)
-    pending = {} if processors.bitmask is None else _pending(processors.bitmask, allowed_few)
+    if masks.allowing.size:
+        _read_allowed(logits, masks, values, ids, lse)
+        done[masks.allowing] = True
+    reading = ~done & ~masks.whole
+    if reading.any():
+        done |= _read_changed(logits, raw, changes, vocab, reading, values, ids, lse)
+    bitmask = processors.bitmask
+    pending = {}
+    if bitmask is not None:
+        pending = {row: bitmask[row if len(bitmask) > 1 else 0] for row in masks.allowing.tolist()}
     rest = np.flatnonzero(~done)
     if rest.size:
-        if processors.bitmask is not None:
-            _mask_whole_rows(logits, processors.bitmask, whole)
+        if bitmask is not None:
+            _mask_whole_rows(logits, bitmask, masks.whole)
         _select_whole(logits, rest, width, values, ids, lse)
     return Sparse(values, ids, lse, pending)
 
 
-def _mask_whole_rows(
-    logits: Floats, bitmask: npt.NDArray[np.int32], whole: npt.NDArray[np.bool_]
-) -> None:
+def _changed(
+    logits: Floats,
+    temperature: float,
+    processors: Processors,
+    penalized: Penalized | None,
+    bias: Bias | None,
+    masks: MaskPlan,
+) -> Changes:
+    """The bias, the processors and the forbidding masks applied in place, and the tokens
+    they changed with their values before and after."""
+    rows, vocab = logits.shape
+    flat = logits.reshape(-1)
+    at = _touched(processors, penalized, bias, masks.forbidden, rows, vocab)
+    before = flat[at]
+    if bias is not None:  # the bias is divided by the temperature already (``Bias.at``)
+        logits[:, bias.ids] += bias.values
+    processors.apply(logits, temperature, penalized, mask=False)
+    flat[masks.forbidden] = -np.inf
+    bounds = np.searchsorted(at, np.arange(rows + 1, dtype=np.int64) * vocab)
+    return Changes(at, before, flat[at], bounds)
+
+
+def _touched(
+    processors: Processors,
+    penalized: Penalized | None,
+    bias: Bias | None,
+    forbidden: Ids,
+    rows: int,
+    vocab: int,
+) -> Ids:
+    """The flat indexes of every token the bias, a processor or the mask may change, sorted,
+    once each (one sort of them all)."""
+    every = np.arange(rows, dtype=np.int64)
+    parts: list[Ids] = [forbidden]
+    if penalized is not None:
+        parts += [part for part in (penalized.seen, penalized.outputs) if part is not None][:1]
+    if bias is not None:
+        parts.append((every[:, None] * vocab + bias.ids).reshape(-1))
+    output = processors.output
+    if processors.bad_words is not None:
+        history = output if output is not None else Histories.of([[]] * rows)
+        parts += [hit * vocab + last for hit, last in bad_word_hits(history, processors.bad_words)]
+    if processors.min_tokens and processors.stop_ids is not None:
+        lengths = np.zeros(rows, np.int64) if output is None else output.lengths
+        short = np.flatnonzero(lengths < processors.min_tokens)
+        parts.append((short[:, None] * vocab + processors.stop_ids).reshape(-1))
+    ordered = np.sort(np.concatenate(parts).astype(np.int64, copy=False))
+    if ordered.size < 2:
+        return ordered
+    distinct: Ids = ordered[np.concatenate([[True], ordered[1:] != ordered[:-1]])]
+    return distinct
+
+
+def _read_allowed(logits: Floats, masks: MaskPlan, values: Floats, ids: Ids, lse: Floats) -> None:
+    """The allowing rows' top and log-sum-exp over their allowed tokens alone, padded to the
+    longest (-inf, and an id past the vocabulary so padding sorts last)."""
+    allowing, row, tokens = masks.allowing, masks.allowed_row, masks.allowed
+    counts = np.bincount(row, minlength=len(allowing))
+    column = np.arange(len(tokens)) - (np.cumsum(counts) - counts)[row]
+    gathered = np.full((len(allowing), int(counts.max())), -np.inf, np.float32)
+    columns = np.full(gathered.shape, logits.shape[1], np.int64)
+    gathered[row, column] = logits[allowing[row], tokens]
+    columns[row, column] = tokens
+    values[allowing], ids[allowing] = top_sorted(gathered, columns, values.shape[1])
+    # a row with nothing left (every allowed token banned) never gets here: the options
+    # refuse it before any run (``plane.decoding_options.refuse_empty_rows``)
+    peak = gathered.max(axis=1, keepdims=True).astype(np.float64)
+    lse[allowing] = (peak[:, 0] + np.log(np.exp(gathered - peak).sum(axis=1))).astype(np.float32)
+
+
+def _read_changed(
+    logits: Floats,
+    raw: RawTop,
+    changes: Changes,
+    vocab: int,
+    reading: Rows,
+    values: Floats,
+    ids: Ids,
+    lse: Floats,
+) -> Rows:
+    """The rows ``reading`` whose raw top holds ``width`` tokens outside their changes: the
+    raw top outside the changes merged with the changed tokens' new values; the raw
+    log-sum-exp corrected where the changes held at most half the mass, else the processed
+    row summed (one pass over that row, not a selection). Returns those rows."""
+    rows, width = values.shape
+    row_of = changes.row_of()
+    reference = raw.lse.astype(np.float64)
+    shift = reference[row_of]
+    with np.errstate(under="ignore"):
+        removed = _row_sums(np.exp(changes.before - shift), changes.bounds)
+        added = _row_sums(np.exp(changes.after - shift), changes.bounds)
+    raw_at = np.arange(rows, dtype=np.int64)[:, None] * vocab + raw.ids
+    outside = np.ones(raw_at.shape, np.bool_)
+    if changes.at.size:
+        position = np.minimum(np.searchsorted(changes.at, raw_at), changes.at.size - 1)
+        outside = changes.at[position] != raw_at
+    rank = np.cumsum(outside, axis=1)
+    ok: Rows = reading & (rank[:, -1] >= width)
+    if not ok.any():
+        return ok
+    # the width-th raw value outside the changes: a changed token below it cannot enter
+    threshold = raw.values[np.arange(rows), np.argmax(rank >= width, axis=1)]
+    entering = ok[row_of] & (changes.after >= threshold[row_of])
+    keep_raw = outside & (rank <= width) & ok[:, None]
+    cand_row = np.concatenate([np.nonzero(keep_raw)[0], row_of[entering]])
+    cand_value = np.concatenate([raw.values[keep_raw], changes.after[entering]])
+    cand_id = np.concatenate([raw.ids[keep_raw], changes.at[entering] - row_of[entering] * vocab])
+    order = np.lexsort((cand_id, -cand_value, cand_row))
+    chosen = np.flatnonzero(ok)
+    picked = order[np.searchsorted(cand_row[order], chosen)[:, None] + np.arange(width)]
+    values[chosen], ids[chosen] = cand_value[picked], cand_id[picked]
+    corrected = ok & (removed <= MAX_REMOVED)
+    at = np.flatnonzero(corrected)
+    lse[at] = (reference[at] + np.log1p(added[at] - removed[at])).astype(np.float32)
+    summed = np.flatnonzero(ok & ~corrected)
+    if summed.size:  # the changes held most of the mass: the processed rows summed whole
+        lse[summed] = _whole_lse(logits[summed])
+    return ok
+
+
+def _whole_lse(rows: Floats) -> Floats:
+    """Log-sum-exp of whole processed rows (float32 terms, float64 sums)."""
+    peak = rows.max(axis=1, keepdims=True)
+    with np.errstate(under="ignore"):
+        total = np.exp(rows - peak).sum(axis=1, dtype=np.float64)
+    sums: Floats = (peak[:, 0] + np.log(total)).astype(np.float32)
+    return sums
+
+
+def _row_sums(terms: npt.NDArray[np.float64], bounds: Ids) -> npt.NDArray[np.float64]:
+    """Each row's sum of its segment of ``terms`` (``bounds``: where each row starts), by
+    ``reduceat`` over the rows that have a segment (an empty one would read its neighbour)."""
+    sums = np.zeros(len(bounds) - 1)
+    starts = bounds[:-1]
+    holding = np.diff(bounds) > 0
+    if holding.any():
+        sums[holding] = np.add.reduceat(terms, starts[holding])
+    return sums
+
+
+def _mask_whole_rows(logits: Floats, bitmask: npt.NDArray[np.int32], whole: Rows) -> None:
     """The mask written into the rows read whole (all at once when every row is)."""
     if whole.all():
         apply_bitmask(logits, bitmask)
@@ -147,200 +298,3 @@ def _select_whole(
         keep = np.isin(np.arange(start, stop), rest)
         values[start:stop][keep], ids[start:stop][keep] = top[keep], picked[keep]
         lse[start:stop][keep] = sums[keep]
-
-
-def _mask_rows(
-    bitmask: npt.NDArray[np.int32] | None, rows: int, vocab: int, width: int
-) -> tuple[dict[int, Ids], Ids | None, npt.NDArray[np.bool_]]:
-    """Each row's reading: its allowed ids where it allows few (at least ``width``), the
-    forbidden tokens' flat indexes of the rows that forbid few, and the rows read whole."""
-    whole = np.zeros(rows, np.bool_)
-    if bitmask is None:
-        return {}, None, whole
-    counts = _allowed_counts(bitmask, vocab)
-    counts = np.broadcast_to(counts, (rows,)) if len(bitmask) == 1 else counts
-    few = vocab // SPARSE
-    allowing = np.flatnonzero((counts <= few) & (counts >= width))
-    forbidding = np.flatnonzero(vocab - counts <= few)
-    whole[:] = True
-    whole[allowing] = whole[forbidding] = False
-    if len(bitmask) == 1:
-        tokens = _set_bits(bitmask, vocab)[1]
-        allowed_few = dict.fromkeys(allowing.tolist(), tokens)
-        gone = _set_bits(np.invert(bitmask), vocab)[1]
-        forbidden = (forbidding[:, None] * vocab + gone).reshape(-1)
-        return allowed_few, forbidden, whole
-    at, tokens = _set_bits(bitmask[allowing], vocab)
-    bounds = np.searchsorted(at, np.arange(len(allowing) + 1))
-    allowed_few = {
-        row: tokens[bounds[index] : bounds[index + 1]]
-        for index, row in enumerate(allowing.tolist())
-    }
-    at, gone = _set_bits(np.invert(bitmask[forbidding]), vocab)
-    return allowed_few, forbidding[at] * vocab + gone, whole
-
-
-def _allowed_counts(words: npt.NDArray[np.int32], vocab: int) -> Ids:
-    """Tokens each mask row allows: its words' set bits below ``vocab`` (a popcount of the
-    words, ~0.04 ms for 64 rows of 1,000; unpacking them to bytes to count took ~0.7 ms)."""
-    unsigned = np.ascontiguousarray(words).view(np.uint32)
-    tail = vocab % 32
-    if tail:  # a writer may leave bits set past the vocabulary in the last word
-        unsigned = unsigned.copy()
-        unsigned[:, -1] &= np.uint32((1 << tail) - 1)
-    counts: Ids = _popcount(unsigned).sum(axis=1, dtype=np.int64)
-    return counts
-
-
-def _popcount(words: npt.NDArray[np.uint32]) -> npt.NDArray[np.uint8]:
-    if hasattr(np, "bitwise_count"):  # numpy >= 2.0
-        counted: npt.NDArray[np.uint8] = np.bitwise_count(words)
-        return counted
-    octets = _BYTE_BITS[words.view(np.uint8)].reshape(*words.shape, 4)
-    summed: npt.NDArray[np.uint8] = octets.sum(axis=-1, dtype=np.uint8)
-    return summed
-
-
-_BYTE_BITS = np.array([bin(value).count("1") for value in range(256)], np.uint8)
-
-
-def _set_bits(words: npt.NDArray[np.int32], vocab: int) -> tuple[Ids, Ids]:
-    """(row, token) of each set bit below ``vocab`` of (rows, width) mask words, in row then
-    token order: only the words holding a set bit are unpacked (a row that allows or
-    forbids few has few)."""
-    width = words.shape[1]
-    found = np.flatnonzero(words)  # flat: ~2x faster than np.nonzero's pairs
-    octets = np.ascontiguousarray(words.reshape(-1)[found], dtype="<i4").view(np.uint8)
-    bit_of = np.unpackbits(octets.reshape(-1, 4), axis=1, bitorder="little")
-    flat_bits = np.flatnonzero(bit_of.view(np.bool_))  # as booleans: ~15x faster than uint8
-    word_at = found[flat_bits >> 5]
-    tokens = (word_at % width) * 32 + (flat_bits & 31)
-    inside = tokens < vocab
-    return (word_at // width)[inside], tokens[inside]
-
-
-def _touched(
-    processors: Processors,
-    penalized: Penalized | None,
-    bias: Bias | None,
-    forbidden: Ids | None,
-    rows: int,
-    vocab: int,
-) -> Ids:
-    """The flat indexes of every token the bias, a processor or the mask may change (sorted,
-    once): the penalties' own sorted indexes as they are when nothing else changes."""
-    every = np.arange(rows, dtype=np.int64)
-    own: list[Ids] = []  # the penalties' indexes: sorted and distinct already
-    if penalized is not None:
-        own = [part for part in (penalized.seen, penalized.outputs) if part is not None][:1]
-    parts: list[Ids] = []
-    if bias is not None:
-        parts.append((every[:, None] * vocab + bias.ids).reshape(-1))
-    output = processors.output
-    if processors.bad_words is not None:
-        history = output if output is not None else Histories.of([[]] * rows)
-        parts += [hit * vocab + last for hit, last in bad_word_hits(history, processors.bad_words)]
-    if processors.min_tokens and processors.stop_ids is not None:
-        lengths = np.zeros(rows, np.int64) if output is None else output.lengths
-        short = np.flatnonzero(lengths < processors.min_tokens)
-        parts.append((short[:, None] * vocab + processors.stop_ids).reshape(-1))
-    if forbidden is not None:
-        parts.append(forbidden)
-    if not parts:
-        return own[0] if own else np.zeros(0, np.int64)
-    return _distinct(np.concatenate(own + parts))
-
-
-def _distinct(indexes: Ids) -> Ids:
-    """Sorted distinct values by one sort (``np.unique``'s hash path took ~2.8 ms for the
-    bench's 45,000 indexes in numpy 2.4; a sort and a comparison ~0.3 ms)."""
-    ordered = np.sort(indexes.astype(np.int64, copy=False))
-    if ordered.size < 2:
-        return ordered
-    distinct: Ids = ordered[np.concatenate([[True], ordered[1:] != ordered[:-1]])]
-    return distinct
-
-
-def _read_allowed(
-    logits: Floats,
-    allowed_few: dict[int, Ids],
-    width: int,
-    values: Floats,
-    ids: Ids,
-    lse: Floats,
-) -> npt.NDArray[np.bool_]:
-    """The allowed-few rows' top and log-sum-exp over their allowed tokens alone."""
-    done = np.zeros(len(logits), np.bool_)
-    longest = max(len(tokens) for tokens in allowed_few.values())
-    order = list(allowed_few)
-    gathered = np.full((len(order), longest), -np.inf, np.float32)
-    columns = np.full((len(order), longest), len(logits[0]), np.int64)  # padding sorts last
-    for at, row in enumerate(order):
-        tokens = allowed_few[row]
-        gathered[at, : len(tokens)] = logits[row, tokens]
-        columns[at, : len(tokens)] = tokens
-    top, picked = top_sorted(gathered, columns, width)
-    # a row with nothing left (every allowed token banned) never gets here: the options
-    # refuse it before any run (``plane.decoding_options.refuse_empty_rows``)
-    peak = gathered.max(axis=1, keepdims=True).astype(np.float64)
-    total = np.exp(gathered - peak).sum(axis=1)
-    chosen = np.array(order, np.int64)
-    values[chosen], ids[chosen] = top, picked
-    lse[chosen] = (peak[:, 0] + np.log(total)).astype(np.float32)
-    done[chosen] = True
-    return done
-
-
-def _read_changed(
-    raw: RawTop,
-    changed: Ids,
-    before: Floats,
-    after: Floats,
-    vocab: int,
-    rows: npt.NDArray[np.bool_],
-    values: Floats,
-    ids: Ids,
-    lse: Floats,
-) -> npt.NDArray[np.bool_]:
-    """The changed-few rows (``rows``): the raw top outside C merged with C's new values,
-    the raw log-sum-exp corrected; a row whose raw top holds too few tokens outside C, or
-    whose C held over half its mass, is left to be read whole."""
-    width = values.shape[1]
-    count = len(rows)
-    changed_row = changed // vocab
-    taken = rows[changed_row]
-    changed, changed_row = changed[taken], changed_row[taken]
-    before, after = before[taken], after[taken]
-    raw_flat = np.arange(count, dtype=np.int64)[:, None] * vocab + raw.ids
-    position = np.minimum(np.searchsorted(changed, raw_flat), max(len(changed) - 1, 0))
-    in_changed = changed[position] == raw_flat if len(changed) else np.zeros_like(raw_flat, bool)
-    outside = ~in_changed
-    enough = outside.sum(axis=1) >= width
-    # the width-th raw value outside C: a changed token below it cannot enter the top
-    rank = np.cumsum(outside, axis=1)
-    at_width = np.argmax(rank >= width, axis=1)
-    threshold = np.take_along_axis(raw.values, at_width[:, None], axis=1)[:, 0]
-    reference = raw.lse.astype(np.float64)
-    shift = reference[changed_row]
-    removed = np.bincount(changed_row, np.exp(before - shift), minlength=count)
-    with np.errstate(under="ignore"):
-        added = np.bincount(changed_row, np.exp(after.astype(np.float64) - shift), minlength=count)
-    ok: npt.NDArray[np.bool_] = rows & enough & (removed <= MAX_REMOVED)
-    entering = ok[changed_row] & (after >= threshold[changed_row])
-    keep_raw = outside & (rank <= width) & ok[:, None]
-    cand_row = np.concatenate([np.nonzero(keep_raw)[0], changed_row[entering]])
-    cand_value = np.concatenate([raw.values[keep_raw], after[entering]])
-    cand_id = np.concatenate([raw.ids[keep_raw], changed[entering] - changed_row[entering] * vocab])
-    order = np.lexsort((cand_id, -cand_value, cand_row))
-    starts = np.searchsorted(cand_row[order], np.flatnonzero(ok))
-    picked = order[starts[:, None] + np.arange(width)]
-    chosen = np.flatnonzero(ok)
-    values[chosen], ids[chosen] = cand_value[picked], cand_id[picked]
-    lse[chosen] = (reference[chosen] + np.log1p(added[chosen] - removed[chosen])).astype(np.float32)
-    return ok
-
-
-def _pending(
-    bitmask: npt.NDArray[np.int32], allowed_few: dict[int, Ids]
-) -> dict[int, npt.NDArray[np.int32]]:
-    return {row: bitmask[row if len(bitmask) > 1 else 0] for row in allowed_few}

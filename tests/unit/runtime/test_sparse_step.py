@@ -13,7 +13,8 @@ import pytest
 from service.runtime import sparse_step
 from service.runtime.processors import Histories, Processors, apply_bitmask, pack
 from service.runtime.selection import selector
-from service.runtime.sparse_step import SPARSE, RawTop, sparse_selection
+from service.runtime.sparse_masks import SPARSE
+from service.runtime.sparse_step import RawTop, sparse_selection
 from service.runtime.step import step_run
 from service.runtime.vocabulary import Bias, SampleSpec
 

@@ -1,0 +1,102 @@
+"""How the decoding step's sparse reading (``sparse_step``) reads each row of a run under a
+grammar's token bitmask: from the mask's words alone, never unpacked to a byte per token.
+
+A JSON grammar's masks are of two kinds: at a structural point they allow a few tokens (tens),
+inside a string they forbid a few (quotes, controls). Each row is counted (a popcount of its
+words) and read as one of: **allowing** few (at most ``vocab / SPARSE`` and at least the
+prefix's width: the row is its allowed tokens), **forbidding** few (the row is the raw row
+with those tokens at -inf), or **whole** (the mask written densely and the row selected as
+every row once was). Only words holding a set bit are unpacked, so a row costs what it allows
+or forbids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+Ids = npt.NDArray[np.int64]
+Words = npt.NDArray[np.int32]
+#: A row is read sparsely while its mask allows (or forbids) at most vocab / SPARSE tokens.
+SPARSE = 16
+_BYTE_BITS = np.array([bin(value).count("1") for value in range(256)], np.uint8)
+
+
+@dataclass(frozen=True)
+class MaskPlan:
+    """Each row's reading: ``allowing`` the rows that allow few, ``allowed_row`` (an index
+    into ``allowing``) and ``allowed`` their tokens, in row then token order; ``forbidden``
+    the flat indexes (row * vocab + token) the rows forbidding few forbid, ascending; and
+    ``whole`` the rows read whole."""
+
+    allowing: Ids
+    allowed_row: Ids
+    allowed: Ids
+    forbidden: Ids
+    whole: npt.NDArray[np.bool_]
+
+    @classmethod
+    def unmasked(cls, rows: int) -> MaskPlan:
+        empty = np.zeros(0, np.int64)
+        return cls(empty, empty, empty, empty, np.zeros(rows, np.bool_))
+
+
+def plan(bitmask: Words | None, rows: int, vocab: int, width: int) -> MaskPlan:
+    """The reading of each of a run's ``rows`` under ``bitmask`` (one row for all, or one
+    per row), for a prefix of ``width`` tokens."""
+    if bitmask is None:
+        return MaskPlan.unmasked(rows)
+    counts = allowed_counts(bitmask, vocab)
+    counts = np.broadcast_to(counts, (rows,)) if len(bitmask) == 1 else counts
+    few = vocab // SPARSE
+    allowing = np.flatnonzero((counts <= few) & (counts >= width))
+    forbidding = np.flatnonzero(vocab - counts <= few)
+    whole = np.ones(rows, np.bool_)
+    whole[allowing] = whole[forbidding] = False
+    if len(bitmask) == 1:  # one mask: its tokens once, repeated for its rows
+        tokens = set_bits(bitmask, vocab)[1]
+        allowed_row = np.repeat(np.arange(len(allowing), dtype=np.int64), len(tokens))
+        allowed = np.tile(tokens, len(allowing))
+        gone = set_bits(np.invert(bitmask), vocab)[1]
+        forbidden = (forbidding[:, None] * vocab + gone).reshape(-1)
+        return MaskPlan(allowing, allowed_row, allowed, forbidden, whole)
+    allowed_row, allowed = set_bits(bitmask[allowing], vocab)
+    at, gone = set_bits(np.invert(bitmask[forbidding]), vocab)
+    return MaskPlan(allowing, allowed_row, allowed, forbidding[at] * vocab + gone, whole)
+
+
+def allowed_counts(words: Words, vocab: int) -> Ids:
+    """Tokens each mask row allows: its words' set bits below ``vocab`` (a popcount of the
+    words, ~0.04 ms for 64 rows of 1,000; unpacking them to bytes to count took ~0.7 ms)."""
+    unsigned = np.ascontiguousarray(words).view(np.uint32)
+    tail = vocab % 32
+    if tail:  # a writer may leave bits set past the vocabulary in the last word
+        unsigned = unsigned.copy()
+        unsigned[:, -1] &= np.uint32((1 << tail) - 1)
+    counts: Ids = _popcount(unsigned).sum(axis=1, dtype=np.int64)
+    return counts
+
+
+def set_bits(words: Words, vocab: int) -> tuple[Ids, Ids]:
+    """(row, token) of each set bit below ``vocab`` of (rows, width) mask words, in row then
+    token order: only the words holding a set bit are unpacked."""
+    width = words.shape[1]
+    found = np.flatnonzero(words)  # flat: ~2x faster than np.nonzero's pairs
+    octets = np.ascontiguousarray(words.reshape(-1)[found], dtype="<i4").view(np.uint8)
+    bit_of = np.unpackbits(octets.reshape(-1, 4), axis=1, bitorder="little")
+    flat_bits = np.flatnonzero(bit_of.view(np.bool_))  # as booleans: ~15x faster than uint8
+    word_at = found[flat_bits >> 5]
+    tokens = (word_at % width) * 32 + (flat_bits & 31)
+    inside = tokens < vocab
+    return (word_at // width)[inside], tokens[inside]
+
+
+def _popcount(words: npt.NDArray[np.uint32]) -> npt.NDArray[np.uint8]:
+    if hasattr(np, "bitwise_count"):  # numpy >= 2.0
+        counted: npt.NDArray[np.uint8] = np.bitwise_count(words)
+        return counted
+    octets = _BYTE_BITS[words.view(np.uint8)].reshape(*words.shape, 4)
+    summed: npt.NDArray[np.uint8] = octets.sum(axis=-1, dtype=np.uint8)
+    return summed
