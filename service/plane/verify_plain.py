@@ -1,14 +1,13 @@
-"""``/verify``'s fast path: a chain whose target is the head's own distribution at a
-temperature (no bias, bans, filters or processors), where the rule reads far less than every
-position's whole row.
+"""``/verify`` of a chain, reading only what the rule reads: each draft's target probability
+(and the draft's, from ``draft_probs`` or a ``draft_model``), and each sequence's
+distribution whole at its stopping position alone: one row per sequence, not K + 1.
 
-The rule needs each draft's target probability, ``exp(logit(x) / T - lse)``, and a whole row
-only where a sequence stops: one row per sequence, not K + 1. So the positions run through
-the head's top-1 graph (its log-sum-exp and top token, as ``/topk``: no (rows x vocab) array
-leaves the session), the drafts' logits come from their rows of W (``candidate_logits``),
-and the full logits are fetched for the S stopping rows alone. Greedy needs the top tokens
-only. The rule is ``service.runtime.verification``'s, the same functions the dense path
-calls (``chain_accepted``, ``chain_verdict``, ``greedy_of_top``).
+Every position runs through the head once, with its full logits (``verify_rows.read``: the
+graph's own log-sum-exp where the distribution is the head's own at a temperature, the
+decoding step's run where any option shapes it), so nothing is projected twice and no
+(rows x vocab) probabilities are made. A greedy chain of the head's own distribution reads
+the top-1 graph alone. The rule is ``service.runtime.verification``'s, the functions the
+dense path (trees) calls: ``chain_accepted``, ``chain_verdict``, ``greedy_of_top``.
 """
 
 from __future__ import annotations
@@ -19,8 +18,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from service.plane.distribution import candidate_logits
+from service.errors import InvalidInput
+from service.plane.verify_checks import CheckedVerify, draft_shape
+from service.plane.verify_rows import Rows, raw_width, read
 from service.repository.loaded_version import LoadedVersion
+from service.runtime.processors import LogprobsMode
 from service.runtime.verification import (
     Verdict,
     chain_accepted,
@@ -28,72 +30,128 @@ from service.runtime.verification import (
     greedy_of_top,
     uniforms,
 )
-from service.runtime.vocabulary import Floats, Ids
+from service.runtime.vocabulary import Floats, Ids, Shape
 from service.verify_messages import VerifyResult
 
 
-async def plain_chain(
+async def chain(
     model: LoadedVersion,
     hidden: Floats,
-    draft_ids: Ids,
-    draft_probs: npt.NDArray[np.float32] | None,
-    seeds: Ids,
-    temperature: float,
-    greedy: bool,
+    checked: CheckedVerify,
+    draft: LoadedVersion | None = None,
+    draft_states: Floats | None = None,
 ) -> VerifyResult:
-    """``hidden``: final states (S, K + 1, d_model); the rest as ``verify.CheckedVerify``."""
+    """``hidden``: final states (S, K + 1, d_model); ``draft_states`` the draft head's final
+    states (S, K, its d_model) when ``draft`` is named; the rest as ``CheckedVerify``."""
     sequences, positions = hidden.shape[:2]
-    k = positions - 1
-    every = np.arange(sequences)
-    rows = hidden.reshape(-1, model.d_model)
-    projection = await model.project(rows, 1, temperature=temperature)
-    lse = projection.logsumexp.reshape(sequences, positions)
-    top = projection.topk_token_ids.reshape(sequences, positions)
-    if greedy:  # every token is its position's top: its log-prob is the top's
-        verdict = greedy_of_top(top, draft_ids)
-        raw = projection.topk_logprobs.reshape(sequences, positions)
-        listed = verdict.token_ids >= 0
-        logprobs = np.where(listed, raw[every[:, None], np.maximum(verdict.positions, 0)], np.nan)
-        return _result(model, verdict, logprobs, seeds)
-    drafted = hidden[:, :k].reshape(-1, model.d_model)
-    found = await candidate_logits(model, drafted, draft_ids.reshape(-1, 1), temperature)
-    raw_x = found.reshape(sequences, k) - lse[:, :k]
-    u = uniforms(seeds.tolist(), k + 1)
-    q_x = None
-    if draft_probs is not None:
-        q_x = np.take_along_axis(draft_probs, draft_ids[:, :, None], axis=2)[:, :, 0]
-    accepted = chain_accepted(np.exp(raw_x.astype(np.float64)), q_x, u)
-    stopping = np.ascontiguousarray(hidden[every, accepted])
-    whole = await model.project(stopping, 1, temperature=temperature, full_logits=True)
-    assert whole.logits is not None
-    raw_rows = whole.logits - whole.logsumexp[:, None]
-    stop = np.minimum(accepted, k - 1)
-    q_rows = None if draft_probs is None else draft_probs[every, stop]
+    shape = checked.shape or Shape()
+    mode: LogprobsMode = "raw" if shape.processors is None else shape.processors.logprobs_mode
+    plain = raw_width(shape, model.vocab_size)[1] == 1
+    if checked.greedy and plain and draft is None:
+        return await _greedy_top1(model, hidden, checked)
+    temperature = checked.temperature
+    drafted = None
+    if draft is not None and draft_states is not None:
+        rows = draft_states.reshape(-1, draft.d_model)
+        shaped = draft_shape(checked)
+        drafted = Rows(*await read(draft, rows, positions - 1, temperature, shaped))
+    states = hidden.reshape(-1, model.d_model)
+    target = Rows(*await read(model, states, positions, temperature, shape))
     loop = asyncio.get_running_loop()
-    verdict = await loop.run_in_executor(
-        model.runner.executor, _verdict, raw_rows, q_rows, draft_ids, accepted, u
-    )
-    columns = np.arange(k + 1)[None, :]
-    drafts = np.take_along_axis(raw_x, np.minimum(columns, k - 1), axis=1)
-    emitted = raw_rows[every, np.maximum(verdict.token_ids[every, accepted], 0)]
-    logprobs = np.where(columns < accepted[:, None], drafts, np.nan)
-    logprobs[every, accepted] = emitted
-    return _result(model, verdict, logprobs, seeds)
+    args = (target, drafted, checked, mode == "processed", draft)
+    verdict, logprobs = await loop.run_in_executor(model.runner.executor, _decide, *args)
+    return _result(model, verdict, logprobs, checked.seeds, mode)
 
 
-def _verdict(
-    raw_rows: Floats,
-    q_rows: Floats | None,
-    draft_ids: Ids,
-    accepted: Ids,
-    u: npt.NDArray[np.float64],
-) -> Verdict:
-    """The stopping rows' probabilities (float64) and the rule's draw from them."""
-    return chain_verdict(np.exp(raw_rows.astype(np.float64)), q_rows, draft_ids, accepted, u)
+def _decide(
+    target: Rows,
+    drafted: Rows | None,
+    checked: CheckedVerify,
+    processed: bool,
+    draft: LoadedVersion | None,
+) -> tuple[Verdict, npt.NDArray[np.float32]]:
+    """The rule over what it reads (in the inference executor), and the tokens' log-probs."""
+    draft_ids = checked.draft_ids
+    sequences, k = draft_ids.shape
+    every = np.arange(sequences)
+    base = target.kept_lse if processed else target.lse
+    rows = (every[:, None] * (k + 1) + np.arange(k)).reshape(-1)
+    tokens = draft_ids.reshape(-1)
+    q_x = _draft_at(drafted, checked, draft, tokens)  # refused first when a draft has no mass
+    if checked.greedy:
+        top = target.top.reshape(sequences, k + 1)
+        verdict = greedy_of_top(top, draft_ids)
+        chosen = (target.top_value - base).reshape(sequences, k + 1)
+        at = np.maximum(verdict.positions, 0)
+        picked = np.take_along_axis(chosen, at, axis=1)
+        return verdict, np.where(verdict.token_ids >= 0, picked, np.nan).astype(np.float32)
+    p_x = target.probs(rows, tokens).reshape(sequences, k)
+    u = uniforms(checked.seeds.tolist(), k + 1)
+    accepted = chain_accepted(p_x, q_x, u)
+    stopping = every * (k + 1) + accepted
+    p_rows = target.whole(stopping)
+    q_rows = None
+    stop = np.minimum(accepted, k - 1)
+    if checked.draft_probs is not None:
+        q_rows = checked.draft_probs[every, stop]
+    elif drafted is not None:
+        q_rows = np.zeros_like(p_rows)
+        rejected = np.flatnonzero(accepted < k)
+        q_rows[rejected] = drafted.whole(rejected * k + stop[rejected])
+    verdict = chain_verdict(p_rows, q_rows, draft_ids, accepted, u)
+    emitted = verdict.token_ids[every, accepted]
+    drafts = (target.values(rows, tokens) - base[rows]).reshape(sequences, k)
+    logprobs = np.full((sequences, k + 1), np.nan, np.float32)
+    columns = np.arange(k)[None, :]
+    logprobs[:, :k] = np.where(columns < accepted[:, None], drafts, np.nan)
+    logprobs[every, accepted] = target.values(stopping, emitted) - base[stopping]
+    return verdict, logprobs
+
+
+def _draft_at(
+    drafted: Rows | None, checked: CheckedVerify, draft: LoadedVersion | None, tokens: Ids
+) -> npt.NDArray[np.float64] | None:
+    """The draft's probability of each draft (None: taken as certain); a draft_model that
+    gives a draft no mass under the options is refused, naming the draft."""
+    draft_ids = checked.draft_ids
+    if checked.draft_probs is not None:
+        own = np.take_along_axis(checked.draft_probs, draft_ids[:, :, None], axis=2)[:, :, 0]
+        return own.astype(np.float64)
+    if drafted is None or draft is None:
+        return None
+    q_x = drafted.probs(np.arange(draft_ids.size), tokens).reshape(draft_ids.shape)
+    if (q_x <= 0).any():
+        s, k = (int(i) for i in np.argwhere(q_x <= 0)[0])
+        raise InvalidInput(
+            f"draft_token_ids[{s}][{k}]: draft_model {draft.name} gives token "
+            f"{int(draft_ids[s, k])} probability 0 under these options"
+        )
+    return q_x
+
+
+async def _greedy_top1(
+    model: LoadedVersion, hidden: Floats, checked: CheckedVerify
+) -> VerifyResult:
+    """Greedy over the head's own distribution: every position's top token and its raw
+    log-prob from the top-1 graph; no full logits leave the session."""
+    sequences, positions = hidden.shape[:2]
+    rows = hidden.reshape(-1, model.d_model)
+    projection = await model.project(rows, 1, temperature=checked.temperature)
+    top = projection.topk_token_ids.reshape(sequences, positions)
+    verdict = greedy_of_top(top, checked.draft_ids)
+    raw = projection.topk_logprobs.reshape(sequences, positions)
+    at = np.maximum(verdict.positions, 0)
+    picked = np.take_along_axis(raw, at, axis=1)
+    logprobs = np.where(verdict.token_ids >= 0, picked, np.nan)
+    return _result(model, verdict, logprobs, checked.seeds, "raw")
 
 
 def _result(
-    model: LoadedVersion, verdict: Verdict, logprobs: npt.NDArray[np.floating[Any]], seeds: Ids
+    model: LoadedVersion,
+    verdict: Verdict,
+    logprobs: npt.NDArray[np.floating[Any]],
+    seeds: Ids,
+    mode: LogprobsMode,
 ) -> VerifyResult:
     listed = verdict.token_ids >= 0
     tokens = np.where(listed, model.space.original(np.maximum(verdict.token_ids, 0)), -1)
@@ -104,5 +162,5 @@ def _result(
         logprobs.astype(np.float32),
         verdict.nodes,
         seeds,
-        "raw",
+        mode,
     )
