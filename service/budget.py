@@ -75,9 +75,6 @@ class MemoryBudget:
         #: requests one after another never add up to it: each empties the budget.
         self.grown = 0
         self.on_idle = on_idle
-        #: Reservations open now: requests in flight (``DataPlane`` runs a lone one's tiny
-        #: projection without a thread hop, ``Runner.project``).
-        self.open = 0
         #: Charges come from the event loop and from decoding threads (``off_loop``).
         self.lock = threading.Lock()
 
@@ -86,11 +83,9 @@ class MemoryBudget:
         """Open the current request's reservation (``charge`` adds to it); release on exit."""
         reservation = Reservation(self)
         token = _held.set(reservation)
-        self.open += 1
         try:
             yield reservation
         finally:
-            self.open -= 1
             _held.reset(token)
             reservation.release()
 

@@ -374,11 +374,7 @@ class DataPlane(ControlAPI):
         affordable = self._limits.fits_logits(rows, model.vocab_size, copies=2)
         sampled = self._shadow.wants(model, affordable)
         projection = await model.project(
-            hidden,
-            k,
-            temperature=temperature,
-            full_logits=full_logits or sampled,
-            alone=self._budget.open <= 1,  # no other request in flight: nothing to merge with
+            hidden, k, temperature=temperature, full_logits=full_logits or sampled
         )
         if full_logits:  # the answer's (a shadow copes with what it is sent)
             assert projection.logits is not None

@@ -155,11 +155,10 @@ class LoadedVersion:
         *,
         temperature: float = 1.0,
         full_logits: bool = False,
-        alone: bool = False,
     ) -> Projection:
         """``Runner.project``: through the batcher, in runs of at most ``rows_per_run``."""
         return await self.runner.project(
-            hidden, k, temperature=temperature, full_logits=full_logits, alone=alone
+            hidden, k, temperature=temperature, full_logits=full_logits
         )
 
     def check_comparable(self, other: LoadedVersion) -> None:

@@ -7,14 +7,14 @@ i.e. when clients are concurrent: a lone client never pays ``max_wait`` per requ
 here: 2 ms on a 24 ms run of 64 rows). It also stops waiting once the batch holds as many
 requests as the previous one: closed-loop clients (each waits for its answer before sending
 again) are then all back, and waiting longer would only add ``max_wait`` to every cycle.
-The merged run happens in the inference executor, never on the event loop. While it runs,
-new requests queue up, so under load the next batch fills without waiting at all. A run that
-ends with requests queued starts theirs itself, from the inference thread, before its own
+The merged run happens in the inference executor; only a batch of one request too small to
+be worth the thread hops (``BatchLimits.lone_rows``) runs on the event loop. While a run
+runs, new requests queue up, so under load the next batch fills without waiting at all. A run
+that ends with requests queued starts theirs itself, from the inference thread, before its own
 batch is answered (``Batcher._execute`` says why); the event loop collects only the first
 batch of a busy spell, with the waiting above. The results are split back per request
-(``service.runtime.pending``): k is the batch's largest k (top-k is sorted, so each request keeps
-its first k columns) and the graph takes one temperature per row, so requests with different
-options still share a run.
+(``service.runtime.pending``): k is the batch's largest k (top-k is sorted, so each keeps its
+first k columns) and the graph takes one temperature per row: different options share a run.
 
 The queue is bounded in rows: past ``max_queue_rows`` a request is refused at once (503 with
 Retry-After) rather than left to time out. A run that raises fails every caller in its batch
@@ -56,6 +56,9 @@ class BatchLimits:
     max_batch_rows: int = 128
     max_wait_s: float = 0.002
     max_queue_rows: int = 16384
+    #: A batch of one request of at most this many rows (no full logits) runs on the event
+    #: loop: nothing was there to merge with it, and the thread hops cost more than its run.
+    lone_rows: int = 0
 
 
 class Batcher:
@@ -100,13 +103,6 @@ class Batcher:
     @property
     def queued_rows(self) -> int:
         return self._queued_rows
-
-    @property
-    def idle(self) -> bool:
-        """Serving, with nothing queued, being collected or running: a run started now waits
-        for nobody, and nobody waits for it (``Runner.project``'s run without a hop)."""
-        serving = self._task is not None and not self._task.done() and not self._closing
-        return serving and not self._queue and not self._collecting and self._unanswered == 0
 
     @property
     def closing(self) -> bool:
@@ -210,6 +206,8 @@ class Batcher:
             if self._closing:  # ``close`` fails what was collected
                 return
             self._collecting = []
+            if self._ran_here(batch):
+                continue
             assert self._loop is not None
             self._spell = self._loop.create_future()
             if not self._launch(batch):  # every caller of it went away meanwhile
@@ -303,19 +301,38 @@ class Batcher:
         )
         return True
 
+    def _ran_here(self, batch: list[Pending]) -> bool:
+        """Run a batch of one small request (``lone_rows``) here, on the event loop: the batch
+        could merge nothing, and nothing runs while the loop collects (each spell's first batch
+        is collected here). Its answer and metrics are a run's like any other."""
+        lone = batch[0]
+        if len(batch) > 1 or lone.full_logits or len(lone.rows) > self._limits.lone_rows:
+            return False
+        with self._lock:
+            self._queued_rows -= len(lone.rows)
+            if lone.future.cancelled():  # its caller went away meanwhile: nothing runs
+                return True
+            self._last_batch_requests = 1
+            self._unanswered += 1  # ``_answer`` counts it out
+        started = Started.merge(batch)
+        result: Projection | None = None
+        try:
+            result = self._run(started.rows, started.k, False, started.temperature)
+        except Exception:
+            logger.exception("inference failed for %s on a run of one request", self._label)
+        self._answer(batch, started.at, result, time.monotonic() - started.at)
+        return True
+
     def _execute(self, started: Started) -> None:
         """In the inference thread: run a batch, then start the next queued one before the
         finished batch is answered.
 
         Answering wakes the event loop (and through it the fronts and clients); from then on
         this thread competes with it for the GIL, and any step that lets the GIL go (numpy
-        lets it go to copy rows) waits until the loop lets it back: measured here, ~1 ms
-        between runs of 30 ms. So the next batch is merged and queued in the executor first,
-        answering comes last, and nothing but bookkeeping stands between it and the next
-        run, which lets the GIL go for as long as it runs. Through the event loop, the next run
-        waited ~1.6 ms between 30 ms runs (64-row requests from 16 clients: runs in flight
-        94.5% of the time that way, 99% this way; 1.01x rows/s for one process, 1.07x for
-        two fronts)."""
+        lets it go to copy rows) waits until the loop lets it back (~1 ms between runs of 30 ms
+        here). So the next batch is merged and queued first, and answering comes last (through
+        the event loop, runs were in flight 94.5% of the time for 64-row requests from 16
+        clients; 99% this way)."""
         result: Projection | None = None
         started.at = time.monotonic()  # queued until now, in the executor too
         try:

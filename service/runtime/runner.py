@@ -11,7 +11,6 @@ in the same run metrics.
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -21,17 +20,15 @@ from typing import Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from service.errors import InferenceFailed
 from service.runtime.batcher import Batcher, BatchLimits
 from service.runtime.pending import BatchStats
 from service.runtime.session import HeadSession, Projection
 from service.runtime.vocabulary import refuse_overflow
 
 T = TypeVar("T")
-logger = logging.getLogger("lmhead")
 #: Multiply-adds (rows x vocab x d_model) of a run small enough to take on the event loop when
-#: it is the only request in flight: ~20-30 us on one core here, less than the two thread hops
-#: (executor, then ``call_soon_threadsafe``) and the batcher's turn of the loop it replaces.
+#: the batcher could merge nothing with it: ~20-30 us on one core here, less than the two
+#: thread hops it replaces (executor, then ``call_soon_threadsafe``).
 INLINE_MACS = 1 << 18
 
 
@@ -44,8 +41,8 @@ class Runner:
     rows_per_run: int = 1 << 30
     """The most rows one run takes (set by ``start``); requests with more run in parts."""
     inline_rows: int = 0
-    """The most rows of a lone request run on the event loop (``INLINE_MACS``; set by
-    ``start``): 0 for any head whose one row costs more."""
+    """The most rows of a batch of one request run on the event loop (``INLINE_MACS``,
+    ``BatchLimits.lone_rows``; set by ``start``): 0 for any head whose one row costs more."""
     batcher: Batcher | None = field(default=None, repr=False)
     executor: Executor | None = field(default=None, repr=False)
     on_run: Callable[[BatchStats], None] | None = field(default=None, repr=False)
@@ -67,7 +64,11 @@ class Runner:
         per_row = self.session.vocab_size * self.session.d_model
         self.inline_rows = min(self.rows_per_run, INLINE_MACS // max(1, per_row))
         limits = BatchLimits(
-            limits.merge, self.rows_per_run, limits.max_wait_s, limits.max_queue_rows
+            limits.merge,
+            self.rows_per_run,
+            limits.max_wait_s,
+            limits.max_queue_rows,
+            lone_rows=self.inline_rows,
         )
         self.executor = executor
         self.on_run = on_batch
@@ -93,23 +94,17 @@ class Runner:
         *,
         temperature: float = 1.0,
         full_logits: bool = False,
-        alone: bool = False,
     ) -> Projection:
         """Project (..., d_model) float32 hidden states through the batcher.
 
         More rows than one run may take go in chunks, one after another: each run's logits
         stay within the byte limit, and other requests (other models too) run in between.
-        ``alone``: no other request is in flight; a tiny run (``inline_rows``) then runs
-        here, on the event loop, while the batcher is idle (no window, no thread hop: there is
-        nothing to merge it with, and the hops cost more than the run).
         """
         assert self.batcher is not None, "start() the version before serving it"
         leading = hidden.shape[:-1]
         rows = hidden.reshape(-1, self.session.d_model)
         step = self.rows_per_run
-        if alone and len(rows) <= self.inline_rows and not full_logits and self.batcher.idle:
-            flat = self._inline(rows, k, temperature)
-        elif len(rows) <= step:
+        if len(rows) <= step:
             flat = await self.batcher.submit(rows, k, full_logits, temperature)
         else:
             flat = await self._in_runs(rows, step, k, full_logits, temperature)
@@ -166,21 +161,6 @@ class Runner:
 
         result, seconds = await asyncio.get_running_loop().run_in_executor(self.executor, timed)
         self._observe(BatchStats(rows, 1, [], seconds, failed=False))
-        return result
-
-    def _inline(self, rows: npt.NDArray[np.float32], k: int, temperature: float) -> Projection:
-        """One tiny run on the calling thread, counted in the run metrics as a batch of one;
-        a failure is the batcher's (``InferenceFailed``, the cause in the log)."""
-        started = perf_counter()
-        try:
-            result = self._run(rows, k, False, np.full(len(rows), temperature, np.float32))
-        except Exception:
-            logger.exception("inference failed for %s on a run of %d rows", self.label, len(rows))
-            self._observe(BatchStats(len(rows), 1, [0.0], perf_counter() - started, failed=True))
-            raise InferenceFailed(
-                f"inference failed for {self.label}; see the server log"
-            ) from None
-        self._observe(BatchStats(len(rows), 1, [0.0], perf_counter() - started, failed=False))
         return result
 
     def _observe(self, stats: BatchStats) -> None:

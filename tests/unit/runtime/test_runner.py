@@ -105,15 +105,14 @@ class _CountingExecutor(ThreadPoolExecutor):
 
 
 @pytest.mark.parametrize(
-    ("alone", "rows", "full_logits", "hops"),
-    [(True, 1, False, 0), (False, 1, False, 1), (True, 1, True, 1), (True, 40, False, 1)],
+    ("rows", "full_logits", "hops"), [(1, False, 0), (1, True, 1), (40, False, 1)]
 )
 def test_a_lone_tiny_run_takes_no_thread_hop_and_answers_the_same(
-    tied_path: Path, alone: bool, rows: int, full_logits: bool, hops: int
+    tied_path: Path, rows: int, full_logits: bool, hops: int
 ) -> None:
-    """A lone request's run of a head this small runs where it is asked (no executor, no
-    batcher); with others in flight, full logits or more rows than ``inline_rows``, it goes
-    through the batcher. Either way the answer is the session's, and the run is counted."""
+    """A batch of one request this small runs on the event loop (no executor); full logits
+    or more rows than ``inline_rows`` go to the executor. Either way the answer is the
+    session's, and the run is counted."""
     hidden = np.random.default_rng(5).standard_normal((rows, D_MODEL)).astype(np.float32)
 
     async def main() -> tuple[Any, int, list[BatchStats], int]:
@@ -122,9 +121,7 @@ def test_a_lone_tiny_run_takes_no_thread_hop_and_answers_the_same(
             runner = Runner(HeadSession(tied_path, tied=True), "tied/1")
             runner.start(executor, BatchLimits(max_batch_rows=64), 64, runs.append, lambda: None)
             try:
-                got = await runner.project(
-                    hidden, 5, temperature=0.5, full_logits=full_logits, alone=alone
-                )
+                got = await runner.project(hidden, 5, temperature=0.5, full_logits=full_logits)
             finally:
                 await runner.close()
             return got, executor.submitted, runs, runner.inline_rows
@@ -136,3 +133,30 @@ def test_a_lone_tiny_run_takes_no_thread_hop_and_answers_the_same(
     whole = HeadSession(tied_path, tied=True).project(hidden, 5, temperature=0.5)
     np.testing.assert_array_equal(got.topk_token_ids, whole.topk_token_ids)
     np.testing.assert_allclose(got.topk_logits, whole.topk_logits, rtol=1e-6)
+
+
+def test_concurrent_tiny_requests_still_merge_into_one_run(tied_path: Path) -> None:
+    """Requests queued together are one batch, run in the executor as before: only a batch
+    that could merge nothing runs on the event loop."""
+    rng = np.random.default_rng(6)
+    hiddens = [rng.standard_normal((1, D_MODEL)).astype(np.float32) for _ in range(4)]
+
+    async def main() -> tuple[list[Any], int, list[BatchStats]]:
+        with _CountingExecutor(1) as executor:
+            runs: list[BatchStats] = []
+            runner = Runner(HeadSession(tied_path, tied=True), "tied/1")
+            runner.start(executor, BatchLimits(max_batch_rows=64), 64, runs.append, lambda: None)
+            try:
+                got = await asyncio.gather(*(runner.project(h, 5) for h in hiddens))
+            finally:
+                await runner.close()
+            return got, executor.submitted, runs
+
+    got, submitted, runs = asyncio.run(main())
+    assert submitted == 1
+    assert [(stats.rows, stats.requests) for stats in runs] == [(4, 4)]
+    session = HeadSession(tied_path, tied=True)
+    for hidden, projection in zip(hiddens, got, strict=True):
+        np.testing.assert_array_equal(
+            projection.topk_token_ids, session.project(hidden, 5).topk_token_ids
+        )
