@@ -17,6 +17,7 @@ time. Those routes answer exactly as through FastAPI (same handlers, same error 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from itertools import chain
@@ -46,6 +47,8 @@ logger = logging.getLogger("lmhead")
 MATCH_CACHE_SIZE = 4096
 #: Longer paths are matched each time (a model name has at most 128 characters).
 MATCH_CACHE_PATH_CHARS = 256
+#: Host names the app matches itself; any other goes through Starlette's middleware.
+PLAIN_HOST = re.compile(r"[a-z0-9][a-z0-9.-]*")
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client gone before the answer (metrics only)
 
 
@@ -122,6 +125,11 @@ class LMHeadApp(FastAPI):
         #: Starlette's check of the Host header, ahead of everything (the raw routes too).
         self._any_host = "*" in trusted_hosts
         self._trusted = trusted_hosts
+        #: Names matched as they are (Starlette's first test), without building its middleware's
+        #: ``Headers``; others (``*.domain``, refusals) go through the middleware itself.
+        self._exact_hosts = {
+            name.encode("latin-1") for name in trusted_hosts if PLAIN_HOST.fullmatch(name)
+        }
         self._host_check = TrustedHostMiddleware(
             self._trusted_host, allowed_hosts=trusted_hosts, www_redirect=False
         )
@@ -140,11 +148,20 @@ class LMHeadApp(FastAPI):
         self._matched.clear()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or self._any_host:
+        if scope["type"] != "http" or self._any_host or self._exact_host(scope):
             await self._dispatch(scope, receive, send)
             return
         scope["lmhead.send"] = send  # the answer's way out once the Host is trusted
         await self._host_check(scope, receive, self._refuse_host(scope, send))
+
+    def _exact_host(self, scope: Scope) -> bool:
+        """The first Host header (``Headers.get``) is one of the plain names, with a port or
+        without: what the middleware accepts first."""
+        for name, value in scope["headers"]:
+            if name == b"host":
+                host, colon, port = value.partition(b":")
+                return host in self._exact_hosts and (not colon or port.isdigit())
+        return False
 
     async def _trusted_host(self, scope: Scope, receive: Receive, _: Send) -> None:
         await self._dispatch(scope, receive, scope["lmhead.send"])
@@ -207,7 +224,7 @@ class LMHeadApp(FastAPI):
         """Call the handler, map any error as FastAPI's handlers do, send, record the status
         and time (once answered, before the client has read it); the request's memory is held
         until the answer has left (``service.hosting.connection``)."""
-        hangup = Hangup(receive)  # a client gone before its answer stops its request
+        hangup = Hangup(receive, scope.get("lmhead.on_lost"))  # a client gone stops it
         request = Request(scope, hangup.receive)
         with self.state.plane.admit():  # the request's memory, held until it is sent
             try:

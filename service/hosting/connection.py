@@ -100,6 +100,8 @@ class LimitedHttp(HttpToolsProtocol):
         self._unsent = 0
         self._upgraded = False
         self._backstop: asyncio.TimerHandle | None = None
+        self._on_lost: Callable[[], None] | None = None  # the running request's (hangups)
+        self._lost = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(CoalescedWrites(transport, self.loop))  # type: ignore[arg-type]
@@ -110,6 +112,10 @@ class LimitedHttp(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._lost = True
+        told, self._on_lost = self._on_lost, None
+        if told is not None:  # a request whose answer is not made yet stops (hangups)
+            told()
         for timer in (self._send_timer, self._backstop):
             if timer is not None:
                 timer.cancel()
@@ -186,6 +192,7 @@ class LimitedHttp(HttpToolsProtocol):
             return
         super().on_headers_complete()
         self.scope["lmhead.sent"] = self._sent  # type: ignore[typeddict-unknown-key]
+        self.scope["lmhead.on_lost"] = self._tell_lost  # type: ignore[typeddict-unknown-key]
         if len(self.pipeline) > self.max_pipelined:
             self._in_body = True  # this request's cycle is dropped with it (it was left queued)
             self._refuse(503, f"more than {self.max_pipelined} pipelined requests waiting")
@@ -220,6 +227,20 @@ class LimitedHttp(HttpToolsProtocol):
         running = self._running
         earlier = running is not None and running is not refused
         return bool(self.pipeline) or (earlier and not running.response_complete)
+
+    def _tell_lost(self, callback: Callable[[], None] | None) -> None:
+        """``scope["lmhead.on_lost"]``: call ``callback`` once this connection is lost (at
+        once if it is already), until it is replaced or forgotten (None). Reading resumes,
+        as uvicorn's ``receive`` resumes it, or a close would go unseen behind a large body
+        (read paused)."""
+        self._on_lost = callback
+        if callback is None:
+            return
+        if self._lost:
+            self._on_lost = None
+            callback()
+        else:
+            self.flow.resume_reading()
 
     async def _sent(self) -> None:
         """``scope["lmhead.sent"]``: return once the answer has left the process's buffer (or

@@ -62,7 +62,7 @@ ATTRIBUTES += ("pipeline", "headers", "scope")
 #: What lmhead reads of a request cycle (``self.cycle``, ``cycle``, ``running``), of flow
 #: control (``self.flow``) and of the httptools parser (``self.parser``).
 CYCLE = ("keep_alive", "response_complete", "waiting_for_100_continue", "send")
-FLOW = ("read_paused", "write_paused", "drain")
+FLOW = ("read_paused", "write_paused", "drain", "resume_reading")
 PARSER = ("feed_data", "get_http_version", "should_upgrade")
 #: Where uvicorn must still call the hooks: a cycle starts through ``_start_asgi_task`` (at
 #: once, or queued on ``pipeline`` and started when the answer before it completes).
