@@ -45,9 +45,31 @@ def json_pieces(value: Any) -> list[Piece]:
     is encoded a few rows at a time (rows cut further when one row alone is too long), in
     C order; anything else in one call. An object array (strings) is encoded as its
     ``tolist()``."""
+    if _values_within(value, PIECE_VALUES):  # a small answer: one encoder call, if it can
+        try:
+            return [json_bytes(value)]
+        except TypeError:  # strings or a strided view inside: walked below
+            pass
     fragments: list[Piece] = []
     _encode(value, fragments)
     return joined(fragments)
+
+
+def _values_within(value: Any, budget: int) -> bool:
+    """Whether ``value`` holds at most ``budget`` values in its arrays and lists (dicts and
+    lists of dicts walked, as ``_encode`` walks them)."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, dict):
+            pending.extend(item.values())
+        elif isinstance(item, list) and item and isinstance(item[0], dict):
+            pending.extend(item)
+        elif isinstance(item, np.ndarray | list):
+            budget -= _values(item)
+            if budget < 0:
+                return False
+    return True
 
 
 def _encode(value: Any, out: list[Piece]) -> None:
@@ -201,4 +223,25 @@ def reply(pieces: list[Piece], media_type: str | None, headers: Mapping[str, str
     if size(pieces) > PIECE_BYTES:
         return PieceResponse(pieces, media_type, headers)
     body = pieces[0] if len(pieces) == 1 and isinstance(pieces[0], bytes) else b"".join(pieces)
-    return Response(body, media_type=media_type, headers=headers)
+    return SmallResponse(body, media_type, headers)
+
+
+class SmallResponse(Response):
+    """A 200 with its whole body: Starlette's ``Response`` with the same headers in the same
+    order (given ones lower-cased, then content-length and content-type unless given), made
+    without its general path (rendering, charset rules: answers here are bytes, never
+    ``text/*``)."""
+
+    def __init__(self, body: bytes, media_type: str | None, headers: Mapping[str, str]) -> None:
+        self.status_code = 200
+        self.background = None
+        self.body = body
+        if media_type is not None:
+            self.media_type = media_type
+        raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+        given = {name for name, _ in raw}
+        if b"content-length" not in given:
+            raw.append((b"content-length", b"%d" % len(body)))
+        if media_type is not None and b"content-type" not in given:
+            raw.append((b"content-type", media_type.encode("latin-1")))
+        self.raw_headers = raw
