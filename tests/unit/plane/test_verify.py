@@ -23,6 +23,7 @@ from service.messages import (
     DecodingOptions,
     SampleOptions,
     Target,
+    TokenLists,
     VocabularyOptions,
 )
 from service.metrics import Metrics
@@ -336,30 +337,73 @@ def test_penalties_count_the_earlier_drafts(repository: Path) -> None:
     assert result.accepted.tolist() == expected_accepted
 
 
-@pytest.mark.parametrize("with_probs", [True, False])
-def test_the_fast_path_answers_as_the_dense_one(repository: Path, with_probs: bool) -> None:
-    """A plain chain (a temperature, nothing else) reads the drafts' logits and the stopping
-    rows alone (``verify_plain``); the same request through every position's whole row (a
-    sample block without filters sends it there) gives the same answer."""
+def _everything(rng: np.random.Generator, keep: npt.NDArray[np.int64]) -> VocabularyOptions:
+    """Every option at once: filters, penalties with histories, bias, bans and a mask
+    (allowed ids: 700 tokens, ``keep`` among them), processed log-probs."""
+    allowed = np.union1d(rng.choice(VOCAB, 700, replace=False), keep)
+    banned = np.setdiff1d(rng.choice(VOCAB, 20, replace=False), keep)
+    histories = TokenLists.of([rng.choice(VOCAB, 5).tolist() for _ in range(SEQUENCES)])
+    return VocabularyOptions(
+        allowed_token_ids=allowed,
+        logit_bias={int(token): 1.5 for token in rng.choice(allowed, 8)},
+        banned_token_ids=banned,
+        sample=SampleOptions(temperature=0.8, top_k=200, top_p=0.9, min_p=0.002),
+        decoding=DecodingOptions(
+            output_token_ids=histories,
+            presence_penalty=0.4,
+            repetition_penalty=1.2,
+            logprobs_mode="processed",
+        ),
+    )
+
+
+@pytest.mark.parametrize(
+    "case", ["temperature", "temperature, certain", "everything", "draft_model", "greedy"]
+)
+def test_a_chain_answers_as_the_same_chain_sent_as_a_tree(repository: Path, case: str) -> None:
+    """A chain reads the drafts' probabilities and each sequence's stopping row alone
+    (``verify_plain``); the same drafts sent as a tree (parents 0..K-2: the dense path, every
+    position's whole row) give the same answer, under every option, with draft_probs, a
+    draft_model or drafts taken as certain, and greedily."""
     hidden, draft = _inputs(9)
+    rng = np.random.default_rng(9)
     target = _target(repository, hidden.astype(np.float64), 0.7, None)
     draft_ids = np.argmax(target[:, :K], axis=2)
     draft_ids[::2, 1] = np.argmax(draft[::2, 1], axis=1)
     draft[np.arange(SEQUENCES)[:, None], np.arange(K)[None, :], draft_ids] += 0.3
     draft /= draft.sum(axis=2, keepdims=True)
-    probs = draft.astype(np.float32) if with_probs else None
-    seeds = np.arange(11, 11 + SEQUENCES)
-    plain, _ = _verify(
-        repository, VerifyRequest(HEAD, hidden, draft_ids, probs, temperature=0.7, seeds=seeds)
-    )
+    probs = None if "certain" in case or case == "draft_model" else draft.astype(np.float32)
     options = VocabularyOptions(sample=SampleOptions(temperature=0.7))
+    extra: dict[str, Any] = {}
+    if case == "everything":
+        options = _everything(rng, draft_ids.reshape(-1))
+    elif case == "greedy":
+        penalty = DecodingOptions(repetition_penalty=1.3)
+        options = VocabularyOptions(sample=SampleOptions(temperature=0.0), decoding=penalty)
+    elif case == "draft_model":
+        states = rng.standard_normal((SEQUENCES, K, DRAFT_D), dtype=np.float32)
+        drafter = _target(repository, states.astype(np.float64), 0.9, None, head="drafter")
+        draft_ids = np.argmax(drafter, axis=2)
+        extra = {"draft_model": "drafter", "draft_hidden_states": states}
+        options = VocabularyOptions(
+            sample=SampleOptions(temperature=0.9, top_p=0.95),
+            decoding=DecodingOptions(frequency_penalty=0.3),
+        )
+    seeds = np.arange(11, 11 + SEQUENCES)
+    sent = {"vocabulary": options, "seeds": seeds, **extra}
+    chain, _ = _verify(repository, VerifyRequest(HEAD, hidden, draft_ids, probs, **sent))
+    tree = np.arange(-1, K - 1)
     dense, _ = _verify(
-        repository, VerifyRequest(HEAD, hidden, draft_ids, probs, vocabulary=options, seeds=seeds)
+        repository, VerifyRequest(HEAD, hidden, draft_ids, probs, draft_parents=tree, **sent)
     )
-    assert plain.token_ids.tolist() == dense.token_ids.tolist()
-    assert len(set(plain.accepted.tolist())) >= 2
-    listed = plain.token_ids >= 0
-    np.testing.assert_allclose(plain.logprobs[listed], dense.logprobs[listed], atol=1e-4)
+    assert chain.accepted.tolist() == dense.accepted.tolist()
+    assert chain.token_ids.tolist() == dense.token_ids.tolist()
+    if case not in ("greedy", "draft_model"):
+        assert len(set(chain.accepted.tolist())) >= 2
+    assert chain.logprobs_mode == dense.logprobs_mode
+    listed = chain.token_ids >= 0
+    np.testing.assert_allclose(chain.logprobs[listed], dense.logprobs[listed], atol=1e-4)
+    assert np.isnan(chain.logprobs[~listed]).all()
 
 
 def test_a_tree_with_draft_probs_follows_the_multi_draft_rule(repository: Path) -> None:
