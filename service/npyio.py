@@ -150,9 +150,44 @@ def _member_start(view: memoryview, entry: zipfile.ZipInfo) -> int:
 
 
 def read_npz(data: bytes) -> dict[str, npt.NDArray[Any]]:
-    """Every array of an ``.npz`` archive (small answers: read whole under the lock)."""
+    """Every array of an ``.npz`` archive, writable, as ``np.load`` gives them: an archive of
+    stored ``.npy`` members (``write_npz``'s, ``np.savez``'s) is read from its central
+    directory (``np.load`` took ~110 us of a one-row top-k answer's client time); any other,
+    or anything odd in it, is ``np.load``'s (read whole under the lock)."""
+    arrays = _stored_arrays(data)
+    if arrays is not None:
+        return arrays
     with _HEADERS:
         return dict(np.load(io.BytesIO(data), allow_pickle=False))
+
+
+def _stored_arrays(data: bytes) -> dict[str, npt.NDArray[Any]] | None:
+    """The members of a zip without a comment or zip64 records, all stored ``.npy`` files,
+    each copied out of ``data``; None for any other archive."""
+    end = len(data) - 22
+    if end < 0 or data[end : end + 4] != b"PK\x05\x06":
+        return None
+    count, _, offset = struct.unpack_from("<HII", data, end + 10)
+    arrays: dict[str, npt.NDArray[Any]] = {}
+    for _ in range(count):
+        if data[offset : offset + 4] != b"PK\x01\x02" or offset + 46 > end:
+            return None
+        method, stored, size = struct.unpack_from("<H8xII", data, offset + 10)
+        name_length, extra, comment = struct.unpack_from("<HHH", data, offset + 28)
+        (local,) = struct.unpack_from("<I", data, offset + 42)
+        name = data[offset + 46 : offset + 46 + name_length]
+        if method != zipfile.ZIP_STORED or stored != size or not name.endswith(b".npy"):
+            return None
+        if data[local : local + 4] != b"PK\x03\x04" or local + 30 > end:
+            return None
+        start = local + 30 + sum(struct.unpack_from("<HH", data, local + 26))
+        try:
+            array = read_npy(data[start : start + size]).copy()
+        except Exception:  # np.load says what is wrong with it
+            return None
+        arrays[name[:-4].decode("utf-8", "replace")] = array
+        offset += 46 + name_length + extra + comment
+    return arrays
 
 
 #: A zip member's date and time as DOS writes them: 1980-01-01 00:00 (the answer's own time

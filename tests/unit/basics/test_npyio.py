@@ -173,3 +173,34 @@ def test_written_npz_reads_back_as_savez_wrote_it(arrays: dict[str, np.ndarray])
         body = read_npz_body(data)
         for name, array in arrays.items():
             np.testing.assert_array_equal(body[name], array)
+
+
+@pytest.mark.parametrize("arrays", WRITTEN)
+def test_npz_read_without_zipfile_equals_np_load_and_is_writable(
+    arrays: dict[str, np.ndarray],
+) -> None:
+    """``read_npz`` reads stored archives itself (``write_npz``'s and ``np.savez``'s) and
+    gives what ``np.load`` gives: names, dtypes, shapes, values, writable arrays; a
+    compressed archive is ``np.load``'s, read the same."""
+    fields: dict[str, Any] = {name: np.asarray(array) for name, array in arrays.items()}
+    saved, compressed = io.BytesIO(), io.BytesIO()
+    np.savez(saved, **fields)
+    np.savez_compressed(compressed, **fields)
+    for data in (write_npz(fields), saved.getvalue(), compressed.getvalue()):
+        read = read_npz(data)
+        loaded = dict(np.load(io.BytesIO(data), allow_pickle=False))
+        assert list(read) == list(loaded)
+        for name, array in loaded.items():
+            assert (read[name].dtype, read[name].shape) == (array.dtype, array.shape)
+            np.testing.assert_array_equal(read[name], array)
+            assert read[name].flags.writeable
+
+
+def test_a_broken_npz_is_refused_as_np_load_refuses_it() -> None:
+    """Truncated or garbled archives are ``np.load``'s to judge: the same error."""
+    data = write_npz({"a": np.arange(6.0)})
+    for broken in (data[:-5], data[:40] + b"\0" * 8 + data[48:], b"PK\x05\x06" + data[4:]):
+        with pytest.raises(Exception) as expected:
+            dict(np.load(io.BytesIO(broken), allow_pickle=False))
+        with pytest.raises(type(expected.value)):
+            read_npz(broken)
