@@ -4,7 +4,8 @@ and the same few options (none, or a k) with every request.
 * ``options_key``/``VALIDATED``: option values validated before, by their exact scalar values
   (``wire.options`` validates each new set with pydantic, ~10 us a request, and keeps the
   frozen result; anything but short scalars is validated every time);
-* ``query_facts``: a query string's names given twice and its version (``wire.target``).
+* ``query_facts``: a query string's names given twice and its version (``wire.target``);
+  ``QUERY_OPTIONS``: a binary body's options read from its query string (``native``).
 
 Both bounded: a full table is emptied, not grown.
 """
@@ -21,6 +22,8 @@ from starlette.datastructures import QueryParams
 
 #: Validated options by ``options_key`` (frozen models: shared safely between requests).
 VALIDATED: dict[tuple[Any, ...], Any] = {}
+#: A binary body's options by (schema, id lists, query string), when it gives no id lists.
+QUERY_OPTIONS: dict[tuple[Any, ...], Any] = {}
 OPTIONS_CACHE_SIZE = 1024
 #: Query strings up to this long are read once.
 QUERY_CACHE_CHARS = 256
@@ -43,10 +46,12 @@ def options_key(
     return tuple(items)
 
 
-def remember(key: tuple[Any, ...], validated: Any) -> None:
-    if len(VALIDATED) >= OPTIONS_CACHE_SIZE:
-        VALIDATED.clear()
-    VALIDATED[key] = validated
+def remember(
+    key: tuple[Any, ...], validated: Any, table: dict[tuple[Any, ...], Any] = VALIDATED
+) -> None:
+    if len(table) >= OPTIONS_CACHE_SIZE:
+        table.clear()
+    table[key] = validated
 
 
 def read_query(query: bytes) -> tuple[list[str], bool, str | None]:

@@ -21,7 +21,7 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
 
-from service.api.codec import pieces
+from service.api.codec import memo, pieces
 from service.api.codec.answer_bodies import identity, score_json, topk_json, topk_records
 from service.api.codec.decoding_wire import BINARY_NAMES, binary_arrays, decoding, json_arrays
 from service.api.codec.pieces import Piece, json_pieces, npy_pieces
@@ -313,7 +313,13 @@ async def hidden_and_options(
 def _query_options(
     request: Request, schema: type[BaseModel], lists: Sequence[str]
 ) -> tuple[Any, dict[str, npt.NDArray[Any]]]:
-    """The options of a binary body's query string, and the id lists given there."""
+    """The options of a binary body's query string, and the id lists given there (options of
+    a short query string without lists are read once, ``memo``)."""
+    raw = request.scope["query_string"]
+    key = (schema, tuple(lists), raw) if len(raw) <= memo.QUERY_CACHE_CHARS else None
+    known = memo.QUERY_OPTIONS.get(key) if key is not None else None
+    if known is not None:
+        return known, {}
     query = request.query_params
     values = {k: _query_value(k, v) for k, v in query.items() if k != "version"}
     literals = sum(query.get(name, "").count(word) for name in lists for word in BOOLEANS)
@@ -325,6 +331,8 @@ def _query_options(
     if typed:  # JSON text holds JSON types: checked as strictly as in a JSON body
         checked = options(schema, typed, taken=taken)
         opts = opts.model_copy(update={name: getattr(checked, name) for name in typed})
+    if key is not None and not arrays:
+        memo.remember(key, opts, memo.QUERY_OPTIONS)
     return opts, arrays
 
 
