@@ -152,7 +152,8 @@ def _interleaved(
 
 
 def _ask(stdin: IO[str] | None, stdout: IO[str] | None, name: str) -> tuple[float, float]:
-    assert stdin is not None and stdout is not None
+    assert stdin is not None
+    assert stdout is not None
     stdin.write(name + "\n")
     stdin.flush()
     wall, cpu = json.loads(stdout.readline())
