@@ -26,6 +26,7 @@ import numpy.typing as npt
 from service.errors import InvalidInput, PayloadTooLarge
 from service.limits import Limits, kind_name
 from service.messages import DecodingOptions, TokenLists, VocabularyOptions
+from service.runtime.processed_at import bad_word_hits
 from service.runtime.processors import (
     BITS,
     LOGPROBS_MODES,
@@ -35,7 +36,6 @@ from service.runtime.processors import (
     Processors,
     Words,
     allowed_bytes,
-    bad_word_hits,
     mask_width,
     outside,
     pack,

@@ -74,9 +74,7 @@ def step_run(
         sparse = sparse_selection(logits, temperature, processors, bias, width, raw)
         values, ids, lse = sparse.values, sparse.ids, sparse.lse
     else:
-        if bias is not None:  # the bias is divided by the temperature already (``Bias.at``)
-            logits[:, bias.ids] += bias.values
-        processors.apply(logits, temperature)
+        processors.apply(logits, temperature, bias)  # the bias: divided by T (``Bias.at``)
         values, ids, lse = selector().top(logits, width)
     refuse_overflow(lse, lse, temperature=temperature)
     vocab = logits.shape[1]
