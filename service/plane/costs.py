@@ -30,6 +30,7 @@ from service.errors import PayloadTooLarge, ServiceError
 from service.limits import LOGIT_BYTES, Limits
 from service.messages import TopKRequest
 from service.plane.decoding import RAW_SLACK, width_of
+from service.plane.decoding_compact import compact_extent
 from service.plane.grouping import Kept
 from service.plane.options import CheckedInfer, CheckedTopK
 from service.repository.loaded_version import LoadedVersion
@@ -167,9 +168,10 @@ def decoding(model: LoadedVersion, rows: int, k: int, shape: Shape, tokens: bool
     """The decoding step beside its top-k answer (``plane.decoding``): one run's logits kept
     and processed in place, the selection's log-softmax of them and the bitmask unpacked to a
     byte per token (one run at a time), the run's own top and the sparse reading's indexes
-    (``runtime.sparse_step``); each row's sorted prefix and its float64 filters; the
-    draws (``sample.n`` per row: ids, values, log-probs, uniforms, text); the options' arrays
-    (``decoding_inputs``)."""
+    (``runtime.sparse_step``); rows read through their allowed tokens, those tokens' rows
+    of W, their logits and their step's arrays (``decoding_compact``); each row's sorted
+    prefix and its float64 filters; the draws (``sample.n`` per row: ids, values,
+    log-probs, uniforms, text); the options' arrays (``decoding_inputs``)."""
     run = min(rows, model.rows_per_run) * model.vocab_size
     spec = shape.sample
     width = width_of(k, shape, model.vocab_size)
@@ -178,6 +180,11 @@ def decoding(model: LoadedVersion, rows: int, k: int, shape: Shape, tokens: bool
     # the sparse reading's indexes: a row forbidding up to vocab / SPARSE tokens (8 bytes each)
     forbidden = run * ID_BYTES // SPARSE
     held = 2 * run * LOGIT_BYTES + run + prefix + raw + forbidden
+    extent = compact_extent(model, shape.processors, rows) if shape.processors else None
+    if extent is not None:  # rows read through their allowed tokens (``decoding_compact``)
+        few, longest, union = len(extent[0]), extent[1], extent[2]
+        held += union * model.d_model * LOGIT_BYTES + few * union * LOGIT_BYTES  # W's rows
+        held += few * longest * (3 * LOGIT_BYTES + ID_BYTES + 1 + 4 * F64_BYTES)
     if spec is not None:
         draws = rows * spec.draws
         per_draw = 2 * ID_BYTES + 2 * LOGIT_BYTES + F64_BYTES + _id_text(model) + F32_TEXT

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from service.messages import LogitsResult, Sampled, TopKResult
 from service.plane import distribution
+from service.plane.decoding_compact import compact_rows, compact_run
 from service.plane.distribution import SAMPLE_PREFIX
 from service.plane.options import CheckedTopK
 from service.repository.loaded_version import LoadedVersion
@@ -64,12 +65,40 @@ def width_of(k: int, shape: Shape, vocab: int) -> int:
 async def decoding_topk(
     model: LoadedVersion, rows: Floats, k: int, temperature: float, shape: Shape
 ) -> Decoded:
-    """The step over (rows, d_model) final states, run by run."""
+    """The step over (rows, d_model) final states: the rows whose mask allows few tokens
+    through those tokens alone (``decoding_compact``), the others run by run."""
     processors = shape.processors or Processors()
     spec = shape.sample
-    width = width_of(k, shape, model.vocab_size)
     u = None if spec is None else streams(spec, len(rows))
-    runs: list[StepRun] = []
+    compact = compact_rows(model, processors, len(rows))
+    if compact is None:
+        return _joined(await _whole_runs(model, rows, k, temperature, shape, processors, u), k)
+    taken = compact.rows
+    drawn = None if u is None else u[taken]
+    args = (temperature, processors.take(taken), shape.bias, spec, drawn)
+    parts = [(taken, await compact_run(model, rows[taken], compact, *args))]
+    rest = np.setdiff1d(np.arange(len(rows), dtype=np.int64), taken)
+    if rest.size:
+        drawn = None if u is None else u[rest]
+        whole = await _whole_runs(
+            model, rows[rest], k, temperature, shape, processors.take(rest), drawn
+        )
+        parts += [(rest[at], run) for at, run in whole]
+    return _joined(parts, k)
+
+
+async def _whole_runs(
+    model: LoadedVersion,
+    rows: Floats,
+    k: int,
+    temperature: float,
+    shape: Shape,
+    processors: Processors,
+    u: npt.NDArray[np.float64] | None,
+) -> list[tuple[Ids, StepRun]]:
+    """The step of rows projected whole, run by run: each run's rows and its step."""
+    width = width_of(k, shape, model.vocab_size)
+    runs = []
     step = model.rows_per_run
     loop = asyncio.get_running_loop()
     raw_width = min(model.vocab_size, width + RAW_SLACK)
@@ -78,10 +107,11 @@ async def decoding_topk(
         logits, raw = await _full_logits(model, rows[start:stop], temperature, raw_width)
         part = processors.part(start, stop)
         drawn = None if u is None else u[start:stop]
-        args = (logits, temperature, part, shape.bias, spec, width, drawn, raw)
-        runs.append(await loop.run_in_executor(model.runner.executor, step_run, *args))
+        args = (logits, temperature, part, shape.bias, shape.sample, width, drawn, raw)
+        run = await loop.run_in_executor(model.runner.executor, step_run, *args)
+        runs.append((np.arange(start, stop, dtype=np.int64), run))
         del logits
-    return _joined(runs, k)
+    return runs
 
 
 async def processed_logits(
@@ -114,30 +144,35 @@ async def _full_logits(
     return projection.logits, raw
 
 
-A = TypeVar("A", bound=npt.NDArray[Any])
-
-
-def _cat(arrays: list[A]) -> A:
-    """Runs' arrays in row order (one run's as it is)."""
-    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)  # type: ignore[return-value]
-
-
-def _joined(runs: list[StepRun], k: int) -> Decoded:
-    cat = _cat
-
-    values = cat([run.values for run in runs])
-    # tokens with no mass (masked, banned) are never listed: k is the fewest any row has left
-    k = max(1, min(k, int(np.isfinite(values[:, :k]).sum(axis=1).min())))
-    sampled = [run.sampled for run in runs if run.sampled is not None]
-    picked = [run.sampled_values for run in runs if run.sampled_values is not None]
+def _joined(parts: list[tuple[Ids, StepRun]], k: int) -> Decoded:
+    """Every part's rows in the request's order, each prefix cut (or padded, with tokens of
+    no mass) to k; tokens with no mass (masked, banned) are never listed: k is then cut to
+    the fewest any row has left."""
+    rows = sum(len(at) for at, _ in parts)
+    values = np.full((rows, k), -np.inf, np.float32)
+    ids = np.zeros((rows, k), np.int64)
+    keep = np.zeros((rows, k), np.bool_)
+    lse = np.empty(rows, np.float32)
+    kept_lse = np.empty(rows, np.float32)
+    first = parts[0][1]
+    sampled = None if first.sampled is None else np.empty((rows, first.sampled.shape[1]), np.int64)
+    picked = None if sampled is None else np.empty(sampled.shape, np.float32)
+    for at, run in parts:
+        width = min(k, run.values.shape[1])
+        values[at, :width], ids[at, :width] = run.values[:, :width], run.ids[:, :width]
+        keep[at, :width] = run.keep[:, :width]
+        lse[at], kept_lse[at] = run.lse, run.kept_lse
+        if sampled is not None and picked is not None and run.sampled is not None:
+            sampled[at], picked[at] = run.sampled, run.sampled_values
+    k = max(1, min(k, int(np.isfinite(values).sum(axis=1).min())))
     return Decoded(
         np.ascontiguousarray(values[:, :k]),
-        np.ascontiguousarray(cat([run.ids for run in runs])[:, :k]),
-        cat([run.lse for run in runs]),
-        np.ascontiguousarray(cat([run.keep for run in runs])[:, :k]),
-        cat([run.kept_lse for run in runs]),
-        cat(sampled) if sampled else None,
-        cat(picked) if picked else None,
+        np.ascontiguousarray(ids[:, :k]),
+        lse,
+        np.ascontiguousarray(keep[:, :k]),
+        kept_lse,
+        sampled,
+        picked,
     )
 
 

@@ -1,0 +1,103 @@
+"""Which rows of a decoding step are read through their allowed tokens alone
+(``service.runtime.compact_step``), and their run.
+
+A row whose grammar mask allows at most ``vocab / SPARSE`` tokens needs those tokens' logits
+only: one product of its hidden state with their rows of W, where a projection of the whole
+vocabulary costs ``vocab / allowed`` times more. The rows read so are those of a head whose
+layout can compute chosen columns (``CandidateLogits``: not a quantized head, whose numbers
+only its graph gives), while the union of their tokens' rows of W stays within
+``MAX_UNION_BYTES`` (it is gathered once for all of them); every other row is projected
+whole (``service.plane.decoding``). ``costs.decoding`` declares what this holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from service.plane.distribution import candidate_logits
+from service.repository.loaded_version import LoadedVersion
+from service.runtime.compact_step import Allowed, compact_step
+from service.runtime.processors import Processors
+from service.runtime.sparse_masks import SPARSE, allowed_counts, set_bits
+from service.runtime.step import StepRun
+from service.runtime.vocabulary import Bias, SampleSpec
+
+Floats = npt.NDArray[np.float32]
+Ids = npt.NDArray[np.int64]
+#: The rows of W the compact rows' tokens gather, at most (their union, float32).
+MAX_UNION_BYTES = 64 * 2**20
+
+
+@dataclass(frozen=True)
+class CompactRows:
+    """A request's rows read compact (``rows``, ascending), their allowed tokens, and how
+    many distinct tokens they name together (``union``)."""
+
+    rows: Ids
+    allowed: Allowed
+    union: int
+
+    @property
+    def width(self) -> int:
+        """Tokens of the longest row."""
+        return int(self.allowed.tokens.shape[1])
+
+
+def compact_rows(model: LoadedVersion, processors: Processors, rows: int) -> CompactRows | None:
+    """The rows of a request of ``rows`` rows read compact, or None (no mask allows few
+    tokens, the head cannot compute chosen columns, or their union is too large)."""
+    extent = compact_extent(model, processors, rows)
+    if extent is None:
+        return None
+    few, _, union = extent
+    bitmask = processors.bitmask
+    assert bitmask is not None
+    words = bitmask if len(bitmask) == 1 else bitmask[few]
+    row, tokens = set_bits(words, model.vocab_size)
+    if len(bitmask) == 1:  # one mask for every row: its tokens for each
+        row = np.repeat(np.arange(len(few), dtype=np.int64), len(tokens))
+        tokens = np.tile(tokens, len(few))
+    return CompactRows(few, Allowed.of(row, tokens, len(few)), union)
+
+
+def compact_extent(
+    model: LoadedVersion, processors: Processors, rows: int
+) -> tuple[Ids, int, int] | None:
+    """Which rows are read compact, the most tokens one of them allows and how many they
+    allow together, from the mask's popcounts alone (``costs.decoding`` declares them)."""
+    bitmask = processors.bitmask
+    if bitmask is None or model.session.candidates is None:
+        return None
+    vocab = model.vocab_size
+    counts = allowed_counts(bitmask, vocab)
+    counts = np.broadcast_to(counts, (rows,)) if len(bitmask) == 1 else counts
+    few = np.flatnonzero((counts >= 1) & (counts <= vocab // SPARSE))
+    if not few.size:
+        return None
+    words = bitmask if len(bitmask) == 1 else bitmask[few]
+    union = int(allowed_counts(np.bitwise_or.reduce(words, axis=0)[None], vocab)[0])
+    if union * model.d_model * 4 > MAX_UNION_BYTES:
+        return None
+    return few, int(counts[few].max()), union
+
+
+async def compact_run(
+    model: LoadedVersion,
+    hidden: Floats,
+    compact: CompactRows,
+    temperature: float,
+    processors: Processors,
+    bias: Bias | None,
+    sample: SampleSpec | None,
+    u: npt.NDArray[np.float64] | None,
+) -> StepRun:
+    """The step of the compact rows (``hidden`` their states, ``processors`` and ``u``
+    theirs): their tokens' logits, then ``compact_step`` in the inference executor."""
+    logits = await candidate_logits(model, hidden, compact.allowed.tokens, temperature)
+    args = (logits, compact.allowed, temperature, processors, bias, sample, u, model.vocab_size)
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(model.runner.executor, compact_step, *args)
