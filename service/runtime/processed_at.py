@@ -18,18 +18,48 @@ whichever path: the paths agree bit for bit.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 
-if TYPE_CHECKING:
-    from service.runtime.processors import Histories, Processors
-    from service.runtime.vocabulary import Bias
+from service.runtime.histories import Histories
 
 Floats = npt.NDArray[np.float32]
 Ids = npt.NDArray[np.int64]
 Flags = npt.NDArray[np.bool_]
+
+
+class Processors(Protocol):
+    """What the sparse processors read of a step's options (``processors.Processors``)."""
+
+    @property
+    def prompt(self) -> Histories | None: ...
+    @property
+    def output(self) -> Histories | None: ...
+    @property
+    def repetition(self) -> float: ...
+    @property
+    def presence(self) -> float: ...
+    @property
+    def frequency(self) -> float: ...
+    @property
+    def min_tokens(self) -> int: ...
+    @property
+    def stop_ids(self) -> Ids | None: ...
+    @property
+    def bad_words(self) -> Histories | None: ...
+    @property
+    def penalizes(self) -> bool: ...
+
+
+class BiasLike(Protocol):
+    """An additive bias per token (``vocabulary.Bias``): sorted ids, their values."""
+
+    @property
+    def ids(self) -> Ids: ...
+    @property
+    def values(self) -> Floats: ...
 
 
 #: What put an index among a run's touched tokens (its low bits in the one sort).
@@ -63,7 +93,7 @@ _FIELDS = ("at", "bias", "banned", "seen", "count", "forbids", "listed")
 
 def touched(
     processors: Processors,
-    bias: Bias | None,
+    bias: BiasLike | None,
     rows: int,
     vocab: int,
     *,
@@ -133,8 +163,6 @@ def processed(processors: Processors, touch: Touched, values: Floats, temperatur
 def banned(processors: Processors, rows: int, vocab: int) -> Ids:
     """The flat indexes the bad words and ``min_tokens``' stop ids ban (-inf): ascending,
     once each."""
-    from service.runtime.processors import Histories
-
     parts: list[Ids] = [np.zeros(0, np.int64)]
     output = processors.output
     if processors.bad_words is not None:

@@ -25,19 +25,18 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
 
-from service.runtime.processed_at import processed, touched
-
-if TYPE_CHECKING:
-    from service.runtime.vocabulary import Bias
+from service.runtime.histories import Histories, outside
+from service.runtime.processed_at import BiasLike, processed, touched
 
 Floats = npt.NDArray[np.float32]
 Ids = npt.NDArray[np.int64]
 Words = npt.NDArray[np.int32]
+__all__ = ["Histories", "outside"]  # their home is ``histories``; long imported from here
 LogprobsMode = Literal["raw", "processed"]
 Order = Literal["transformers", "vllm"]
 LOGPROBS_MODES: dict[str, LogprobsMode] = {"raw": "raw", "processed": "processed"}
@@ -49,47 +48,6 @@ BITS = 32
 def mask_width(vocab: int) -> int:
     """Words of a bitmask row over ``vocab`` tokens: ceil(vocab / 32)."""
     return -(-vocab // BITS)
-
-
-@dataclass(frozen=True)
-class Histories:
-    """Token lists, one per row (or one per bad word), as one array of values and the offsets
-    where each list starts: list i is ``values[offsets[i]:offsets[i + 1]]``. Values are the
-    head's columns; a token a trimmed head lacks is ``-(1 + id)`` (``outside``): no column
-    to penalize or ban, but still itself where a bad word's prefix is compared."""
-
-    values: Ids
-    offsets: Ids
-
-    @classmethod
-    def of(cls, lists: list[list[int]]) -> Histories:
-        """From Python lists (tests, small inputs)."""
-        lengths = np.array([len(tokens) for tokens in lists], np.int64)
-        values = np.array([token for tokens in lists for token in tokens], np.int64)
-        return cls(values, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
-
-    @property
-    def lengths(self) -> Ids:
-        return np.diff(self.offsets)
-
-    def __len__(self) -> int:
-        return len(self.offsets) - 1
-
-    def part(self, start: int, stop: int) -> Histories:
-        """Lists ``start`` to ``stop`` (a run's rows), offsets from 0."""
-        offsets = self.offsets[start : stop + 1]
-        return Histories(self.values[offsets[0] : offsets[-1]], offsets - offsets[0])
-
-    def take(self, rows: Ids) -> Histories:
-        """The lists of ``rows`` (any of them, in that order), offsets from 0."""
-        lengths = self.lengths[rows]
-        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-        starts = np.repeat(self.offsets[:-1][rows] - offsets[:-1], lengths)
-        return Histories(self.values[starts + np.arange(offsets[-1])], offsets)
-
-    def row_of_each(self) -> Ids:
-        """The list each value belongs to."""
-        return np.repeat(np.arange(len(self), dtype=np.int64), self.lengths)
 
 
 @dataclass(frozen=True)
@@ -147,7 +105,7 @@ class Processors:
         return self.repetition != 1.0 or bool(self.presence) or bool(self.frequency)
 
     def apply(
-        self, logits: Floats, temperature: float, bias: Bias | None = None, *, mask: bool = True
+        self, logits: Floats, temperature: float, bias: BiasLike | None = None, *, mask: bool = True
     ) -> None:
         """The bias and every processor, in place, on a run's logits (already divided by
         ``temperature``), these options' rows being the run's: the tokens they touch read
@@ -161,11 +119,6 @@ class Processors:
             logits[rows, columns] = processed(self, touch, logits[rows, columns], temperature)
         if mask and self.bitmask is not None:
             apply_bitmask(logits, self.bitmask)
-
-
-def outside(ids: Ids) -> Ids:
-    """How a history names tokens a trimmed head lacks (``Histories``)."""
-    return -1 - ids
 
 
 def allowed_bytes(bitmask: Words, vocab: int) -> npt.NDArray[np.uint8]:
