@@ -85,6 +85,10 @@ class TokenSpace:
         return self.size == other.size and bool(np.array_equal(self.kept, other.kept))
 
 
+#: Rows of W copied for per-row products of chosen ids, at most (``CandidateLogits``).
+PER_ROW_BYTES = 32 * 2**20
+
+
 @dataclass(frozen=True)
 class CandidateLogits:
     """Logits of chosen tokens from their rows of W: what the graph gives for those columns.
@@ -113,15 +117,27 @@ class CandidateLogits:
         values, columns, lse = top_of_product(scaled, self.rows.rows(ids), temperature, k)
         return values, ids[columns], lse
 
+    def _per_row(self, scaled: Floats, ids: Ids) -> Floats:
+        """(rows, n) products for ids given per row: each id's row of W once and one product
+        with every row, where the rows share their ids; where they share few (a grammar's
+        masks at different points), each row with its own ids' rows (rows x n dot products,
+        not rows x union), while those rows' copy stays small."""
+        unique, inverse = np.unique(ids, return_inverse=True)
+        gathered = ids.size * scaled.shape[1] * 4
+        if len(ids) * len(unique) > 2 * ids.size and gathered <= PER_ROW_BYTES:
+            own = self.rows.rows(ids.reshape(-1)).reshape(*ids.shape, -1)
+            products: Floats = np.matmul(own, scaled[:, :, None])[..., 0]
+            return products
+        raw = matmul_transposed(scaled, self.rows.rows(unique))  # rows x unique
+        return np.take_along_axis(raw, inverse.reshape(ids.shape), axis=1)
+
     def __call__(self, hidden: Floats, ids: Ids, temperature: Floats) -> Floats:
         """(rows, n) logits for ids shared by every row (n,) or given per row (rows, n)."""
         scaled = hidden * np.float32(self.input_scale)
         if ids.ndim == 1:  # every row the same ids: their rows in that order, one product
             logits = matmul_transposed(scaled, self.rows.rows(ids))
-        else:  # each id's row once, however many rows name it
-            unique, inverse = np.unique(ids, return_inverse=True)
-            raw = matmul_transposed(scaled, self.rows.rows(unique))  # rows x unique
-            logits = np.take_along_axis(raw, inverse.reshape(ids.shape), axis=1)
+        else:
+            logits = self._per_row(scaled, ids)
         if self.bias is not None:
             logits = logits + self.bias[ids]
         if self.logit_scale != 1.0:
