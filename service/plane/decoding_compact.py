@@ -12,19 +12,17 @@ whole (``service.plane.decoding``). ``costs.decoding`` declares what this holds.
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
-from service.plane.distribution import candidate_logits
 from service.repository.loaded_version import LoadedVersion
 from service.runtime.compact_step import Allowed, compact_step
 from service.runtime.processors import Processors
 from service.runtime.sparse_masks import SPARSE, allowed_counts, set_bits
 from service.runtime.step import StepRun
-from service.runtime.vocabulary import Bias, SampleSpec
+from service.runtime.vocabulary import Bias, CandidateLogits, SampleSpec, refuse_overflow
 
 Floats = npt.NDArray[np.float32]
 Ids = npt.NDArray[np.int64]
@@ -96,8 +94,26 @@ async def compact_run(
     u: npt.NDArray[np.float64] | None,
 ) -> StepRun:
     """The step of the compact rows (``hidden`` their states, ``processors`` and ``u``
-    theirs): their tokens' logits, then ``compact_step`` in the inference executor."""
-    logits = await candidate_logits(model, hidden, compact.allowed.tokens, temperature)
-    args = (logits, compact.allowed, temperature, processors, bias, sample, u, model.vocab_size)
-    loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(model.runner.executor, compact_step, *args)
+    theirs): their tokens' logits and ``compact_step``, in one hop to the inference executor."""
+    candidates = model.session.candidates
+    assert candidates is not None  # ``compact_rows`` reads no rows of a head without
+    per_row = np.full(len(hidden), temperature, np.float32)
+    args = (candidates, hidden, compact, per_row, temperature, processors, bias, sample)
+    return await model.run_alone(len(hidden), _step, *args, u, model.vocab_size)
+
+
+def _step(
+    candidates: CandidateLogits,
+    hidden: Floats,
+    compact: CompactRows,
+    per_row: Floats,
+    temperature: float,
+    processors: Processors,
+    bias: Bias | None,
+    sample: SampleSpec | None,
+    u: npt.NDArray[np.float64] | None,
+    vocab: int,
+) -> StepRun:
+    logits = candidates(hidden, compact.allowed.tokens, per_row, compact.union)
+    refuse_overflow(logits, logits, temperature=temperature)
+    return compact_step(logits, compact.allowed, temperature, processors, bias, sample, u, vocab)

@@ -84,8 +84,10 @@ class Touched:
     listed: Flags
 
     def where(self, chosen: Flags) -> Touched:
-        """These tokens' entries alone."""
-        return Touched(*(getattr(self, name)[chosen] for name in _FIELDS))
+        """These tokens' entries alone (taken by index: boolean indexing of each of seven
+        arrays took ~0.2 ms for 34,000 tokens)."""
+        at = np.flatnonzero(chosen)
+        return Touched(*(getattr(self, name)[at] for name in _FIELDS))
 
 
 _FIELDS = ("at", "bias", "banned", "seen", "count", "forbids", "listed")

@@ -117,27 +117,36 @@ class CandidateLogits:
         values, columns, lse = top_of_product(scaled, self.rows.rows(ids), temperature, k)
         return values, ids[columns], lse
 
-    def _per_row(self, scaled: Floats, ids: Ids) -> Floats:
+    def _per_row(self, scaled: Floats, ids: Ids, union: int | None) -> Floats:
         """(rows, n) products for ids given per row: each id's row of W once and one product
         with every row, where the rows share their ids; where they share few (a grammar's
         masks at different points), each row with its own ids' rows (rows x n dot products,
-        not rows x union), while those rows' copy stays small."""
-        unique, inverse = np.unique(ids, return_inverse=True)
-        gathered = ids.size * scaled.shape[1] * 4
-        if len(ids) * len(unique) > 2 * ids.size and gathered <= PER_ROW_BYTES:
+        not rows x union), while those rows' copy stays small. ``union``: how many distinct
+        ids there are, when the caller knows."""
+        own_bytes = ids.size * scaled.shape[1] * 4
+        unique = inverse = None
+        if union is None:
+            unique, inverse = np.unique(ids, return_inverse=True)
+            union = len(unique)
+        if len(ids) * union > 2 * ids.size and own_bytes <= PER_ROW_BYTES:
             own = self.rows.rows(ids.reshape(-1)).reshape(*ids.shape, -1)
             products: Floats = np.matmul(own, scaled[:, :, None])[..., 0]
             return products
+        if unique is None or inverse is None:
+            unique, inverse = np.unique(ids, return_inverse=True)
         raw = matmul_transposed(scaled, self.rows.rows(unique))  # rows x unique
         return np.take_along_axis(raw, inverse.reshape(ids.shape), axis=1)
 
-    def __call__(self, hidden: Floats, ids: Ids, temperature: Floats) -> Floats:
-        """(rows, n) logits for ids shared by every row (n,) or given per row (rows, n)."""
+    def __call__(
+        self, hidden: Floats, ids: Ids, temperature: Floats, union: int | None = None
+    ) -> Floats:
+        """(rows, n) logits for ids shared by every row (n,) or given per row (rows, n)
+        (``union``: how many distinct ids those are, when the caller knows)."""
         scaled = hidden * np.float32(self.input_scale)
         if ids.ndim == 1:  # every row the same ids: their rows in that order, one product
             logits = matmul_transposed(scaled, self.rows.rows(ids))
         else:
-            logits = self._per_row(scaled, ids)
+            logits = self._per_row(scaled, ids, union)
         if self.bias is not None:
             logits = logits + self.bias[ids]
         if self.logit_scale != 1.0:
