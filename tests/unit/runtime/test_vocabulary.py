@@ -10,6 +10,7 @@ import pytest
 
 from service.heads.files import HeadWeights, save_head
 from service.heads.graph import HeadTransforms
+from service.runtime import vocabulary
 from service.runtime.layout import Placement, open_head
 from service.runtime.logmath import logsumexp
 from service.runtime.session import HeadSession
@@ -55,10 +56,19 @@ def transformed_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("mode", ["shared", "fast"])
+@pytest.mark.parametrize("chunk_rows", [None, 2])
 @pytest.mark.parametrize("kind", ["tied", "untied", "transformed"])
 def test_candidate_logits_equal_the_full_head_restricted(
-    kind: str, mode: str, request: pytest.FixtureRequest
+    kind: str,
+    mode: str,
+    chunk_rows: int | None,
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Shared ids, ids per row (rows' own products, and one product with their union when
+    they share many); ``chunk_rows``: W's rows copied two at a time."""
+    if chunk_rows is not None:
+        monkeypatch.setattr(vocabulary, "CHUNK_BYTES", chunk_rows * 6 * D_MODEL * 4)
     path = request.getfixturevalue(f"{kind}_path")
     session = _session(path, mode)
     assert session.candidates is not None
@@ -69,20 +79,26 @@ def test_candidate_logits_equal_the_full_head_restricted(
         np.testing.assert_allclose(full, reference_logits(path, hidden) / 0.5, rtol=RTOL, atol=ATOL)
     shared = np.array([3, 990, 7, 3], np.int64)  # repeats allowed, any order
     per_row = np.random.default_rng(1).integers(0, VOCAB, (5, 6))
+    sharing = np.random.default_rng(2).integers(0, 8, (5, 6))  # the union's product
     temperature = np.full(5, 0.5, np.float32)
-    for ids in (shared, per_row):
+    for ids in (shared, per_row, sharing):
         got = session.candidates(hidden, ids, temperature)
         every = np.broadcast_to(ids, (5, ids.shape[-1]))
         want = np.take_along_axis(full, every, axis=1)
         np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.parametrize("chunked", [False, True])
 @pytest.mark.parametrize("mode", ["shared", "fast"])
 def test_the_top_of_candidates_in_one_run_equals_the_full_head_restricted(
-    tmp_path: Path, mode: str
+    tmp_path: Path, mode: str, chunked: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``CandidateLogits.top``: the top-k of the allowed tokens and their log-sum-exp, taken
-    in the product's run; tied rows (equal logits) listed in id order."""
+    in the product's run; tied rows (equal logits) listed in id order. ``chunked``: W's rows
+    read five at a time (as a long list is, to stay below the mmap threshold), the chunks'
+    tops merged, ties across chunks still in id order."""
+    if chunked:
+        monkeypatch.setattr(vocabulary, "CHUNK_BYTES", 5 * D_MODEL * 4)
     table = np.random.default_rng(4).standard_normal((VOCAB, D_MODEL), dtype=np.float32)
     table[[40, 400, 900]] = table[700]  # four tokens with one row: their logits tie
     path = save_head(HeadWeights.from_arrays(table), tmp_path)
