@@ -33,6 +33,8 @@ from service.plane.decoding import RAW_SLACK, width_of
 from service.plane.decoding_compact import compact_extent
 from service.plane.grouping import Kept
 from service.plane.options import CheckedInfer, CheckedTopK
+from service.plane.verify_checks import CheckedVerify
+from service.plane.verify_rows import filters, raw_width
 from service.repository.loaded_version import LoadedVersion
 from service.runtime.processors import Processors
 from service.runtime.sparse_masks import SPARSE
@@ -304,12 +306,12 @@ def verify(
     draft_probs: bool,
     residual: bool,
 ) -> Cost:
-    """``/verify`` (``plane.verify``): every position's raw log-probs and processed
-    probabilities kept whole until the rule runs (two (rows x vocab) float32), the rule's
-    float64 copies (a residual row per sequence, its cumulative sum and the accepted tokens'
-    rows), the draft's probabilities as float32 beside the sent ones, the filters' kept mask
-    and a run's step (its logits, the selection's log-softmax, the bitmask's bytes); the
-    answer (ids, log-probs, nodes: a few numbers per position)."""
+    """``/verify``'s dense path (``plane.verify``: a tree with a draft distribution): every
+    position's raw log-probs and processed probabilities kept whole until the rule runs (two
+    (rows x vocab) float32), the rule's float64 copies (a residual row per sequence, its
+    cumulative sum and the accepted tokens' rows), the draft's probabilities as float32
+    beside the sent ones, the filters' kept mask and a run's step (its logits, the
+    selection's log-softmax, the bitmask's bytes); the answer."""
     rows = sequences * positions
     vocab = model.vocab_size
     held = 2 * rows * vocab * LOGIT_BYTES + 4 * sequences * vocab * F64_BYTES
@@ -319,27 +321,71 @@ def verify(
     if shape is not None:
         stepped = replace(shape, processors=shape.processors or _NONE)
         held += decoding(model, rows, 1, stepped, False)
-    held += normed_rows(model, rows, residual)
-    held += rows * (3 * ID_BYTES + LOGIT_BYTES) * (1 + JSON_COPIES) + HEAD_TEXT
+    held += normed_rows(model, rows, residual) + verify_answer(rows)
+    return Cost(held, run_bytes(model, rows))
+
+
+def verify_answer(rows: int) -> int:
+    """A verification's answer: ids, positions, nodes and log-probs, a few numbers a row."""
+    return rows * (3 * ID_BYTES + LOGIT_BYTES) * (1 + JSON_COPIES) + HEAD_TEXT
+
+
+def verify_reads(
+    model: LoadedVersion,
+    sequences: int,
+    positions: int,
+    shape: Shape | None,
+    *,
+    rule: int,
+    residual: bool,
+) -> Cost:
+    """``/verify`` read where the rule reads (``plane.verify_plain``: chains, and trees with
+    drafts taken as certain): every run's full logits as the runs fetch them, kept until the
+    rule (processed in place by the decoding step's run where options shape them: its
+    arrays beside; a filtered row whose kept set passes its prefix keeps a byte per token),
+    and ``rule`` (sequences x vocab) float32 rows: the stopping rows and the residual's
+    temporaries (``verify_call``); the answer. A greedy read of the head's own
+    distribution fetches no logits at all (``rule`` < 0)."""
+    rows = sequences * positions
+    vocab = model.vocab_size
+    held = normed_rows(model, rows, residual) + verify_answer(rows)
+    if rule < 0:  # the top-1 graph alone
+        return Cost(held, run_bytes(model, rows))
+    held += rows * vocab * LOGIT_BYTES + rule * sequences * vocab * LOGIT_BYTES
+    if shape is not None and raw_width(shape, vocab)[1] > 1:  # the decoding step's run
+        stepped = replace(shape, processors=shape.processors or _NONE)
+        held += decoding(model, rows, 1, stepped, False)
+        held += rows * vocab if filters(shape) else 0
     return Cost(held, run_bytes(model, rows))
 
 
 def verify_call(
-    model: LoadedVersion,
-    drafts: list[LoadedVersion],
-    hidden: tuple[int, ...],
-    shape: Shape | None,
-    *,
-    draft_probs: bool,
-    residual: bool,
+    model: LoadedVersion, drafts: list[LoadedVersion], checked: CheckedVerify, residual: bool
 ) -> Cost:
-    """``/verify`` of states shaped ``hidden`` (sequences, K + 1, d_model), with its draft
-    head's runs and rows beside the target's when one is named."""
-    sequences, positions = hidden[:2]
-    probs = draft_probs or bool(drafts)
-    cost = verify(model, sequences, positions, shape, draft_probs=probs, residual=residual)
+    """``/verify`` of ``checked`` on the path it takes (``CheckedVerify.dense``), with its
+    draft head's runs and rows beside the target's when one is named. Read where the rule
+    reads: the target's stopping rows, the residual's three temporaries and, with a draft
+    distribution, its rows there (5 rows a sequence; greedy: none); ``draft_probs`` once
+    more as float32 (its copy when sent as another type; the array itself in process); a
+    draft head's logits and its whole rows where sequences reject."""
+    sequences, positions = checked.hidden.shape[:2]
+    shape = checked.shape
+    if checked.dense:
+        cost = verify(model, sequences, positions, shape, draft_probs=True, residual=residual)
+        for head in drafts:
+            cost += verify(
+                head, sequences, positions - 1, shape, draft_probs=False, residual=residual
+            )
+        return cost
+    plain = shape is None or raw_width(shape, model.vocab_size)[1] == 1
+    q = checked.draft_probs is not None or bool(drafts)
+    rule = -1 if checked.greedy and plain and not drafts else 0 if checked.greedy else 4 + q
+    cost = verify_reads(model, sequences, positions, shape, rule=rule, residual=residual)
+    if checked.draft_probs is not None:
+        cost += Cost(checked.draft_probs.size * LOGIT_BYTES)
     for head in drafts:
-        cost += verify(head, sequences, positions - 1, shape, draft_probs=False, residual=residual)
+        rows = 0 if checked.greedy else 1
+        cost += verify_reads(head, sequences, positions - 1, shape, rule=rows, residual=residual)
     return cost
 
 

@@ -337,11 +337,7 @@ class DataPlane(ControlAPI):
         with self._serving("verify", request.target, *drafter) as (model, *draft):
             checked = verify_checks.check(request, model, self._limits, *draft)
             residual = lens_options.residual(request.states, model)
-            probs = checked.draft_probs is not None
-            shape = checked.hidden.shape
-            cost = costs.verify_call(
-                model, draft, shape, checked.shape, draft_probs=probs, residual=residual
-            )
+            cost = costs.verify_call(model, draft, checked, residual)
             self._admit(cost, "verify")
             result = await verify.run(model, draft, checked, residual)
             self._metrics.drafted_tokens.labels(model.name).inc(checked.draft_ids.size)

@@ -48,6 +48,12 @@ class CheckedVerify:
         spec = None if self.shape is None else self.shape.sample
         return spec is not None and (spec.top_k, spec.top_p, spec.min_p) != (None,) * 3
 
+    @property
+    def dense(self) -> bool:
+        """Whether every position's whole row is read (``plane.verify``): a tree. Chains read
+        the drafts' probabilities and one whole row per sequence (``verify_plain``)."""
+        return self.parents is not None
+
 
 def check(
     request: VerifyRequest, model: LoadedVersion, limits: Limits, draft: LoadedVersion | None = None

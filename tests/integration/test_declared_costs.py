@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 import httpx
 import numpy as np
@@ -21,11 +22,14 @@ import pytest
 
 from service.budget import BODY_EXPANSION, JSON_ARRAY_BYTES, JSON_NUMBER_BYTES
 from service.budget import worst_case_extra_bytes as worst_case
+from service.client.answers import NPZ
+from service.client.verify_call import verify_call
 from service.heads.files import HeadWeights, save_head
 from service.heads.norm import FinalNorm
 from service.metrics import Metrics
 from service.plane import costs
 from service.plane.options import CheckedInfer, CheckedTopK
+from service.plane.verify_checks import CheckedVerify
 from service.repository.disk import LABELS_FILE
 from service.repository.loaded_version import LoadedVersion
 from service.repository.registry import Registry
@@ -40,6 +44,7 @@ D_MODEL = 16
 #: Interpreter and allocator churn of one request beside what it declares (small requests).
 SLACK = 24 * 2**20
 HEADS = {"short": 4096, "long": 65536}  # vocabulary sizes; "long" has long, escaped labels
+BIG = {"big": 128256}  # Llama 3's vocabulary: draft_probs of 64 x 4 drafts are 131 MB
 
 
 def _labels(vocab: int, long: bool) -> str:
@@ -53,16 +58,18 @@ def _labels(vocab: int, long: bool) -> str:
 def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("costs")
     rng = np.random.default_rng(7)
-    for name, vocab in HEADS.items():
+    for name, vocab in (HEADS | BIG).items():
         table = rng.standard_normal((vocab, D_MODEL), dtype=np.float32)
         norm = FinalNorm("rms", np.ones(D_MODEL, np.float32), 1e-5)
-        for model in (name, f"{name}-twin"):
+        for model in (name, f"{name}-twin") if name in HEADS else (name,):
             version = save_head(HeadWeights.from_arrays(table, norm=norm), root / model / "1")
             (version.parent / LABELS_FILE).write_text(_labels(vocab, name == "long"))
     return root
 
 
-SETTINGS = {"max_k": "1000", "max_rows": "4096"}
+#: Bodies up to 256 MiB: 64 x 4 draft_probs of a 128256-token head are 131 MB (the default
+#: LMHEAD_MAX_BODY_BYTES, 64 MiB, refuses them before anything is declared).
+SETTINGS = {"max_k": "1000", "max_rows": "4096", "max_body_bytes": str(256 * 2**20)}
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +82,7 @@ def heads(repository: Path) -> Iterator[dict[str, LoadedVersion]]:
         registry = Registry(settings, executor, Metrics())
         loop.run_until_complete(registry.load_all())
         try:
-            yield {name: registry.get(name) for name in HEADS}
+            yield {name: registry.get(name) for name in HEADS | BIG}
         finally:
             loop.run_until_complete(registry.close())
             loop.close()
@@ -205,22 +212,43 @@ def _v2(rows: int, k: int, logits: bool) -> Case:
     )
 
 
-def _verify(sequences: int, k: int, top_p: float | None) -> Case:
-    """Drafts taken as certain (a draft distribution would be as wide as the head), the
-    target shaped by top_p or not: every position's raw log-probs and probabilities held."""
+def _verify(
+    sequences: int,
+    k: int,
+    top_p: float | None,
+    *,
+    probs: bool = False,
+    parents: list[int] | None = None,
+    vocab: int = 4096,
+) -> Case:
+    """An ``.npz`` body as the client sends it: drafts taken as certain or with draft_probs
+    (sequences, k, vocab), a chain or a tree (``parents``), the target shaped by top_p or
+    not. The declared cost is the path's the request takes (``CheckedVerify.dense``)."""
+    rng = np.random.default_rng(k)
     hidden = _states(sequences, k + 1, D_MODEL)
-    ids = np.random.default_rng(k).integers(0, 4096, (sequences, k))
-    payload: dict[str, Any] = {"hidden_states": hidden, "draft_token_ids": ids}
+    ids = rng.integers(0, 4096, (sequences, k))
+    arrays: dict[str, Any] = {"hidden_states": hidden, "draft_token_ids": ids}
+    draft = None
+    if probs:
+        draft = rng.random((sequences, k, vocab), dtype=np.float32) + np.float32(0.5)
+        draft /= draft.sum(axis=2, keepdims=True)
+        arrays["draft_probs"] = draft
+    tree = None if parents is None else np.asarray(parents, np.int64)
+    arrays["draft_parents"] = tree
+    options: dict[str, Any] = {}
     shape = None
     if top_p is not None:
-        payload["sample"] = {"top_p": top_p, "seed": 1}
+        options["sample"] = {"top_p": top_p, "seed": 1}
         shape = Shape(sample=SampleSpec(top_p=top_p, seed=1))
+    call = verify_call("{model}", arrays, None, **options)
+    checked = CheckedVerify(hidden, ids, draft, tree, shape, 1.0, False, ids[:, 0])
+    what = f"{'-probs' if probs else ''}{'-tree' if parents else ''}{'-top_p' if top_p else ''}"
     return Case(
-        f"verify-{sequences}x{k}{'-top_p' if top_p else ''}",
-        "verify",
-        _json(payload),
-        "application/json",
-        lambda m: costs.verify(m, sequences, k + 1, shape, draft_probs=False, residual=False),
+        f"verify-{sequences}x{k}{what}",
+        f"verify?{urlencode(call.params or {})}",
+        call.content or b"",
+        NPZ,
+        lambda m: costs.verify_call(m, [], checked, residual=False),
     )
 
 
@@ -241,7 +269,7 @@ CASES = [
     _v2(256, 1000, False),
     _v2(64, 5, True),
     _verify(64, 4, None),
-    _verify(32, 4, 0.9),  # the dense path: every position's whole row
+    _verify(32, 4, 0.9),
 ]
 
 
@@ -277,12 +305,44 @@ def _peak(url: str, model: str, case: Case) -> int:
 def test_a_served_request_stays_within_its_declared_cost(
     url: str, heads: dict[str, LoadedVersion], model: str, case: Case
 ) -> None:
-    declared = case.declared(heads[model])
-    _peak(url, model, case)  # the first of a shape sets up what every later one reuses
-    measured = _peak(url, model, case)
+    _within(url, heads[model], case)
+
+
+#: draft_probs are as wide as the head: a case per head. The 64 x 4 chain on the 128256-token
+#: head is what the dense path's declaration refused with the default settings (~1.45 GB).
+PROBS = [
+    ("short", 64, None, None),  # a chain: read where the rule reads
+    ("long", 64, 0.9, None),
+    ("short", 16, 0.9, [-1, -1, -1, 1]),  # a tree with draft_probs: every whole row
+    ("big", 64, None, None),
+]
+
+
+@pytest.mark.parametrize(("model", "sequences", "top_p", "parents"), PROBS)
+def test_a_verification_with_draft_probs_stays_within_its_declared_cost(
+    url: str,
+    heads: dict[str, LoadedVersion],
+    model: str,
+    sequences: int,
+    top_p: float | None,
+    parents: list[int] | None,
+) -> None:
+    head = heads[model]
+    case = _verify(sequences, 4, top_p, probs=True, parents=parents, vocab=head.vocab_size)
+    _within(url, head, case)
+
+
+def _within(url: str, head: LoadedVersion, case: Case) -> None:
+    """The request served twice (the first sets up what later ones reuse); the second's
+    measured peak within its declared cost, its body's and the slack; the declaration
+    within what the settings allow."""
+    declared = case.declared(head)
+    _peak(url, head.name, case)
+    measured = _peak(url, head.name, case)
     bound = declared.held + declared.run + _body_cost(case) + SLACK
     assert measured <= bound, f"{case.name}: measured {measured} > declared {bound}"
     settings = Settings(**SETTINGS)  # type: ignore[arg-type]
     assert declared.held <= settings.max_inflight_bytes
+    assert declared.held + _body_cost(case) <= settings.max_inflight_bytes
     assert declared.run <= settings.max_logits_bytes
     assert bound <= worst_case(settings)

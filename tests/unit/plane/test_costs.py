@@ -13,16 +13,18 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from service.budget import IDLE_TRIM_BYTES, MemoryBudget
+from service.budget import BODY_EXPANSION, IDLE_TRIM_BYTES, MemoryBudget, charge
 from service.errors import PayloadTooLarge, ServerBusy
 from service.heads.files import HeadWeights, save_head
 from service.limits import Limits
 from service.metrics import Metrics
 from service.plane import costs
 from service.plane.options import CheckedTopK
+from service.plane.verify_checks import CheckedVerify
 from service.repository.disk import LABELS_FILE
 from service.repository.loaded_version import LoadedVersion
 from service.repository.registry import Registry
+from service.runtime.vocabulary import Ids, SampleSpec, Shape
 from service.settings import Settings
 from tests.conftest import D_MODEL, VOCAB
 
@@ -113,3 +115,62 @@ def test_json_logits_are_declared_larger_than_binary(heads: dict[str, LoadedVers
     binary = costs.logits(model, 8, VOCAB, False, False)
     assert text.held >= 8 * VOCAB * (4 + costs.F32_TEXT) > binary.held >= 8 * VOCAB * 8
     assert text.run == binary.run == costs.run_bytes(model, 8)
+
+
+BIG_VOCAB = 128256  # Llama 3's vocabulary; a narrow head (the costs follow the vocabulary)
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoadedVersion]:
+    """A head of 128256 tokens served with the default settings."""
+    root: Path = tmp_path_factory.mktemp("big")
+    table = np.random.default_rng(0).standard_normal((BIG_VOCAB, 8), dtype=np.float32)
+    save_head(HeadWeights.from_arrays(table), root / "big" / "1")
+    loop = asyncio.new_event_loop()
+    with ThreadPoolExecutor(1) as executor:
+        registry = Registry(Settings(repository=root), executor, Metrics())
+        loop.run_until_complete(registry.load_all())
+        yield registry.get("big")
+        loop.run_until_complete(registry.close())
+    loop.close()
+
+
+def _verify(
+    model: LoadedVersion, parents: Ids | None, shape: Shape | None, probs: bool = True
+) -> CheckedVerify:
+    """64 sequences of 4 drafts, with draft_probs (a broadcast row: shapes alone matter)."""
+    sequences, k = 64, 4
+    draft = np.broadcast_to(np.float32(1 / model.vocab_size), (sequences, k, model.vocab_size))
+    return CheckedVerify(
+        np.zeros((sequences, k + 1, model.d_model), np.float32),
+        np.zeros((sequences, k), np.int64),
+        draft if probs else None,
+        parents,
+        shape,
+        1.0,
+        False,
+        np.arange(sequences),
+    )
+
+
+def test_a_chain_with_draft_probs_declares_what_its_reads_hold(big: LoadedVersion) -> None:
+    """64 x 4 with draft_probs on a 128256-token head, default settings: the chain reads its
+    320 rows' logits, the stopping rows and the residual's (``verify_reads``), not every
+    row's probabilities (``verify``, a tree with draft_probs): with its body as the front
+    end charges it (3x), admitted under LMHEAD_MAX_INFLIGHT_BYTES, plain or shaped by
+    top-p; the dense path's declaration would not be."""
+    limits = Limits.from_settings(Settings())
+    vocab, body = big.vocab_size, 64 * 4 * big.vocab_size * 4
+    sampled = Shape(sample=SampleSpec(temperature=0.7, top_p=0.9, seed=1))
+    for shape in (None, sampled):
+        chain = costs.verify_call(big, [], _verify(big, None, shape), residual=False)
+        assert chain.held + BODY_EXPANSION * body <= limits.max_inflight_bytes
+        assert chain.held >= 320 * vocab * 4 + 5 * 64 * vocab * 4 + body  # logits, rule, probs
+        tree = costs.verify_call(big, [], _verify(big, np.arange(-1, 3), shape), residual=False)
+        assert tree.held + BODY_EXPANSION * body > limits.max_inflight_bytes
+        assert chain.run == tree.run == costs.run_bytes(big, 320)
+    budget = MemoryBudget(limits.max_inflight_bytes)
+    with budget.request():
+        budget_body = BODY_EXPANSION * body
+        charge(budget_body)
+        costs.admit(costs.verify_call(big, [], _verify(big, None, None), False), limits, "verify")
