@@ -24,7 +24,7 @@ import numpy as np
 from service.errors import InvalidInput
 from service.plane.lens import final_states
 from service.plane.verify_checks import CheckedVerify, draft_shape
-from service.plane.verify_plain import chain
+from service.plane.verify_plain import verify_by_reads
 from service.repository.loaded_version import LoadedVersion
 from service.runtime.filters import filtered_prefix
 from service.runtime.processors import Processors
@@ -62,16 +62,17 @@ async def with_draft(draft: LoadedVersion, checked: CheckedVerify, states: Float
 async def run(
     model: LoadedVersion, drafts: list[LoadedVersion], checked: CheckedVerify, residual: bool
 ) -> VerifyResult:
-    """The request's rows as final states (through the norm when ``residual``); a chain
-    read where the rule reads (``verify_plain``); a tree through every position's whole
-    row, the draft head's distribution when one is named, then ``verify``."""
+    """The request's rows as final states (through the norm when ``residual``); a chain,
+    or a tree of drafts taken as certain, read where the rule reads (``verify_plain``); a
+    tree with a draft distribution through every position's whole row (``dense``), the
+    draft head's distribution when one is named, then ``verify``."""
     hidden = await final_states(model, checked.hidden, residual)
-    if checked.parents is None:  # a chain: what the rule reads alone (``verify_plain``)
+    if not checked.dense:  # what the rule reads alone (``verify_plain``)
         draft = drafts[0] if drafts else None
         states = None
         if draft is not None and checked.draft_hidden is not None:
             states = await final_states(draft, checked.draft_hidden, residual)
-        return await chain(model, hidden, checked, draft, states)
+        return await verify_by_reads(model, hidden, checked, draft, states)
     for draft in drafts:
         if checked.draft_hidden is not None:
             states = await final_states(draft, checked.draft_hidden, residual)

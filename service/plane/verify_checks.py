@@ -50,9 +50,12 @@ class CheckedVerify:
 
     @property
     def dense(self) -> bool:
-        """Whether every position's whole row is read (``plane.verify``): a tree. Chains read
-        the drafts' probabilities and one whole row per sequence (``verify_plain``)."""
-        return self.parents is not None
+        """Whether every position's whole row is read (``plane.verify``): a tree with a draft
+        distribution (``draft_probs`` or a ``draft_model``'s), whose rejections make residuals
+        of whole rows at every node they pass. Chains, and trees of drafts taken as certain,
+        read the drafts' probabilities and one whole row per sequence (``verify_plain``)."""
+        given = self.draft_probs is not None or self.draft_hidden is not None
+        return self.parents is not None and given
 
 
 def check(

@@ -1,13 +1,18 @@
-"""``/verify`` of a chain, reading only what the rule reads: each draft's target probability
-(and the draft's, from ``draft_probs`` or a ``draft_model``), and each sequence's
-distribution whole at its stopping position alone: one row per sequence, not K + 1.
+"""``/verify`` of a chain, or of a tree whose drafts are taken as certain, reading only what
+the rule reads: each draft's target probability (in its parent's distribution; the draft's
+too, from ``draft_probs`` or a ``draft_model``, on a chain), and each sequence's
+distribution whole where it stops alone: one row per sequence, not K + 1 (a tree's: the node
+its walk ended at, its rejected children's tokens removed).
 
 Every position runs through the head once, with its full logits (``verify_rows.read``: the
 graph's own log-sum-exp where the distribution is the head's own at a temperature, the
 decoding step's run where any option shapes it), so nothing is projected twice and no
-(rows x vocab) probabilities are made. A greedy chain of the head's own distribution reads
-the top-1 graph alone. The rule is ``service.runtime.verification``'s, the functions the
-dense path (trees) calls: ``chain_accepted``, ``chain_verdict``, ``greedy_of_top``.
+(rows x vocab) probabilities are made. A greedy verification of the head's own distribution
+reads the top-1 graph alone. The rule is ``service.runtime.verification``'s: ``chain_accepted``
+and ``chain_verdict`` (what ``verify_chain`` calls), ``tree_walk`` and ``tree_verdict`` (the
+walk of ``verify_tree`` without a draft distribution, from p at the drafts), ``greedy_of_top``.
+A tree with a draft distribution stays on the dense path (``plane.verify``): each rejection
+there makes a residual of a whole row, at every node the walk passes.
 """
 
 from __future__ import annotations
@@ -26,15 +31,18 @@ from service.runtime.processors import LogprobsMode
 from service.runtime.verification import (
     Verdict,
     chain_accepted,
+    chain_parents,
     chain_verdict,
     greedy_of_top,
+    tree_verdict,
+    tree_walk,
     uniforms,
 )
 from service.runtime.vocabulary import Floats, Ids, Shape
 from service.verify_messages import VerifyResult
 
 
-async def chain(
+async def verify_by_reads(
     model: LoadedVersion,
     hidden: Floats,
     checked: CheckedVerify,
@@ -42,7 +50,8 @@ async def chain(
     draft_states: Floats | None = None,
 ) -> VerifyResult:
     """``hidden``: final states (S, K + 1, d_model); ``draft_states`` the draft head's final
-    states (S, K, its d_model) when ``draft`` is named; the rest as ``CheckedVerify``."""
+    states (S, K, its d_model) when ``draft`` is named (a chain); the rest as
+    ``CheckedVerify`` (``parents``: a tree of drafts taken as certain)."""
     sequences, positions = hidden.shape[:2]
     shape = checked.shape or Shape()
     mode: LogprobsMode = "raw" if shape.processors is None else shape.processors.logprobs_mode
@@ -71,25 +80,50 @@ def _decide(
     draft: LoadedVersion | None,
 ) -> tuple[Verdict, npt.NDArray[np.float32]]:
     """The rule over what it reads (in the inference executor), and the tokens' log-probs."""
-    draft_ids = checked.draft_ids
+    draft_ids, parents = checked.draft_ids, checked.parents
     sequences, k = draft_ids.shape
     every = np.arange(sequences)
-    base = target.kept_lse if processed else target.lse
-    rows = (every[:, None] * (k + 1) + np.arange(k)).reshape(-1)
+    tree = chain_parents(k) if parents is None else parents
+    rows = (every[:, None] * (k + 1) + tree[None, :] + 1).reshape(-1)  # each draft's parent's
     tokens = draft_ids.reshape(-1)
     q_x = _draft_at(drafted, checked, draft, tokens)  # refused first when a draft has no mass
     if checked.greedy:
-        top = target.top.reshape(sequences, k + 1)
-        verdict = greedy_of_top(top, draft_ids)
-        chosen = (target.top_value - base).reshape(sequences, k + 1)
-        at = np.maximum(verdict.positions, 0)
-        picked = np.take_along_axis(chosen, at, axis=1)
-        return verdict, np.where(verdict.token_ids >= 0, picked, np.nan).astype(np.float32)
-    p_x = target.probs(rows, tokens).reshape(sequences, k)
-    u = uniforms(checked.seeds.tolist(), k + 1)
+        verdict = greedy_of_top(target.top.reshape(sequences, k + 1), draft_ids, parents)
+    else:
+        p_x = target.probs(rows, tokens).reshape(sequences, k)
+        u = uniforms(checked.seeds.tolist(), k + 1)
+        if parents is not None:  # drafts taken as certain (a draft distribution: dense)
+            walk = tree_walk(p_x, draft_ids, parents, u)
+            p_rows = target.whole(every * (k + 1) + walk.current + 1)
+            verdict = tree_verdict(p_rows, draft_ids, parents, walk, u)
+        else:
+            verdict = _chain(target, drafted, checked, p_x, q_x, u)
+    base = target.kept_lse if processed else target.lse
+    listed = verdict.token_ids >= 0
+    at = (every[:, None] * (k + 1) + verdict.positions)[listed]
+    logprobs = np.full(verdict.token_ids.shape, np.nan, np.float32)
+    if checked.greedy:  # the top's own value where the top was chosen
+        logprobs[listed] = target.top_value[at] - base[at]
+    else:
+        logprobs[listed] = target.values(at, verdict.token_ids[listed]) - base[at]
+    return verdict, logprobs
+
+
+def _chain(
+    target: Rows,
+    drafted: Rows | None,
+    checked: CheckedVerify,
+    p_x: npt.NDArray[np.float64],
+    q_x: npt.NDArray[np.float64] | None,
+    u: npt.NDArray[np.float64],
+) -> Verdict:
+    """A chain's verdict: the drafts accepted, then the stopping rows (the target's, and the
+    draft's where a draft distribution is given) for the emitted token."""
+    draft_ids = checked.draft_ids
+    sequences, k = draft_ids.shape
+    every = np.arange(sequences)
     accepted = chain_accepted(p_x, q_x, u)
-    stopping = every * (k + 1) + accepted
-    p_rows = target.whole(stopping)
+    p_rows = target.whole(every * (k + 1) + accepted)
     q_rows = None
     stop = np.minimum(accepted, k - 1)
     if checked.draft_probs is not None:
@@ -98,14 +132,7 @@ def _decide(
         q_rows = np.zeros_like(p_rows)
         rejected = np.flatnonzero(accepted < k)
         q_rows[rejected] = drafted.whole(rejected * k + stop[rejected])
-    verdict = chain_verdict(p_rows, q_rows, draft_ids, accepted, u)
-    emitted = verdict.token_ids[every, accepted]
-    drafts = (target.values(rows, tokens) - base[rows]).reshape(sequences, k)
-    logprobs = np.full((sequences, k + 1), np.nan, np.float32)
-    columns = np.arange(k)[None, :]
-    logprobs[:, :k] = np.where(columns < accepted[:, None], drafts, np.nan)
-    logprobs[every, accepted] = target.values(stopping, emitted) - base[stopping]
-    return verdict, logprobs
+    return chain_verdict(p_rows, q_rows, draft_ids, accepted, u)
 
 
 def _draft_at(
@@ -138,7 +165,7 @@ async def _greedy_top1(
     rows = hidden.reshape(-1, model.d_model)
     projection = await model.project(rows, 1, temperature=checked.temperature)
     top = projection.topk_token_ids.reshape(sequences, positions)
-    verdict = greedy_of_top(top, checked.draft_ids)
+    verdict = greedy_of_top(top, checked.draft_ids, checked.parents)
     raw = projection.topk_logprobs.reshape(sequences, positions)
     at = np.maximum(verdict.positions, 0)
     picked = np.take_along_axis(raw, at, axis=1)

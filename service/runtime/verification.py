@@ -25,6 +25,9 @@ The rules:
   the emitted token is drawn from what is left of that node's residual. Each step draws the
   next token from exactly ``p`` (a draw without replacement, stopped at the first hit), so the
   walk is exact whatever the tree. A chain is the tree whose node i has parent i - 1.
+  Drafts taken as certain need p at each draft in its parent's distribution and one whole
+  row, where the walk ends (``tree_walk``, ``tree_verdict``: what ``plane.verify_plain``
+  reads); with a draft distribution each rejection's residual is a whole row.
 * **Greedy** (temperature 0): a draft is accepted while it equals the target's top token
   (ties: the lower id, as ``/topk``), and the top token at the stopping position is emitted:
   exactly what greedy decoding of the same states emits, one token per position.
@@ -237,6 +240,71 @@ def verify_tree(
     emitted = _draw(residual, u[:, nodes])
     tokens = np.take_along_axis(draft_ids, np.maximum(path, 0), axis=1)
     return _assemble(path, tokens, accepted, emitted, current + 1)
+
+
+@dataclass(frozen=True)
+class Walk:
+    """Where a tree walk of drafts taken as certain went, per sequence: ``accepted`` nodes,
+    their ``path`` (S, depth; -1 after) and the node it ended at (``current``; -1: the
+    root)."""
+
+    accepted: Ids
+    path: Ids
+    current: Ids
+
+
+def tree_walk(p_x: Probs, draft_ids: Ids, parents: Ids, u: Doubles) -> Walk:
+    """``verify_tree``'s walk for drafts taken as certain, from p at each draft alone:
+    ``p_x`` (S, N) is node j's token's probability in its parent's distribution (position
+    ``parents[j] + 1``). A node's siblings before it were all tried and rejected wherever it
+    is tried (the walk only moves down), so its residual mass is ``p_x`` unless an earlier
+    sibling drew the same token (then 0), and the residual's total is 1 less the rejected
+    siblings' masses."""
+    rows, nodes = draft_ids.shape
+    depth = int(depths(parents).max()) if nodes else 0
+    current = np.full(rows, -1, np.int64)
+    accepted = np.zeros(rows, np.int64)
+    path = np.full((rows, depth), -1, np.int64)
+    mass = np.where(_repeated(draft_ids, parents), 0.0, p_x.astype(np.float64))
+    total = np.ones(rows)
+    for node, parent in enumerate(parents.tolist()):
+        trying = current == parent
+        if not trying.any():
+            continue
+        passed = trying & (u[:, node] * total < mass[:, node])
+        total = np.where(trying & ~passed, total - mass[:, node], total)
+        moved = np.flatnonzero(passed)
+        path[moved, accepted[moved]] = node
+        accepted[moved] += 1
+        current[moved] = node
+        total[moved] = 1.0
+    return Walk(accepted, path, current)
+
+
+def _repeated(draft_ids: Ids, parents: Ids) -> Flags:
+    """(S, N): whether an earlier sibling of node j (same parent) drew node j's token."""
+    repeated = np.zeros(draft_ids.shape, np.bool_)
+    listed = parents.tolist()
+    for node, parent in enumerate(listed):
+        for sibling in range(node):
+            if listed[sibling] == parent:
+                repeated[:, node] |= draft_ids[:, sibling] == draft_ids[:, node]
+    return repeated
+
+
+def tree_verdict(p_rows: Probs, draft_ids: Ids, parents: Ids, walk: Walk, u: Doubles) -> Verdict:
+    """The emitted token and the verdict of a ``tree_walk``, from each sequence's
+    distribution where its walk ended (``p_rows`` (S, V): position ``current + 1``): that
+    node's children were all tried and rejected, so the residual is the row with their
+    tokens removed, drawn from renormalized (``_draw`` normalizes)."""
+    rows, nodes = draft_ids.shape
+    residual = p_rows.copy()
+    for node, parent in enumerate(parents.tolist()):
+        child = np.flatnonzero(walk.current == parent)
+        residual[child, draft_ids[child, node]] = 0.0
+    emitted = _draw(residual, u[:, nodes])
+    tokens = np.take_along_axis(draft_ids, np.maximum(walk.path, 0), axis=1)
+    return _assemble(walk.path, tokens, walk.accepted, emitted, walk.current + 1)
 
 
 def verify_greedy(target: Probs, draft_ids: Ids, parents: Ids | None = None) -> Verdict:

@@ -270,6 +270,7 @@ CASES = [
     _v2(64, 5, True),
     _verify(64, 4, None),
     _verify(32, 4, 0.9),
+    _verify(32, 4, 0.9, parents=[-1, -1, -1, 1]),  # drafts taken as certain: read so too
 ]
 
 

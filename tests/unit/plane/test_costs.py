@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -174,3 +175,14 @@ def test_a_chain_with_draft_probs_declares_what_its_reads_hold(big: LoadedVersio
         budget_body = BODY_EXPANSION * body
         charge(budget_body)
         costs.admit(costs.verify_call(big, [], _verify(big, None, None), False), limits, "verify")
+
+
+def test_drafts_taken_as_certain_declare_no_draft_rows(big: LoadedVersion) -> None:
+    """Without a draft distribution a chain or a tree holds the logits and the stopping rows
+    alone; greedily over the head's own distribution, no logits at all."""
+    chain = costs.verify_call(big, [], _verify(big, None, None, probs=False), residual=False)
+    tree = _verify(big, np.array([-1, -1, -1, 1]), None, probs=False)
+    assert costs.verify_call(big, [], tree, residual=False).held == chain.held
+    assert chain.held < 320 * big.vocab_size * 4 + 5 * 64 * big.vocab_size * 4
+    greedy = replace(tree, greedy=True)
+    assert costs.verify_call(big, [], greedy, residual=False).held < 2**20

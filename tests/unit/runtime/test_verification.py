@@ -10,13 +10,17 @@ would: exactness holds only for drafts that follow ``q``."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 import numpy.typing as npt
 import pytest
 
 from service.runtime.verification import (
+    Verdict,
     chain_parents,
+    tree_verdict,
+    tree_walk,
     uniforms,
     verify_chain,
     verify_greedy,
@@ -112,16 +116,29 @@ def test_a_chain_emits_exactly_the_target_distribution(with_draft: bool) -> None
     assert target[0][first].min() > 0  # nothing the target filtered is ever emitted
 
 
-def test_a_tree_with_three_children_at_the_root_emits_exactly_the_target() -> None:
+def _tree_by_reads(target: Doubles, draft_ids: Ids, parents: Ids, u: Doubles) -> Verdict:
+    """Drafts taken as certain, read as ``plane.verify_plain`` reads them: p at each draft
+    in its parent's row, then the one row where the walk ended."""
+    every = np.arange(len(draft_ids))
+    p_x = target[every[:, None], parents[None, :] + 1, draft_ids]
+    walk = tree_walk(p_x, draft_ids, parents, u)
+    return tree_verdict(target[every, walk.current + 1], draft_ids, parents, walk, u)
+
+
+@pytest.mark.parametrize("rule", [verify_tree, _tree_by_reads], ids=["dense", "reads"])
+def test_a_tree_with_three_children_at_the_root_emits_exactly_the_target(
+    rule: Callable[..., Verdict],
+) -> None:
     """Nodes 0, 1, 2 are the root's children (tokens 3, 7, 11), node 3 is node 1's child:
     the first token follows p at the root, its acceptance is the three tokens' mass, and
-    after node 1 the next token follows node 1's distribution."""
+    after node 1 the next token follows node 1's distribution; whole rows at every position
+    (``verify_tree``) or p at the drafts and the row where the walk ended."""
     rng = np.random.default_rng(4646)
     parents = np.array([-1, -1, -1, 1])
     target = _distributions(rng, 5, sharp=0.5)
     target[0] = rng.dirichlet(np.full(VOCAB, 0.5))
     tokens = np.array([3, 7, 11, int(np.argmax(target[2]))])
-    verdict = verify_tree(
+    verdict = rule(
         np.broadcast_to(target, (RUNS, 5, VOCAB)),
         np.broadcast_to(tokens, (RUNS, 4)),
         parents,
@@ -150,6 +167,25 @@ def test_a_chain_as_a_tree_is_the_chain_without_a_draft() -> None:
     tree = verify_tree(target, draft_ids, chain_parents(k), u)
     for name in ("accepted", "token_ids", "positions", "nodes"):
         assert (getattr(chain, name) == getattr(tree, name)).all(), name
+
+
+def test_a_tree_read_at_its_drafts_walks_as_the_dense_tree() -> None:
+    """Drafts taken as certain on a tree of two levels with siblings that repeat a token
+    (a repeat has no mass left once its twin is rejected): p at the drafts and the row where
+    the walk ended make the choices ``verify_tree`` makes from every whole row, uniform for
+    uniform."""
+    rng = np.random.default_rng(8)
+    rows, parents = 5_000, np.array([-1, -1, -1, 0, 1, 1, 1, 5])
+    nodes = len(parents)
+    target = _distributions(rng, rows * (nodes + 1), sharp=0.3).reshape(rows, nodes + 1, VOCAB)
+    draft_ids = rng.integers(0, 4, (rows, nodes))  # few tokens: siblings repeat
+    u = rng.random((rows, nodes + 1))
+    dense = verify_tree(target, draft_ids, parents, u)
+    reads = _tree_by_reads(target, draft_ids, parents, u)
+    for name in ("accepted", "token_ids", "positions", "nodes"):
+        assert (getattr(dense, name) == getattr(reads, name)).all(), name
+    assert {0, 1, 2} <= set(dense.accepted.tolist())
+    assert (draft_ids[:, 1] == draft_ids[:, 0]).any()
 
 
 def _greedy_decoding(target: Doubles, draft_ids: Ids) -> list[list[int]]:
