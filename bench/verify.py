@@ -1,8 +1,9 @@
 """``/verify`` against a plain ``/topk`` of the same rows (issue 46's speed target: at most
 1.25x; with ``draft_model``, at most 1.25x the two heads' ``/topk`` together): 64 sequences
 of K = 4 drafts (320 rows: four drafted positions and one more) with the draft's
-probabilities, with drafts taken as certain, and with a draft head (d_model a quarter of the
-target's) computing them; top-10 for the ``/topk``s (the draft head's of its own 256 rows).
+probabilities, with drafts taken as certain (a chain, and a tree: three children at the root,
+one under the second), and with a draft head (d_model a quarter of the target's) computing
+them; top-10 for the ``/topk``s (the draft head's of its own 256 rows).
 Also the two requests' sizes on the wire (the client's ``.npz`` body and query): a
 ``draft_model`` request against one carrying ``draft_probs`` (the target: 20x smaller).
 
@@ -34,7 +35,7 @@ from service.client.verify_call import verify_arrays_call
 from service.heads.files import HeadWeights, save_head
 
 SEQUENCES, DRAFTS = 64, 4
-CALLS = ("topk", "topk_draft", "probs", "certain", "draft_model")
+CALLS = ("topk", "topk_draft", "probs", "certain", "tree", "draft_model")
 PROFILE = ("project_top10", "project_full")
 WORKER = Path(__file__).with_name("verify_worker.py")
 
@@ -54,9 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     print(
         "| head | build | /topk ms (CPU) | /verify draft_probs ms (CPU) | ratio wall (CPU) "
         "| /verify certain | ratio | draft head /topk | /verify draft_model "
-        "| ratio to both /topk |"
+        "| ratio to both /topk | /verify tree, certain | ratio |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     notes = []
     for size in args.sizes.split(","):
         vocab, d_model = (int(part) for part in size.split("x"))
@@ -175,7 +176,8 @@ def _row(
         f"| {vocab} x {d_model} | {build} | {ms('topk')} | {ms('probs')} "
         f"| {ratio('probs', 'topk')} | {ms('certain')} | {ratio('certain', 'topk')} "
         f"| {ms('topk_draft')} | {ms('draft_model')} "
-        f"| {ratio('draft_model', 'topk', 'topk_draft')} |"
+        f"| {ratio('draft_model', 'topk', 'topk_draft')} | {ms('tree')} "
+        f"| {ratio('tree', 'topk')} |"
     )
 
 
@@ -186,7 +188,7 @@ def _profile_row(
         f"| {vocab} x {d_model} | {build}: projections alone | top-10 of the 320 rows "
         f"{1000 * wall['project_top10']:.1f} ({1000 * cpu['project_top10']:.1f}) | "
         f"top-1 with full logits {1000 * wall['project_full']:.1f} "
-        f"({1000 * cpu['project_full']:.1f}) | | | | | | |"
+        f"({1000 * cpu['project_full']:.1f}) | | | | | | | | |"
     )
 
 

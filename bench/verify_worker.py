@@ -28,6 +28,8 @@ from service.settings import Settings
 from service.verify_messages import VerifyRequest
 
 K = 10
+#: Drafts taken as certain as a tree: three children at the root, one under the second.
+TREE = np.array([-1, -1, -1, 1])
 
 
 def main() -> int:
@@ -54,6 +56,7 @@ async def _serve(root: Path) -> None:
             "topk_draft": lambda: plane.topk(TopKRequest(drafter, drafted, K, logprobs=True)),
             "probs": lambda: plane.verify(VerifyRequest(head, hidden, ids, probs)),
             "certain": lambda: plane.verify(VerifyRequest(head, hidden, ids)),
+            "tree": lambda: plane.verify(VerifyRequest(head, hidden, ids, draft_parents=TREE)),
             "draft_model": lambda: plane.verify(
                 VerifyRequest(head, hidden, ids, draft_model="drafter", draft_hidden_states=states)
             ),
