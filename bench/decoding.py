@@ -31,6 +31,7 @@ import numpy.typing as npt
 
 from bench.decoding_served import served_report
 from bench.machine import describe_machine
+from service.allocator import settle_allocator
 from service.heads.files import HeadWeights, save_head
 from service.messages import (
     DecodingOptions,
@@ -59,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--served", action="store_true")
     parser.add_argument("--output", type=Path)
     args = parser.parse_args(argv)
+    settle_allocator()  # the service's allocator: buffers from 1 MiB up are fresh mappings
     lines = [describe_machine(), "", _legend(), ""]
     lines += ["| head | request | wall ms | CPU ms | vs plain (wall) | vs plain (CPU) |"]
     lines += ["|---|---|---|---|---|---|"]
