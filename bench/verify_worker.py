@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from service.allocator import settle_allocator
 from service.messages import Target, TopKRequest
 from service.metrics import Metrics
 from service.plane.dataplane import DataPlane
@@ -33,6 +34,7 @@ TREE = np.array([-1, -1, -1, 1])
 
 
 def main() -> int:
+    settle_allocator()  # the service's allocator: buffers from 1 MiB up are fresh mappings
     asyncio.run(_serve(Path(sys.argv[1])))
     return 0
 
