@@ -9,8 +9,10 @@ graph's own log-sum-exp where the distribution is the head's own at a temperatur
 decoding step's run where any option shapes it), so nothing is projected twice and no
 (rows x vocab) probabilities are made. A greedy verification of the head's own distribution
 reads the top-1 graph alone. The rule is ``service.runtime.verification``'s: ``chain_accepted``
-and ``chain_verdict`` (what ``verify_chain`` calls), ``tree_walk`` and ``tree_verdict`` (the
-walk of ``verify_tree`` without a draft distribution, from p at the drafts), ``greedy_of_top``.
+and ``chain_emitted`` (``chain_verdict``'s draw, what ``verify_chain`` calls, a few sequences
+at a time: their stopping rows made below the mmap threshold in a reused buffer),
+``tree_walk`` and ``tree_verdict`` (the walk of ``verify_tree`` without a draft distribution,
+from p at the drafts), ``greedy_of_top``.
 A tree with a draft distribution stays on the dense path (``plane.verify``): each rejection
 there makes a residual of a whole row, at every node the walk passes.
 """
@@ -31,14 +33,15 @@ from service.runtime.processors import LogprobsMode
 from service.runtime.verification import (
     Verdict,
     chain_accepted,
+    chain_assembled,
+    chain_emitted,
     chain_parents,
-    chain_verdict,
     greedy_of_top,
     tree_verdict,
     tree_walk,
     uniforms,
 )
-from service.runtime.vocabulary import Floats, Ids, Shape
+from service.runtime.vocabulary import CHUNK_BYTES, Floats, Ids, Shape
 from service.verify_messages import VerifyResult
 
 
@@ -118,21 +121,35 @@ def _chain(
     u: npt.NDArray[np.float64],
 ) -> Verdict:
     """A chain's verdict: the drafts accepted, then the stopping rows (the target's, and the
-    draft's where a draft distribution is given) for the emitted token."""
+    draft's where a sequence rejects and a draft distribution is given) for the emitted
+    token, a few sequences at a time: each chunk's rows below the mmap threshold the service
+    fixes (``allocator.settle_allocator``), in buffers reused chunk by chunk, where whole
+    (sequences x vocab) rows were fresh mappings faulted in on every request."""
     draft_ids = checked.draft_ids
     sequences, k = draft_ids.shape
-    every = np.arange(sequences)
     accepted = chain_accepted(p_x, q_x, u)
-    p_rows = target.whole(every * (k + 1) + accepted)
-    q_rows = None
-    stop = np.minimum(accepted, k - 1)
-    if checked.draft_probs is not None:
-        q_rows = checked.draft_probs[every, stop]
-    elif drafted is not None:
-        q_rows = np.zeros_like(p_rows)
-        rejected = np.flatnonzero(accepted < k)
-        q_rows[rejected] = drafted.whole(rejected * k + stop[rejected])
-    return chain_verdict(p_rows, q_rows, draft_ids, accepted, u)
+    emitted = np.zeros(sequences, np.int64)
+    step = max(1, CHUNK_BYTES // (4 * max(1, target.vocab)))
+    p_buffer = np.empty((min(step, sequences), target.vocab), np.float32)
+    given = checked.draft_probs is not None or drafted is not None
+    q_buffer = np.empty_like(p_buffer) if given else None
+    for start in range(0, sequences, step):
+        every = np.arange(start, min(start + step, sequences))
+        p_rows = target.whole(every * (k + 1) + accepted[every], p_buffer)
+        rejected = every[accepted[every] < k]
+        stop = np.minimum(accepted[rejected], k - 1)
+        q_rows = None
+        if checked.draft_probs is not None and q_buffer is not None:
+            q_rows = q_buffer[: len(rejected)]
+            for at, (row, position) in enumerate(
+                zip(rejected.tolist(), stop.tolist(), strict=True)
+            ):
+                q_rows[at] = checked.draft_probs[row, position]
+        elif drafted is not None:
+            q_rows = drafted.whole(rejected * k + stop, q_buffer)
+        ids, got, chunk_u = draft_ids[every], accepted[every], u[every]
+        emitted[every] = chain_emitted(p_rows, q_rows, ids, got, chunk_u)
+    return chain_assembled(draft_ids, accepted, emitted)
 
 
 def _draft_at(

@@ -116,6 +116,7 @@ async def read(
     step = max(1, model.rows_per_run // per) * per
     width, k = raw_width(shape, model.vocab_size)
     processors = shape.processors
+    plain = processors is None and shape.bias is None and not filters(shape)
     loop = asyncio.get_running_loop()
     runs = []
     for start in range(0, len(rows), step):
@@ -127,7 +128,10 @@ async def read(
         raw = RawTop(projection.topk_logits, projection.topk_token_ids, projection.logsumexp)
         part = None if processors is None else processors.part(start, stop)
         args = (projection.logits, raw, temperature, part, shape, width)
-        runs.append(await loop.run_in_executor(model.runner.executor, _run, *args))
+        if plain:  # the head's own distribution: read as it is, no hop to the executor
+            runs.append(_run(*args))
+        else:
+            runs.append(await loop.run_in_executor(model.runner.executor, _run, *args))
     return runs, step
 
 
@@ -193,13 +197,21 @@ class Rows:
         values = self.values(rows, tokens).astype(np.float64) - self.kept_lse[rows]
         return np.where(self.kept(rows, tokens), np.exp(values), 0.0)
 
-    def whole(self, rows: Ids) -> Floats:
-        """The processed distribution of ``rows``, whole (float32, (rows, vocab))."""
-        vocab = self.runs[0].logits.shape[1] if self.runs else 0
-        found = np.empty((len(rows), vocab), np.float32)
+    @property
+    def vocab(self) -> int:
+        return self.runs[0].logits.shape[1] if self.runs else 0
+
+    def whole(self, rows: Ids, into: Floats | None = None) -> Floats:
+        """The processed distribution of ``rows``, whole (float32, (rows, vocab)); written
+        into ``into``'s first rows when given (a buffer reused chunk by chunk)."""
+        shape = (len(rows), self.vocab)
+        found = np.empty(shape, np.float32) if into is None else into[: len(rows)]
         for at, row in enumerate(rows.tolist()):
             run = self.runs[row // self.step]
-            np.subtract(run.whole(row % self.step), self.kept_lse[row], out=found[at])
+            local = row % self.step
+            plain = run.mask is None and run.ids is None  # nothing to remove: read in place
+            source = run.logits[local] if plain else run.whole(local)
+            np.subtract(source, self.kept_lse[row], out=found[at])
         with np.errstate(under="ignore"):
             np.exp(found, out=found)
         return found

@@ -189,7 +189,34 @@ def chain_verdict(
         else:
             residual = np.maximum(weights - q_rows, 0)
         weights = np.where(rejected[:, None], residual, weights)
-    emitted = _draw(weights, u[:, k])
+    return chain_assembled(draft_ids, accepted, _draw(weights, u[:, k]))
+
+
+def chain_emitted(
+    p_rows: Probs, q_rejected: Probs | None, draft_ids: Ids, accepted: Ids, u: Doubles
+) -> Ids:
+    """``chain_verdict``'s emitted tokens, the residuals made in ``p_rows`` itself (float32,
+    overwritten): ``q_rejected`` holds the draft's rows of the rejecting sequences alone, in
+    their order, of ``p_rows``' dtype (None: one-hot). Each sequence's token depends on its
+    own rows alone, so a caller may hand its sequences in a few at a time (each chunk's rows
+    below the mmap threshold) and gets the tokens ``chain_verdict`` draws, from the same
+    float32 residuals."""
+    k = draft_ids.shape[1]
+    rejected = np.flatnonzero(accepted < k) if k else np.zeros(0, np.int64)
+    if len(rejected):
+        stop = np.minimum(accepted[rejected], k - 1)
+        if q_rejected is None:  # one-hot q: the draft's token removed
+            p_rows[rejected, draft_ids[rejected, stop]] = 0.0
+        else:  # row by row in place: no temporary of the rows' size
+            for at, row in enumerate(rejected.tolist()):
+                np.subtract(p_rows[row], q_rejected[at], out=p_rows[row])
+                np.maximum(p_rows[row], 0, out=p_rows[row])
+    return _draw(p_rows, u[:, k])
+
+
+def chain_assembled(draft_ids: Ids, accepted: Ids, emitted: Ids) -> Verdict:
+    """A chain's verdict from its accepted counts and emitted tokens."""
+    k = draft_ids.shape[1]
     path = np.where(np.arange(k)[None, :] < accepted[:, None], np.arange(k)[None, :], -1)
     return _assemble(path.astype(np.int64), draft_ids, accepted, emitted, accepted)
 

@@ -18,7 +18,11 @@ import pytest
 
 from service.runtime.verification import (
     Verdict,
+    chain_accepted,
+    chain_assembled,
+    chain_emitted,
     chain_parents,
+    chain_verdict,
     tree_verdict,
     tree_walk,
     uniforms,
@@ -186,6 +190,37 @@ def test_a_tree_read_at_its_drafts_walks_as_the_dense_tree() -> None:
         assert (getattr(dense, name) == getattr(reads, name)).all(), name
     assert {0, 1, 2} <= set(dense.accepted.tolist())
     assert (draft_ids[:, 1] == draft_ids[:, 0]).any()
+
+
+@pytest.mark.parametrize("with_draft", [False, True])
+def test_a_chain_drawn_a_few_sequences_at_a_time_is_the_whole_chains_verdict(
+    with_draft: bool,
+) -> None:
+    """``chain_emitted`` over chunks of 1, 3 and 7 sequences (the residuals made in place,
+    the draft's rows of the rejecting sequences alone) emits what ``chain_verdict`` emits
+    from every sequence's rows at once, token for token: float32 rows of 1,000 tokens (the
+    draw's blocks and a partial last one), every count of accepted drafts."""
+    rng = np.random.default_rng(12)
+    rows, k, vocab = 300, 4, 1_000
+    p_rows = (rng.dirichlet(np.full(vocab, 0.1), rows)).astype(np.float32)
+    q_rows = (rng.dirichlet(np.full(vocab, 0.1), rows)).astype(np.float32)
+    draft_ids = rng.integers(0, vocab, (rows, k))
+    p_x, q_x = rng.random((rows, k)), rng.random((rows, k)) if with_draft else None
+    u = rng.random((rows, k + 1))
+    accepted = chain_accepted(p_x, q_x, u)
+    whole = chain_verdict(p_rows, q_rows if with_draft else None, draft_ids, accepted, u)
+    assert set(accepted.tolist()) == set(range(k + 1))
+    for step in (1, 3, 7):
+        emitted = np.zeros(rows, np.int64)
+        for start in range(0, rows, step):
+            part = slice(start, start + step)
+            rejected = np.flatnonzero(accepted[part] < k) + start
+            q_part = q_rows[rejected] if with_draft else None
+            ids, got = draft_ids[part], accepted[part]
+            emitted[part] = chain_emitted(p_rows[part].copy(), q_part, ids, got, u[part])
+        chunked = chain_assembled(draft_ids, accepted, emitted)
+        for name in ("accepted", "token_ids", "positions", "nodes"):
+            assert (getattr(whole, name) == getattr(chunked, name)).all(), (step, name)
 
 
 def _greedy_decoding(target: Doubles, draft_ids: Ids) -> list[list[int]]:
