@@ -320,7 +320,9 @@ class Batcher:
             result = self._run(started.rows, started.k, False, started.temperature)
         except Exception:
             logger.exception("inference failed for %s on a run of one request", self._label)
-        self._answer(batch, started.at, result, time.monotonic() - started.at)
+        seconds = time.monotonic() - started.at
+        started.log(self._label, seconds)
+        self._answer(batch, started.at, result, seconds)
         return True
 
     def _execute(self, started: Started) -> None:
@@ -343,14 +345,7 @@ class Batcher:
             )
         finally:
             seconds = time.monotonic() - started.at
-            if logger.isEnabledFor(logging.DEBUG):  # LMHEAD_LOG_LEVEL=debug: every run
-                logger.debug(
-                    "%s: ran %d rows of %d requests in %.2f ms",
-                    self._label,
-                    len(started.rows),
-                    len(started.batch),
-                    seconds * 1e3,
-                )
+            started.log(self._label, seconds)
             following = self._queued_now() if self._may_chain() else []
             if following:
                 self._launch(following)

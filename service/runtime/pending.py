@@ -5,6 +5,7 @@ requests make a batch, and when and where it runs)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -13,6 +14,8 @@ import numpy.typing as npt
 
 from service.errors import InferenceFailed
 from service.runtime.session import Projection
+
+logger = logging.getLogger("lmhead")
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,14 @@ class Started:
         )
         k = max(item.k for item in batch)
         return cls(batch, rows, temperature, k, any(item.full_logits for item in batch))
+
+    def log(self, label: str, seconds: float) -> None:
+        """LMHEAD_LOG_LEVEL=debug: one line per run, in the executor or on the event loop."""
+        if logger.isEnabledFor(logging.DEBUG):
+            rows, requests = len(self.rows), len(self.batch)
+            logger.debug(
+                "%s: ran %d rows of %d requests in %.2f ms", label, rows, requests, seconds * 1e3
+            )
 
 
 def fail(batch: list[Pending], label: str) -> None:
