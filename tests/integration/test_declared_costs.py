@@ -313,7 +313,7 @@ def test_a_served_request_stays_within_its_declared_cost(
 #: head is what the dense path's declaration refused with the default settings (~1.45 GB).
 PROBS = [
     ("short", 64, None, None),  # a chain: read where the rule reads
-    ("long", 64, 0.9, None),
+    ("long", 16, 0.9, None),  # the filters past the prefix: a byte a token
     ("short", 16, 0.9, [-1, -1, -1, 1]),  # a tree with draft_probs: every whole row
     ("big", 64, None, None),
 ]
