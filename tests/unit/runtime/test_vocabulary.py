@@ -66,9 +66,10 @@ def test_candidate_logits_equal_the_full_head_restricted(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Shared ids, ids per row (rows' own products, and one product with their union when
-    they share many); ``chunk_rows``: W's rows copied two at a time."""
-    if chunk_rows is not None:
-        monkeypatch.setattr(vocabulary, "CHUNK_BYTES", chunk_rows * 6 * D_MODEL * 4)
+    they share many; the union given by the caller, as the decoding step gives it, or
+    found); ``chunk_rows``: W's rows copied two at a time."""
+    if chunk_rows is not None:  # a row's own products, or two of W's rows for the union's
+        monkeypatch.setattr(vocabulary, "CHUNK_BYTES", chunk_rows * D_MODEL * 4)
     path = request.getfixturevalue(f"{kind}_path")
     session = _session(path, mode)
     assert session.candidates is not None
@@ -82,10 +83,11 @@ def test_candidate_logits_equal_the_full_head_restricted(
     sharing = np.random.default_rng(2).integers(0, 8, (5, 6))  # the union's product
     temperature = np.full(5, 0.5, np.float32)
     for ids in (shared, per_row, sharing):
-        got = session.candidates(hidden, ids, temperature)
         every = np.broadcast_to(ids, (5, ids.shape[-1]))
         want = np.take_along_axis(full, every, axis=1)
-        np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+        for union in (None, len(np.unique(ids))):
+            got = session.candidates(hidden, ids, temperature, union)
+            np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
 
 
 @pytest.mark.parametrize("chunked", [False, True])
@@ -96,26 +98,28 @@ def test_the_top_of_candidates_in_one_run_equals_the_full_head_restricted(
     """``CandidateLogits.top``: the top-k of the allowed tokens and their log-sum-exp, taken
     in the product's run; tied rows (equal logits) listed in id order. ``chunked``: W's rows
     read five at a time (as a long list is, to stay below the mmap threshold), the chunks'
-    tops merged, ties across chunks still in id order."""
-    if chunked:
-        monkeypatch.setattr(vocabulary, "CHUNK_BYTES", 5 * D_MODEL * 4)
+    tops merged, ties across chunks still in id order, every chunk's mass in the lse."""
+    if chunked:  # W's rows two at a time: a chunk of k = 5 ids, then the last 3
+        monkeypatch.setattr(vocabulary, "CHUNK_BYTES", 2 * D_MODEL * 4)
     table = np.random.default_rng(4).standard_normal((VOCAB, D_MODEL), dtype=np.float32)
     table[[40, 400, 900]] = table[700]  # four tokens with one row: their logits tie
     path = save_head(HeadWeights.from_arrays(table), tmp_path)
     session = _session(path, mode)
     assert session.candidates is not None
     assert session.candidates.plain
-    hidden = np.repeat(table[700:701] * np.float32(3.0), 3, axis=0)  # the tied rows on top
+    hidden = np.repeat(table[700:701] * np.float32(3.0), 4, axis=0)  # the tied rows on top
     hidden[2] = _hidden(1)[0]
-    temperature = np.array([1.0, 0.5, 2.0], np.float32)
+    hidden[3] = 0.0  # every logit 0: each allowed token a share of 1/8, all tied
+    temperature = np.array([1.0, 0.5, 2.0, 1.0], np.float32)
     allowed = np.sort(np.array([900, 5, 40, 700, 123, 400, 31, 64], np.int64))
     values, ids, lse = session.candidates.top(hidden, allowed, temperature, 5)
     full = session.project(hidden, 1, temperature=temperature, full_logits=True).logits
     assert full is not None
     restricted = full[:, allowed]
     order = np.lexsort((np.broadcast_to(allowed, restricted.shape), -restricted), axis=1)[:, :5]
-    np.testing.assert_array_equal(ids[:2], np.broadcast_to(allowed, (3, 8))[:2, order[0]])
+    np.testing.assert_array_equal(ids[:2], np.broadcast_to(allowed, (4, 8))[:2, order[0]])
     np.testing.assert_array_equal(ids[:2, :4], [[40, 400, 700, 900]] * 2)  # ties: id order
+    np.testing.assert_array_equal(ids[3], allowed[:5])  # all tied: the lowest ids, in order
     np.testing.assert_allclose(values, np.take_along_axis(restricted, order, 1), RTOL, ATOL)
     np.testing.assert_allclose(lse, logsumexp(restricted), rtol=RTOL, atol=ATOL)
 
