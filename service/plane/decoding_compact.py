@@ -18,9 +18,9 @@ import numpy as np
 import numpy.typing as npt
 
 from service.repository.loaded_version import LoadedVersion
-from service.runtime.compact_step import Allowed, compact_step
+from service.runtime.compact_step import compact_step
 from service.runtime.processors import Processors
-from service.runtime.sparse_masks import SPARSE, allowed_counts, set_bits
+from service.runtime.sparse_masks import SPARSE, Allowed, allowed_counts
 from service.runtime.step import StepRun
 from service.runtime.vocabulary import Bias, CandidateLogits, SampleSpec, refuse_overflow
 
@@ -52,14 +52,8 @@ def compact_rows(model: LoadedVersion, processors: Processors, rows: int) -> Com
     if extent is None:
         return None
     few, _, union = extent
-    bitmask = processors.bitmask
-    assert bitmask is not None
-    words = bitmask if len(bitmask) == 1 else bitmask[few]
-    row, tokens = set_bits(words, model.vocab_size)
-    if len(bitmask) == 1:  # one mask for every row: its tokens for each
-        row = np.repeat(np.arange(len(few), dtype=np.int64), len(tokens))
-        tokens = np.tile(tokens, len(few))
-    return CompactRows(few, Allowed.of(row, tokens, len(few)), union)
+    assert processors.bitmask is not None
+    return CompactRows(few, Allowed.of_mask(processors.bitmask, few, model.vocab_size), union)
 
 
 def compact_extent(

@@ -14,40 +14,18 @@ past it). Answers name tokens, not columns.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
 from service.runtime.processed_at import processed, touched
 from service.runtime.processors import Processors
-from service.runtime.sparse_masks import Ids
+from service.runtime.sparse_masks import Allowed
 from service.runtime.step import StepRun, step_run
 from service.runtime.vocabulary import Bias, SampleSpec
 
 Floats = npt.NDArray[np.float32]
 Flags = npt.NDArray[np.bool_]
-
-
-@dataclass(frozen=True)
-class Allowed:
-    """Each row's allowed tokens, ascending, padded to the longest row with that row's first
-    token (``tokens``: a valid id to compute, never answered); ``real`` marks each row's own."""
-
-    tokens: Ids
-    real: Flags
-
-    @classmethod
-    def of(cls, row: Ids, tokens: Ids, rows: int) -> Allowed:
-        """From (row, token) pairs in row then token order (``sparse_masks.set_bits``);
-        every one of the ``rows`` allows at least one token."""
-        counts = np.bincount(row, minlength=rows)
-        column = np.arange(len(tokens)) - (np.cumsum(counts) - counts)[row]
-        real = np.zeros((rows, int(counts.max())), np.bool_)
-        real[row, column] = True
-        padded = np.repeat(tokens[np.cumsum(counts) - counts][:, None], real.shape[1], axis=1)
-        padded[row, column] = tokens
-        return cls(padded, real)
 
 
 def compact_step(

@@ -25,22 +25,54 @@ _BYTE_BITS = np.array([bin(value).count("1") for value in range(256)], np.uint8)
 
 
 @dataclass(frozen=True)
+class Allowed:
+    """Rows' allowed tokens, each row's ascending, padded to the longest row with that row's
+    first token (``tokens``: a valid id to compute with, never answered); ``real`` marks each
+    row's own."""
+
+    tokens: Ids
+    real: npt.NDArray[np.bool_]
+
+    @classmethod
+    def of_mask(cls, bitmask: Words, rows: Ids, vocab: int) -> Allowed:
+        """The tokens ``rows`` of a request allow under ``bitmask`` (one mask for every row,
+        or one per row); each of them allows at least one."""
+        if len(bitmask) == 1:  # one mask: its tokens once, repeated for each row
+            tokens = set_bits(bitmask, vocab)[1]
+            return cls.of(
+                np.repeat(np.arange(len(rows)), len(tokens)), np.tile(tokens, len(rows)), len(rows)
+            )
+        row, tokens = set_bits(bitmask[rows], vocab)
+        return cls.of(row, tokens, len(rows))
+
+    @classmethod
+    def of(cls, row: Ids, tokens: Ids, rows: int) -> Allowed:
+        """From (row, token) pairs in row then token order (``set_bits``); every one of the
+        ``rows`` allows at least one token."""
+        counts = np.bincount(row, minlength=rows)
+        column = np.arange(len(tokens)) - (np.cumsum(counts) - counts)[row]
+        real = np.zeros((rows, int(counts.max())), np.bool_)
+        real[row, column] = True
+        padded = np.repeat(tokens[np.cumsum(counts) - counts][:, None], real.shape[1], axis=1)
+        padded[row, column] = tokens
+        return cls(padded, real)
+
+
+@dataclass(frozen=True)
 class MaskPlan:
-    """Each row's reading: ``allowing`` the rows that allow few, ``allowed_row`` (an index
-    into ``allowing``) and ``allowed`` their tokens, in row then token order; ``forbidden``
-    the flat indexes (row * vocab + token) the rows forbidding few forbid, ascending; and
-    ``whole`` the rows read whole."""
+    """Each row's reading: ``allowing`` the rows that allow few and ``allowed`` their tokens;
+    ``forbidden`` the flat indexes (row * vocab + token) the rows forbidding few forbid,
+    ascending; and ``whole`` the rows read whole."""
 
     allowing: Ids
-    allowed_row: Ids
-    allowed: Ids
+    allowed: Allowed | None
     forbidden: Ids
     whole: npt.NDArray[np.bool_]
 
     @classmethod
     def unmasked(cls, rows: int) -> MaskPlan:
         empty = np.zeros(0, np.int64)
-        return cls(empty, empty, empty, empty, np.zeros(rows, np.bool_))
+        return cls(empty, None, empty, np.zeros(rows, np.bool_))
 
 
 def plan(bitmask: Words | None, rows: int, vocab: int, width: int) -> MaskPlan:
@@ -55,16 +87,13 @@ def plan(bitmask: Words | None, rows: int, vocab: int, width: int) -> MaskPlan:
     forbidding = np.flatnonzero(vocab - counts <= few)
     whole = np.ones(rows, np.bool_)
     whole[allowing] = whole[forbidding] = False
-    if len(bitmask) == 1:  # one mask: its tokens once, repeated for its rows
-        tokens = set_bits(bitmask, vocab)[1]
-        allowed_row = np.repeat(np.arange(len(allowing), dtype=np.int64), len(tokens))
-        allowed = np.tile(tokens, len(allowing))
+    allowed = Allowed.of_mask(bitmask, allowing, vocab) if allowing.size else None
+    if len(bitmask) == 1:  # one mask: the tokens it forbids, for each forbidding row
         gone = set_bits(np.invert(bitmask), vocab)[1]
         forbidden = (forbidding[:, None] * vocab + gone).reshape(-1)
-        return MaskPlan(allowing, allowed_row, allowed, forbidden, whole)
-    allowed_row, allowed = set_bits(bitmask[allowing], vocab)
+        return MaskPlan(allowing, allowed, forbidden, whole)
     at, gone = set_bits(np.invert(bitmask[forbidding]), vocab)
-    return MaskPlan(allowing, allowed_row, allowed, forbidding[at] * vocab + gone, whole)
+    return MaskPlan(allowing, allowed, forbidding[at] * vocab + gone, whole)
 
 
 def allowed_counts(words: Words, vocab: int) -> Ids:

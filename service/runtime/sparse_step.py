@@ -151,13 +151,11 @@ def _changed(
 def _read_allowed(logits: Floats, masks: MaskPlan, values: Floats, ids: Ids, lse: Floats) -> None:
     """The allowing rows' top and log-sum-exp over their allowed tokens alone, padded to the
     longest (-inf, and an id past the vocabulary so padding sorts last)."""
-    allowing, row, tokens = masks.allowing, masks.allowed_row, masks.allowed
-    counts = np.bincount(row, minlength=len(allowing))
-    column = np.arange(len(tokens)) - (np.cumsum(counts) - counts)[row]
-    gathered = np.full((len(allowing), int(counts.max())), -np.inf, np.float32)
-    columns = np.full(gathered.shape, logits.shape[1], np.int64)
-    gathered[row, column] = logits[allowing[row], tokens]
-    columns[row, column] = tokens
+    allowing, allowed = masks.allowing, masks.allowed
+    assert allowed is not None  # a plan with allowing rows has their tokens
+    gathered = np.where(allowed.real, logits[allowing[:, None], allowed.tokens], -np.inf)
+    gathered = gathered.astype(np.float32, copy=False)
+    columns = np.where(allowed.real, allowed.tokens, logits.shape[1])
     values[allowing], ids[allowing] = top_sorted(gathered, columns, values.shape[1])
     # a row with nothing left (every allowed token banned) never gets here: the options
     # refuse it before any run (``plane.decoding_options.refuse_empty_rows``)

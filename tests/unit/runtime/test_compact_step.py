@@ -11,9 +11,9 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from service.runtime.compact_step import Allowed, compact_step
+from service.runtime.compact_step import compact_step
 from service.runtime.processors import Histories, Processors, pack
-from service.runtime.sparse_masks import set_bits
+from service.runtime.sparse_masks import Allowed, set_bits
 from service.runtime.step import StepRun, step_run
 from service.runtime.vocabulary import Bias, SampleSpec
 
