@@ -19,6 +19,7 @@ such tokens any row has left. Draws: ``sample.n`` per row, their log-probs in th
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +28,7 @@ import numpy.typing as npt
 
 from service.messages import LogitsResult, Sampled, TopKResult
 from service.plane import distribution
-from service.plane.decoding_compact import compact_rows, compact_run
+from service.plane.decoding_compact import compact_job, compact_rows, compact_run
 from service.plane.distribution import SAMPLE_PREFIX
 from service.plane.options import CheckedTopK
 from service.repository.loaded_version import LoadedVersion
@@ -66,25 +67,30 @@ async def decoding_topk(
     model: LoadedVersion, rows: Floats, k: int, temperature: float, shape: Shape
 ) -> Decoded:
     """The step over (rows, d_model) final states: the rows whose mask allows few tokens
-    through those tokens alone (``decoding_compact``), the others run by run."""
+    through those tokens alone (``decoding_compact``), the others run by run; the compact
+    rows' step goes in the same hop to the executor as the first run's."""
     processors = shape.processors or Processors()
     spec = shape.sample
     u = None if spec is None else streams(spec, len(rows))
     compact = compact_rows(model, processors, len(rows))
     if compact is None:
-        return _joined(await _whole_runs(model, rows, k, temperature, shape, processors, u), k)
+        runs, _ = await _whole_runs(model, rows, k, temperature, shape, processors, u)
+        return _joined(runs, k)
     taken = compact.rows
     drawn = None if u is None else u[taken]
-    args = (temperature, processors.take(taken), shape.bias, spec, drawn)
-    parts = [(taken, await compact_run(model, rows[taken], compact, *args))]
-    rest = np.setdiff1d(np.arange(len(rows), dtype=np.int64), taken)
-    if rest.size:
-        drawn = None if u is None else u[rest]
-        whole = await _whole_runs(
-            model, rows[rest], k, temperature, shape, processors.take(rest), drawn
-        )
-        parts += [(rest[at], run) for at, run in whole]
-    return _joined(parts, k)
+    args = (temperature, processors, shape.bias, spec, drawn)
+    job = compact_job(model, rows[taken], compact, *args)
+    if len(taken) == len(rows):
+        return _joined([(taken, await compact_run(model, job, len(taken)))], k)
+    whole_rows = np.ones(len(rows), np.bool_)
+    whole_rows[taken] = False
+    rest = np.flatnonzero(whole_rows)
+    drawn = None if u is None else u[rest]
+    runs, beside = await _whole_runs(
+        model, rows[rest], k, temperature, shape, processors.take(rest), drawn, job
+    )
+    assert beside is not None
+    return _joined([(taken, beside)] + [(rest[at], run) for at, run in runs], k)
 
 
 async def _whole_runs(
@@ -95,23 +101,37 @@ async def _whole_runs(
     shape: Shape,
     processors: Processors,
     u: npt.NDArray[np.float64] | None,
-) -> list[tuple[Ids, StepRun]]:
-    """The step of rows projected whole, run by run: each run's rows and its step."""
+    beside: Callable[[], StepRun] | None = None,
+) -> tuple[list[tuple[Ids, StepRun]], StepRun | None]:
+    """The step of rows projected whole, run by run: each run's rows and its step; and
+    ``beside``'s, done in the first run's hop (one hop, not two)."""
     width = width_of(k, shape, model.vocab_size)
     runs = []
     step = model.rows_per_run
     loop = asyncio.get_running_loop()
     raw_width = min(model.vocab_size, width + RAW_SLACK)
+    done = None
     for start in range(0, len(rows), step):
         stop = min(start + step, len(rows))
         logits, raw = await _full_logits(model, rows[start:stop], temperature, raw_width)
         part = processors.part(start, stop)
         drawn = None if u is None else u[start:stop]
         args = (logits, temperature, part, shape.bias, shape.sample, width, drawn, raw)
-        run = await loop.run_in_executor(model.runner.executor, step_run, *args)
+        run, side = await loop.run_in_executor(
+            model.runner.executor, _steps, args, None if start else beside
+        )
+        done = done or side
         runs.append((np.arange(start, stop, dtype=np.int64), run))
         del logits
-    return runs
+    return runs, done
+
+
+def _steps(
+    args: tuple[Any, ...], beside: Callable[[], StepRun] | None
+) -> tuple[StepRun, StepRun | None]:
+    """A run's step, and ``beside`` after it."""
+    run = step_run(*args)
+    return run, None if beside is None else beside()
 
 
 async def processed_logits(

@@ -12,6 +12,7 @@ whole (``service.plane.decoding``). ``costs.decoding`` declares what this holds.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,7 +23,7 @@ from service.runtime.compact_step import compact_step
 from service.runtime.processors import Processors
 from service.runtime.sparse_masks import SPARSE, Allowed, allowed_counts
 from service.runtime.step import StepRun
-from service.runtime.vocabulary import Bias, CandidateLogits, SampleSpec, refuse_overflow
+from service.runtime.vocabulary import Bias, SampleSpec, refuse_overflow
 
 Floats = npt.NDArray[np.float32]
 Ids = npt.NDArray[np.int64]
@@ -32,17 +33,12 @@ MAX_UNION_BYTES = 64 * 2**20
 
 @dataclass(frozen=True)
 class CompactRows:
-    """A request's rows read compact (``rows``, ascending), their allowed tokens, and how
-    many distinct tokens they name together (``union``)."""
+    """A request's rows read compact (``rows``, ascending) and how many distinct tokens they
+    allow together (``union``); which tokens, their step reads from the mask itself (in the
+    executor, not on the event loop)."""
 
     rows: Ids
-    allowed: Allowed
     union: int
-
-    @property
-    def width(self) -> int:
-        """Tokens of the longest row."""
-        return int(self.allowed.tokens.shape[1])
 
 
 def compact_rows(model: LoadedVersion, processors: Processors, rows: int) -> CompactRows | None:
@@ -52,8 +48,7 @@ def compact_rows(model: LoadedVersion, processors: Processors, rows: int) -> Com
     if extent is None:
         return None
     few, _, union = extent
-    assert processors.bitmask is not None
-    return CompactRows(few, Allowed.of_mask(processors.bitmask, few, model.vocab_size), union)
+    return CompactRows(few, union)
 
 
 def compact_extent(
@@ -77,7 +72,7 @@ def compact_extent(
     return few, int(counts[few].max()), union
 
 
-async def compact_run(
+def compact_job(
     model: LoadedVersion,
     hidden: Floats,
     compact: CompactRows,
@@ -86,28 +81,28 @@ async def compact_run(
     bias: Bias | None,
     sample: SampleSpec | None,
     u: npt.NDArray[np.float64] | None,
-) -> StepRun:
-    """The step of the compact rows (``hidden`` their states, ``processors`` and ``u``
-    theirs): their tokens' logits and ``compact_step``, in one hop to the inference executor."""
+) -> Callable[[], StepRun]:
+    """The step of the compact rows (``hidden`` their states, ``u`` theirs; ``processors``
+    the request's), for the inference executor: their allowed tokens, those tokens' logits
+    from W's rows and ``compact_step``. ``plane.decoding`` runs it in the same hop as the
+    other rows' first step, or alone (``compact_run``) when every row is compact."""
     candidates = model.session.candidates
     assert candidates is not None  # ``compact_rows`` reads no rows of a head without
+    assert processors.bitmask is not None  # compact rows are rows of a mask
+    bitmask, vocab = processors.bitmask, model.vocab_size
     per_row = np.full(len(hidden), temperature, np.float32)
-    args = (candidates, hidden, compact, per_row, temperature, processors, bias, sample)
-    return await model.run_alone(len(hidden), _step, *args, u, model.vocab_size)
+
+    def job() -> StepRun:
+        allowed = Allowed.of_mask(bitmask, compact.rows, vocab)
+        logits = candidates(hidden, allowed.tokens, per_row, compact.union)
+        refuse_overflow(logits, logits, temperature=temperature)
+        own = processors.take(compact.rows)
+        return compact_step(logits, allowed, temperature, own, bias, sample, u, vocab)
+
+    return job
 
 
-def _step(
-    candidates: CandidateLogits,
-    hidden: Floats,
-    compact: CompactRows,
-    per_row: Floats,
-    temperature: float,
-    processors: Processors,
-    bias: Bias | None,
-    sample: SampleSpec | None,
-    u: npt.NDArray[np.float64] | None,
-    vocab: int,
-) -> StepRun:
-    logits = candidates(hidden, compact.allowed.tokens, per_row, compact.union)
-    refuse_overflow(logits, logits, temperature=temperature)
-    return compact_step(logits, compact.allowed, temperature, processors, bias, sample, u, vocab)
+async def compact_run(model: LoadedVersion, job: Callable[[], StepRun], rows: int) -> StepRun:
+    """A request whose every row is compact: its ``compact_job`` as a run of the head (in the
+    run metrics, as the candidates' rows of W are)."""
+    return await model.run_alone(rows, job)

@@ -42,8 +42,7 @@ def compact_step(
     place), ``processors`` the rows' options; ids in the answer are tokens."""
     rows = len(logits)
     keys = (np.arange(rows, dtype=np.int64)[:, None] * vocab + allowed.tokens)[allowed.real]
-    touch = touched(processors, bias, rows, vocab, listed=keys)
-    own = touch.where(touch.listed)  # exactly ``keys``, in the same (ascending) order
+    own = touched(processors, bias, rows, vocab, listed=keys)  # exactly ``keys``, in order
     logits[allowed.real] = processed(processors, own, logits[allowed.real], temperature)
     logits[~allowed.real] = -np.inf
     neutral = Processors(logprobs_mode=processors.logprobs_mode, order=processors.order)

@@ -103,31 +103,41 @@ def touched(
     listed: Ids | None = None,
 ) -> Touched:
     """Every token of a run of ``rows`` the bias, a processor or ``forbidden`` (flat
-    indexes a mask forbids) touches, and ``listed`` ones: one sort of them all, each tagged
-    by what put it there (no lookup of one set in another)."""
+    indexes a mask forbids) touches: one sort of them all, each tagged by what put it there
+    (no lookup of one set in another). With ``listed`` (ascending flat indexes): those
+    tokens alone, touched or not (the histories' other tokens are dropped before the sort:
+    a row's few allowed tokens against its hundreds of history tokens)."""
     every = np.arange(rows, dtype=np.int64)
     parts: list[tuple[Ids, int]] = [(np.zeros(0, np.int64), LISTED)]
+    wanted = None
     if listed is not None:
         parts.append((listed, LISTED))
+        wanted = np.zeros(vocab, np.bool_)
+        wanted[listed % vocab] = True
     if bias is not None:
         parts.append(((every[:, None] * vocab + bias.ids).reshape(-1), BIAS))
     parts.append((banned(processors, rows, vocab), BANNED))
     if processors.repetition != 1.0 and processors.prompt is not None:
-        parts.append((flat_indexes(processors.prompt, vocab), PROMPT))
+        parts.append((flat_indexes(processors.prompt, vocab, wanted), PROMPT))
     if processors.penalizes and processors.output is not None:
-        parts.append((flat_indexes(processors.output, vocab), OUTPUT))
+        parts.append((flat_indexes(processors.output, vocab, wanted), OUTPUT))
     if forbidden is not None:
         parts.append((forbidden, FORBIDDEN))
     keys = np.sort(np.concatenate([(part << TAG_BITS) | tag for part, tag in parts]))
-    flat, tags = keys >> TAG_BITS, keys & ((1 << TAG_BITS) - 1)
-    starts = np.flatnonzero(np.concatenate([[True], flat[1:] != flat[:-1]]))[: len(keys)]
+    flat = keys >> TAG_BITS
+    first = np.empty(len(keys), np.bool_)
+    first[:1] = True
+    np.not_equal(flat[1:], flat[:-1], out=first[1:])
+    starts = np.flatnonzero(first)
     at = flat[starts]
-    # each index's tags as bits (one OR per index) and its output count (one sum)
-    bits = np.bitwise_or.reduceat(np.left_shift(1, tags), starts) if len(keys) else tags
-    outputs = np.add.reduceat((tags == OUTPUT).astype(np.int64), starts) if len(keys) else tags
+    # each index's tags as bits of a byte (one OR per index), its output count (one sum)
+    tag_bits = np.left_shift(np.uint8(1), (keys & ((1 << TAG_BITS) - 1)).astype(np.uint8))
+    bits = np.bitwise_or.reduceat(tag_bits, starts) if len(keys) else tag_bits
+    output_tag = tag_bits == np.uint8(1 << OUTPUT)
+    outputs = np.add.reduceat(output_tag, starts, dtype=np.int64) if len(keys) else flat
 
     def has(tag: int) -> Flags:
-        flags: Flags = (bits >> tag) & 1 == 1
+        flags: Flags = (bits & np.uint8(1 << tag)) != 0
         return flags
 
     values = np.zeros(len(at), np.float32)
@@ -135,7 +145,8 @@ def touched(
         biased = np.flatnonzero(has(BIAS))
         values[biased] = bias.values[np.searchsorted(bias.ids, at[biased] % vocab)]
     seen = (has(PROMPT) | (outputs > 0)) & (processors.repetition != 1.0)
-    return Touched(at, values, has(BANNED), seen, outputs, has(FORBIDDEN), has(LISTED))
+    touch = Touched(at, values, has(BANNED), seen, outputs, has(FORBIDDEN), has(LISTED))
+    return touch if listed is None else touch.where(touch.listed)
 
 
 def processed(processors: Processors, touch: Touched, values: Floats, temperature: float) -> Floats:
@@ -155,7 +166,7 @@ def processed(processors: Processors, touch: Touched, values: Floats, temperatur
         pick = np.minimum if factor > 1 else np.maximum
         out[seen] = pick(chosen / factor, chosen * factor)
     if processors.presence or processors.frequency:
-        found = np.flatnonzero(touch.count)
+        found = np.flatnonzero(touch.count > 0)  # of booleans: ints branch on each
         penalty = (processors.frequency * touch.count[found] + processors.presence) / temperature
         out[found] -= penalty.astype(np.float32)
     out[np.flatnonzero(touch.forbids)] = -np.inf
@@ -199,13 +210,17 @@ def bad_word_hits(output: Histories, words: Histories) -> list[tuple[Ids, int]]:
     return hits
 
 
-def flat_indexes(histories: Histories, vocab: int) -> Ids:
+def flat_indexes(histories: Histories, vocab: int, wanted: Flags | None = None) -> Ids:
     """Each history token's index in the run's flattened logits (tokens a trimmed head lacks,
-    negative, left out)."""
-    values = histories.values
-    flat: Ids = histories.row_of_each() * vocab + values
+    negative, left out; with ``wanted``, a flag per column, only those columns)."""
+    values, rows = histories.values, histories.row_of_each()
     if values.size and values.min() < 0:
-        flat = flat[values >= 0]
+        inside = np.flatnonzero(values >= 0)
+        values, rows = values[inside], rows[inside]
+    if wanted is not None:
+        hit = np.flatnonzero(wanted[values])
+        values, rows = values[hit], rows[hit]
+    flat: Ids = rows * vocab + values
     return flat
 
 

@@ -110,14 +110,19 @@ def allowed_counts(words: Words, vocab: int) -> Ids:
 
 def set_bits(words: Words, vocab: int) -> tuple[Ids, Ids]:
     """(row, token) of each set bit below ``vocab`` of (rows, width) mask words, in row then
-    token order: only the words holding a set bit are unpacked."""
+    token order: only the bytes holding a set bit are unpacked (a sparse row's words mostly
+    hold one bit: unpacking their four bytes each took ~2x longer, for 6,400 words)."""
     width = words.shape[1]
-    found = np.flatnonzero(words)  # flat: ~2x faster than np.nonzero's pairs
+    # flat (~2x faster than np.nonzero's pairs), of booleans (numpy's nonzero of ints
+    # branches on each: ~2.6 ns a word where 1 in 5 is set, against ~0.2 for booleans)
+    found = np.flatnonzero(words.reshape(-1) != 0)
     octets = np.ascontiguousarray(words.reshape(-1)[found], dtype="<i4").view(np.uint8)
-    bit_of = np.unpackbits(octets.reshape(-1, 4), axis=1, bitorder="little")
+    live = np.flatnonzero(octets != 0)
+    bit_of = np.unpackbits(octets[live][:, None], axis=1, bitorder="little")
     flat_bits = np.flatnonzero(bit_of.view(np.bool_))  # as booleans: ~15x faster than uint8
-    word_at = found[flat_bits >> 5]
-    tokens = (word_at % width) * 32 + (flat_bits & 31)
+    byte_at = live[flat_bits >> 3]
+    word_at = found[byte_at >> 2]
+    tokens = (word_at % width) * 32 + (byte_at & 3) * 8 + (flat_bits & 7)
     inside = tokens < vocab
     return (word_at // width)[inside], tokens[inside]
 

@@ -209,11 +209,11 @@ def _read_changed(
     lse[at] = (reference[at] + np.log1p(added[at] - removed[at])).astype(np.float32)
     summed = np.flatnonzero(ok & ~corrected)
     if summed.size:  # the changes held most of the mass: the processed rows summed whole
-        lse[summed] = _whole_lse(logits[summed])
+        lse[summed] = whole_lse(logits[summed])
     return ok
 
 
-def _whole_lse(rows: Floats) -> Floats:
+def whole_lse(rows: Floats) -> Floats:
     """Log-sum-exp of whole processed rows (float32 terms, float64 sums)."""
     peak = rows.max(axis=1, keepdims=True)
     with np.errstate(under="ignore"):
