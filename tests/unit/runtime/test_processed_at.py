@@ -40,7 +40,8 @@ def _expected(processors: Processors, bias: Bias) -> dict[int, tuple[bool, int, 
     def entry(flat: int) -> tuple[bool, int, bool, float]:
         return table.get(flat, (False, 0, False, 0.0))
 
-    assert processors.prompt is not None and processors.output is not None
+    assert processors.prompt is not None
+    assert processors.output is not None
     for row in range(ROWS):
         base = row * VOCAB
         prompt = processors.prompt.values[
