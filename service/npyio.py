@@ -34,7 +34,7 @@ class NpyError(ValueError):
     """A ``.npy`` body this module refuses, with a reason a client may read (ints only)."""
 
 
-def read_npy(data: bytes) -> npt.NDArray[Any]:
+def read_npy(data: bytes | memoryview) -> npt.NDArray[Any]:
     """The array of one ``.npy`` file, a read-only view of ``data`` (ValueError if broken).
 
     The header must describe the data exactly: no negative dimension (numpy's parser takes
@@ -59,7 +59,7 @@ def read_npy(data: bytes) -> npt.NDArray[Any]:
 Header = tuple[tuple[int, ...], bool, np.dtype[Any], int]  # shape, Fortran order, dtype, data
 
 
-def header_by_pattern(data: bytes) -> Header | None:
+def header_by_pattern(data: bytes | memoryview) -> Header | None:
     """The header as ``np.save`` writes it (version 1.0, one simple dtype), or None."""
     if data[:8] != b"\x93NUMPY\x01\x00" or len(data) < 10:
         return None
@@ -79,7 +79,7 @@ def header_by_pattern(data: bytes) -> Header | None:
     return shape, fortran == b"True", dtype, start
 
 
-def header_by_numpy(data: bytes) -> Header:
+def header_by_numpy(data: bytes | memoryview) -> Header:
     """The header as numpy's own parser reads it (``ValueError`` for what it refuses)."""
     stream = io.BytesIO(data)
     with _HEADERS:
@@ -130,7 +130,7 @@ def read_npz_body(data: bytes) -> dict[str, npt.NDArray[Any]]:
         if name in arrays or not name.isidentifier():
             raise NpyError(f"array name {name[:64]!r} is given twice or is not a plain name")
         start = _member_start(view, entry)
-        arrays[name] = read_npy(bytes(view[start : start + entry.file_size]))
+        arrays[name] = read_npy(view[start : start + entry.file_size])  # a view, no copy
     return arrays
 
 
