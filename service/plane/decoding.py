@@ -19,6 +19,7 @@ such tokens any row has left. Draws: ``sample.n`` per row, their log-probs in th
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -34,9 +35,10 @@ from service.plane.options import CheckedTopK
 from service.repository.loaded_version import LoadedVersion
 from service.runtime.filters import streams
 from service.runtime.processors import Processors
+from service.runtime.session import HeadSession
 from service.runtime.sparse_step import RawTop
 from service.runtime.step import StepRun, step_run
-from service.runtime.vocabulary import Floats, Ids, Shape
+from service.runtime.vocabulary import Bias, Floats, Ids, SampleSpec, Shape, refuse_overflow
 
 #: Raw tokens the graph's top holds past the prefix's width: a row's top is read from them
 #: while at least ``width`` of them are outside the row's changed tokens (``sparse_step``).
@@ -104,32 +106,50 @@ async def _whole_runs(
     beside: Callable[[], StepRun] | None = None,
 ) -> tuple[list[tuple[Ids, StepRun]], StepRun | None]:
     """The step of rows projected whole, run by run: each run's rows and its step; and
-    ``beside``'s, done in the first run's hop (one hop, not two)."""
+    ``beside``'s, done in the first run's job.
+
+    A run and its step are one job of the inference thread (``run_alone``: in the run
+    metrics, its step's time in the run's): through the batcher, the run's answer went to
+    the event loop and its step back to the thread, two thread hops (~0.5 ms of a demo-head
+    step of 10 ms) where the logits have nothing to wait for."""
     width = width_of(k, shape, model.vocab_size)
-    runs = []
-    step = model.rows_per_run
-    loop = asyncio.get_running_loop()
     raw_width = min(model.vocab_size, width + RAW_SLACK)
+    runs = []
     done = None
-    for start in range(0, len(rows), step):
-        stop = min(start + step, len(rows))
-        logits, raw = await _full_logits(model, rows[start:stop], temperature, raw_width)
-        part = processors.part(start, stop)
-        drawn = None if u is None else u[start:stop]
-        args = (logits, temperature, part, shape.bias, shape.sample, width, drawn, raw)
-        run, side = await loop.run_in_executor(
-            model.runner.executor, _steps, args, None if start else beside
+    for start in range(0, len(rows), model.rows_per_run):
+        stop = min(start + model.rows_per_run, len(rows))
+        job = functools.partial(
+            _run_and_step,
+            model.session,
+            rows[start:stop],
+            raw_width,
+            (temperature, processors.part(start, stop), shape.bias, shape.sample, width),
+            None if u is None else u[start:stop],
+            None if start else beside,
         )
+        run, side = await model.run_alone(stop - start, job)
         done = done or side
         runs.append((np.arange(start, stop, dtype=np.int64), run))
-        del logits
     return runs, done
 
 
-def _steps(
-    args: tuple[Any, ...], beside: Callable[[], StepRun] | None
+def _run_and_step(
+    session: HeadSession,
+    rows: Floats,
+    raw_width: int,
+    options: tuple[float, Processors, Bias | None, SampleSpec | None, int],
+    u: npt.NDArray[np.float64] | None,
+    beside: Callable[[], StepRun] | None,
 ) -> tuple[StepRun, StepRun | None]:
-    """A run's step, and ``beside`` after it."""
+    """A run's full logits, with the raw top and log-sum-exp its graph took of them
+    (``sparse_step`` reads most rows from these, not from a second pass), the run's step,
+    and ``beside`` after it."""
+    temperature, processors, bias, sample, width = options
+    projection = session.project(rows, raw_width, temperature=temperature, full_logits=True)
+    refuse_overflow(projection.logsumexp, projection.topk_logits, temperature=temperature)
+    assert projection.logits is not None
+    raw = RawTop(projection.topk_logits, projection.topk_token_ids, projection.logsumexp)
+    args = (projection.logits, temperature, processors, bias, sample, width, u, raw)
     run = step_run(*args)
     return run, None if beside is None else beside()
 
@@ -151,17 +171,6 @@ async def processed_logits(
             model.runner.executor, part.apply, logits[start:stop], temperature
         )
     return logits
-
-
-async def _full_logits(
-    model: LoadedVersion, rows: Floats, temperature: float, k: int
-) -> tuple[Floats, RawTop]:
-    """A run's full logits, with the raw top ``k`` and log-sum-exp its graph took of them
-    (``sparse_step`` reads most rows from these, not from a second pass)."""
-    projection = await model.project(rows, k, temperature=temperature, full_logits=True)
-    assert projection.logits is not None
-    raw = RawTop(projection.topk_logits, projection.topk_token_ids, projection.logsumexp)
-    return projection.logits, raw
 
 
 def _joined(parts: list[tuple[Ids, StepRun]], k: int) -> Decoded:
