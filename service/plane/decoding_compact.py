@@ -60,7 +60,8 @@ def compact_extent(
     if bitmask is None or model.session.candidates is None:
         return None
     vocab = model.vocab_size
-    counts = allowed_counts(bitmask, vocab)
+    counts = processors.bitmask_counts
+    counts = allowed_counts(bitmask, vocab) if counts is None else counts
     counts = np.broadcast_to(counts, (rows,)) if len(bitmask) == 1 else counts
     few = np.flatnonzero((counts >= 1) & (counts <= vocab // SPARSE))
     if not few.size:

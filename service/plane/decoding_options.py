@@ -40,6 +40,7 @@ from service.runtime.processors import (
     outside,
     pack,
 )
+from service.runtime.sparse_masks import allowed_counts
 from service.runtime.vocabulary import TokenSpace
 
 #: Draws per row (``sample.n``): each is a stream of the seed and an entry of the answer.
@@ -52,7 +53,6 @@ MAX_BAD_WORDS = 1024
 #: |presence_penalty| and |frequency_penalty| (OpenAI's and vLLM's range).
 MAX_PENALTY = 2.0
 #: Set bits of each byte value (numpy before 2.0 has no ``bitwise_count``).
-_BYTE_BITS = np.array([bin(value).count("1") for value in range(256)], np.uint8)
 #: Rows of a trimmed head's bitmask unpacked at a time (rows x vocab bytes each).
 _UNPACK_ROWS = 64
 
@@ -122,6 +122,7 @@ def processors(
         bitmask,
         _choice(options.logprobs_mode, LOGPROBS_MODES, "logprobs_mode", "raw"),
         _choice(options.processor_order, ORDERS, "processor_order", "transformers"),
+        None if bitmask is None else allowed_counts(bitmask, vocab),
     )
     refuse_empty_rows(checked, rows, vocab, banned)
     return checked
@@ -227,7 +228,8 @@ def refuse_empty_rows(checked: Processors, rows: int, vocab: int, banned: Ids | 
     left = np.full(rows, vocab, np.int64)
     each = bitmask is not None and len(bitmask) > 1  # else every row is the first one
     if bitmask is not None:
-        left[:] = _set_bits(bitmask)
+        counts = checked.bitmask_counts
+        left[:] = allowed_counts(bitmask, vocab) if counts is None else counts
     left -= _allowed_among(bitmask, np.arange(rows if each else 1), common).sum(axis=1)
     if pairs:
         at_rows = np.concatenate([r for r, _ in pairs])
@@ -244,14 +246,6 @@ def refuse_empty_rows(checked: Processors, rows: int, vocab: int, banned: Ids | 
             "bad_words_ids and stop_token_ids (while the output is shorter than min_tokens) "
             "exclude every one; leave at least one"
         )
-
-
-def _set_bits(bitmask: Words) -> npt.NDArray[np.int64]:
-    """Each row's allowed tokens: the set bits of its words."""
-    count = getattr(np, "bitwise_count", None)
-    if count is not None:
-        return np.asarray(count(bitmask.view(np.uint32)).sum(axis=1, dtype=np.int64))
-    return np.asarray(_BYTE_BITS[bitmask.view(np.uint8)].sum(axis=1, dtype=np.int64))
 
 
 def _allowed_among(

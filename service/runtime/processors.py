@@ -68,12 +68,16 @@ class Processors:
     """(1, width) for every row or (rows, width), over the head's columns."""
     logprobs_mode: LogprobsMode = "raw"
     order: Order = "transformers"
+    bitmask_counts: Ids | None = None
+    """The tokens each bitmask row allows, where the options' check counted them (a
+    popcount of its words, ~20 us a request): the step's readings take them from here."""
 
     def part(self, start: int, stop: int) -> Processors:
         """The options of rows ``start`` to ``stop`` (one run of a request's rows)."""
-        bitmask = self.bitmask
+        bitmask, counts = self.bitmask, self.bitmask_counts
         if bitmask is not None and len(bitmask) > 1:
             bitmask = bitmask[start:stop]
+            counts = None if counts is None else counts[start:stop]
         return Processors(
             None if self.prompt is None else self.prompt.part(start, stop),
             None if self.output is None else self.output.part(start, stop),
@@ -86,18 +90,21 @@ class Processors:
             bitmask,
             self.logprobs_mode,
             self.order,
+            counts,
         )
 
     def take(self, rows: Ids) -> Processors:
         """The options of a request's ``rows`` (any of them, in that order)."""
-        bitmask = self.bitmask
+        bitmask, counts = self.bitmask, self.bitmask_counts
         if bitmask is not None and len(bitmask) > 1:
             bitmask = bitmask[rows]
+            counts = None if counts is None else counts[rows]
         return dataclasses.replace(
             self,
             prompt=None if self.prompt is None else self.prompt.take(rows),
             output=None if self.output is None else self.output.take(rows),
             bitmask=bitmask,
+            bitmask_counts=counts,
         )
 
     @property

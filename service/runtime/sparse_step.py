@@ -103,7 +103,8 @@ def sparse_selection(
     log-sum-exp, reading each row the cheapest exact way (module docstring)."""
     rows, vocab = logits.shape
     width = min(width, vocab)
-    masks = sparse_masks.plan(processors.bitmask, rows, vocab, width)
+    counts = processors.bitmask_counts
+    masks = sparse_masks.plan(processors.bitmask, rows, vocab, width, counts)
     changes = _changed(logits, temperature, processors, bias, masks)
     values = np.empty((rows, width), np.float32)
     ids = np.empty(values.shape, np.int64)
