@@ -87,12 +87,9 @@ async def decoding_topk(
     whole_rows = np.ones(len(rows), np.bool_)
     whole_rows[taken] = False
     rest = np.flatnonzero(whole_rows)
-    drawn = None if u is None else u[rest]
-    runs, beside = await _whole_runs(
-        model, rows[rest], k, temperature, shape, processors.take(rest), drawn, job
-    )
+    runs, beside = await _whole_runs(model, rows, k, temperature, shape, processors, u, rest, job)
     assert beside is not None
-    return _joined([(taken, beside)] + [(rest[at], run) for at, run in runs], k)
+    return _joined([(taken, beside), *runs], k)
 
 
 async def _whole_runs(
@@ -103,10 +100,12 @@ async def _whole_runs(
     shape: Shape,
     processors: Processors,
     u: npt.NDArray[np.float64] | None,
+    whole: Ids | None = None,
     beside: Callable[[], StepRun] | None = None,
 ) -> tuple[list[tuple[Ids, StepRun]], StepRun | None]:
-    """The step of rows projected whole, run by run: each run's rows and its step; and
-    ``beside``'s, done in the first run's job.
+    """The step of the request's ``whole`` rows (None: every row) projected whole, run by
+    run: each run's rows and its step; and ``beside``'s, done in the first run's job (the
+    run's options are taken in the job too, off the event loop).
 
     A run and its step are one job of the inference thread (``run_alone``: in the run
     metrics, its step's time in the run's): through the batcher, the run's answer went to
@@ -114,22 +113,28 @@ async def _whole_runs(
     step of 10 ms) where the logits have nothing to wait for."""
     width = width_of(k, shape, model.vocab_size)
     raw_width = min(model.vocab_size, width + RAW_SLACK)
+    every = np.arange(len(rows), dtype=np.int64) if whole is None else whole
     runs = []
     done = None
-    for start in range(0, len(rows), model.rows_per_run):
-        stop = min(start + model.rows_per_run, len(rows))
+    for start in range(0, len(every), model.rows_per_run):
+        at = every[start : start + model.rows_per_run]
+        own = (
+            functools.partial(processors.part, start, start + len(at))
+            if whole is None
+            else functools.partial(processors.take, at)
+        )
         job = functools.partial(
             _run_and_step,
             model.session,
-            rows[start:stop],
+            rows[at],
             raw_width,
-            (temperature, processors.part(start, stop), shape.bias, shape.sample, width),
-            None if u is None else u[start:stop],
+            (temperature, own, shape.bias, shape.sample, width),
+            None if u is None else u[at],
             None if start else beside,
         )
-        run, side = await model.run_alone(stop - start, job)
+        run, side = await model.run_alone(len(at), job)
         done = done or side
-        runs.append((np.arange(start, stop, dtype=np.int64), run))
+        runs.append((at, run))
     return runs, done
 
 
@@ -137,14 +142,15 @@ def _run_and_step(
     session: HeadSession,
     rows: Floats,
     raw_width: int,
-    options: tuple[float, Processors, Bias | None, SampleSpec | None, int],
+    options: tuple[float, Callable[[], Processors], Bias | None, SampleSpec | None, int],
     u: npt.NDArray[np.float64] | None,
     beside: Callable[[], StepRun] | None,
 ) -> tuple[StepRun, StepRun | None]:
     """A run's full logits, with the raw top and log-sum-exp its graph took of them
     (``sparse_step`` reads most rows from these, not from a second pass), the run's step,
     and ``beside`` after it."""
-    temperature, processors, bias, sample, width = options
+    temperature, own, bias, sample, width = options
+    processors = own()
     projection = session.project(rows, raw_width, temperature=temperature, full_logits=True)
     refuse_overflow(projection.logsumexp, projection.topk_logits, temperature=temperature)
     assert projection.logits is not None
