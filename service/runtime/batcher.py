@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from service.errors import ModelNotReady, PayloadTooLarge, QueueFull
+from service.errors import InferenceFailed, ModelNotReady, PayloadTooLarge, QueueFull
 from service.runtime.pending import BatchStats, Pending, Started, deliver, fail
 from service.runtime.session import Projection
 
@@ -93,6 +93,7 @@ class Batcher:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._spell: asyncio.Future[None] | None = None
         self._unanswered = 0  # runs launched whose answers have not been given yet
+        self._arriving = 0  # lone requests looking whether others came with them (``submit``)
         self._closing = False
         self._closed: asyncio.Future[None] | None = None
 
@@ -127,8 +128,54 @@ class Batcher:
         full_logits: bool = False,
         temperature: float = 1.0,
     ) -> Projection:
-        """Queue (rows, d_model) float32 rows; return their projection once their batch ran."""
+        """Queue (rows, d_model) float32 rows; return their projection once their batch ran.
+
+        A request the batcher would run alone on the event loop (``lone_rows``) while it is
+        idle runs here instead, once one turn of the loop has shown that no other request
+        came with it (those that did take the queue together, and merge): the queue's round
+        trip (a future, the batcher task woken, the answer) cost more than such a run."""
+        if self._idle_for(rows, full_logits):
+            self._arriving += 1
+            try:
+                await asyncio.sleep(0)  # one turn: requests that came with this one say so
+            finally:
+                self._arriving -= 1
+            if not self._arriving and self._idle_for(rows, full_logits):
+                return self._run_lone(rows, k, temperature)
         return await self.enqueue(rows, k, full_logits, temperature)
+
+    def _idle_for(self, rows: npt.NDArray[np.float32], full_logits: bool) -> bool:
+        """Whether ``rows`` would be a batch of their own, run on the event loop."""
+        return (
+            not full_logits
+            and len(rows) <= self._limits.lone_rows
+            and not self._queue
+            and not self._collecting
+            and self._unanswered == 0
+            and not self._closing
+            and self._task is not None
+            and not self._task.done()
+        )
+
+    def _run_lone(self, rows: npt.NDArray[np.float32], k: int, temperature: float) -> Projection:
+        """One request's rows run here, in the run metrics as a batch of one."""
+        self._last_batch_requests = 1
+        started = time.monotonic()
+        try:
+            result = self._run(rows, k, False, np.full(len(rows), temperature, np.float32))
+        except Exception:
+            logger.exception("inference failed for %s on a run of one request", self._label)
+            self._on_batch(BatchStats(len(rows), 1, [0.0], time.monotonic() - started, True))
+            raise InferenceFailed(
+                f"inference failed for {self._label}; see the server log"
+            ) from None
+        seconds = time.monotonic() - started
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "%s: ran %d rows of 1 request in %.2f ms", self._label, len(rows), seconds * 1e3
+            )
+        self._on_batch(BatchStats(len(rows), 1, [0.0], seconds, False))
+        return result
 
     def enqueue(
         self,
