@@ -84,6 +84,9 @@ def binary_arrays(arrays: dict[str, npt.NDArray[Any]]) -> dict[str, Any]:
 def decoding(opts: Any, arrays: Mapping[str, Any]) -> DecodingOptions | None:
     """The step's options from a request's scalars (an options model, or V2's parameters as
     a mapping) and its arrays; None when it asks for none of them."""
+    given_fields = getattr(opts, "model_fields_set", None)  # a model says what was sent
+    if not arrays and given_fields is not None and given_fields.isdisjoint(SCALARS):
+        return None  # the plain request's case, without a lookup per scalar
     scalars = {name: _scalar(opts, name) for name in SCALARS}
     given = {name: value for name, value in scalars.items() if value is not None}
     steps = {name: arrays[name] for name in (*LISTS, *ARRAYS) if arrays.get(name) is not None}

@@ -27,6 +27,19 @@ SAMPLE_KEYS = ("temperature", "top_k", "top_p", "min_p", "seed", "n")
 #: The decoding step's scalar parameters: numbers, and words.
 STEP_NUMBERS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens")
 STEP_WORDS = ("logprobs_mode", "processor_order")
+#: Every parameter ``vocabulary`` reads.
+VOCABULARY_PARAMETERS = frozenset(
+    (
+        "allowed_token_ids",
+        "banned_token_ids",
+        "stop_token_ids",
+        "logit_bias",
+        "sample",
+        "logprobs_over",
+        *STEP_NUMBERS,
+        *STEP_WORDS,
+    )
+)
 
 
 def vocabulary(
@@ -34,6 +47,8 @@ def vocabulary(
 ) -> VocabularyOptions | None:
     """The distribution options among the parameters and the option ``inputs`` (named input
     tensors: allowed and banned ids, the decoding step's arrays); None when there are none."""
+    if not inputs and parameters.keys().isdisjoint(VOCABULARY_PARAMETERS):
+        return None  # the plain request's case, without a reader per option
     tensors = dict(inputs or {})
     allowed = _once(parameters, tensors, "allowed_token_ids")
     banned = _once(parameters, tensors, "banned_token_ids")
