@@ -52,6 +52,8 @@ from tests.server import free_port, running_checkout, running_server
 HEADS = {"small": (1024, 64), "gpt2": (50257, 768)}
 FORMATS = ("json", "npy", "v2-json", "v2-binary")
 CLIENTS = (1, 16)
+#: The bodies each reference server takes (lmhead and its baseline: every format).
+SERVED_KINDS = {"floor": ("floor",), "lean": ("json",)}
 K = 10
 ROUNDS = 2
 LATENCY_CALLS = 400
@@ -201,13 +203,15 @@ def _percentiles(seconds: list[float]) -> tuple[float, float]:
 
 
 @contextmanager
-def floor_server() -> Iterator[str]:
-    """``bench.floor`` under uvicorn with uvloop and httptools, as lmhead runs."""
+def floor_server(app: str = "bench.floor:app", model: Path | None = None) -> Iterator[str]:
+    """``bench.floor`` (or ``app``: ``bench.lean_head``'s, on ``model``) under uvicorn with
+    uvloop and httptools, as lmhead runs."""
     port = free_port()
-    command = [sys.executable, "-m", "uvicorn", "bench.floor:app", "--host", "127.0.0.1"]
+    command = [sys.executable, "-m", "uvicorn", app, "--host", "127.0.0.1"]
     command += ["--port", str(port), "--loop", "uvloop", "--http", "httptools", "--ws", "none"]
     command += ["--log-level", "warning", "--no-access-log", "--no-proxy-headers"]
-    process = subprocess.Popen(command, cwd=Path(__file__).resolve().parent.parent)
+    env = {**os.environ} | ({"LMHEAD_LEAN_MODEL": str(model)} if model else {})
+    process = subprocess.Popen(command, cwd=Path(__file__).resolve().parent.parent, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 30
@@ -226,9 +230,11 @@ def floor_server() -> Iterator[str]:
 
 
 def report(repository: Path, baseline: Path | None, count: int) -> str:
-    builds = {"floor": None, "lmhead": None} | ({"before": None} if baseline else {})
+    builds = {"floor": None, "lean": None, "lmhead": None} | ({"before": None} if baseline else {})
     with ExitStack() as stack:
         servers = {"floor": stack.enter_context(floor_server())}
+        small = repository / "small" / "1" / "model.onnx"
+        servers["lean"] = stack.enter_context(floor_server("bench.lean_head:app", small))
         servers["lmhead"] = stack.enter_context(running_server(repository, log_level="warning"))
         if baseline is not None:
             servers["before"] = stack.enter_context(
@@ -240,13 +246,15 @@ def report(repository: Path, baseline: Path | None, count: int) -> str:
         for _ in range(ROUNDS):
             for clients in CLIENTS:
                 for name in builds:
-                    for kind in ("floor",) if name == "floor" else FORMATS:
+                    for kind in SERVED_KINDS.get(name, FORMATS):
                         us = measure(servers[name], pids[name], kind, "small", clients, count)
                         cpu.setdefault((name, kind, clients), []).append(us)
         lat: dict[tuple[str, str, str], tuple[float, float]] = {}
         bare.append(bare_latency(repository / "gpt2" / "1" / "model.onnx"))
         for model in HEADS:
             for name in builds:
+                if name == "lean":
+                    continue
                 kinds = ("floor",) if name == "floor" else (*FORMATS, "client")
                 for kind in kinds if name != "floor" or model == "small" else ():
                     url = servers[name]
@@ -280,14 +288,20 @@ def _text(
         "Server CPU per request (us, every thread's run time from /proc/PID/task/*/schedstat "
         f"over {count} requests after 200 to warm up; mean of {ROUNDS} alternating rounds), "
         f"1024 x 64 head, one row, top-{K}; the floor is `bench.floor` under the same "
-        "uvicorn, uvloop and httptools. "
-        "Target: at most 3x the floor at 1 client, 2x at 16.",
+        "uvicorn, uvloop and httptools; `lean` is `bench.lean_head` there (JSON parsed, the "
+        "head's session run on one thread, JSON answered: no check, batching, metric, limit "
+        "or lease). Target: at most 3x the floor at 1 client, 2x at 16.",
         "",
         "| server | body | CPU us/req, 1 client | vs floor | CPU us/req, 16 clients | vs floor |",
         "|---|---|---|---|---|---|",
     ]
     floor = {clients: mean[("floor", "floor", clients)] for clients in CLIENTS}
     lines.append(f"| floor | fixed answer | {floor[1]:.0f} | 1.00x | {floor[16]:.0f} | 1.00x |")
+    lean = {clients: mean[("lean", "json", clients)] for clients in CLIENTS}
+    lines.append(
+        f"| lean | json | {lean[1]:.0f} | {lean[1] / floor[1]:.2f}x | {lean[16]:.0f} | "
+        f"{lean[16] / floor[16]:.2f}x |"
+    )
     for name in names:
         for kind in FORMATS:
             one, many = mean[(name, kind, 1)], mean[(name, kind, 16)]
