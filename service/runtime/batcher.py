@@ -36,7 +36,7 @@ import numpy as np
 import numpy.typing as npt
 
 from service.errors import InferenceFailed, ModelNotReady, PayloadTooLarge, QueueFull
-from service.runtime.pending import BatchStats, Pending, Started, deliver, fail
+from service.runtime.pending import BatchStats, Pending, Started, deliver, fail, log_run
 from service.runtime.session import Projection
 
 logger = logging.getLogger("lmhead")
@@ -170,10 +170,7 @@ class Batcher:
                 f"inference failed for {self._label}; see the server log"
             ) from None
         seconds = time.monotonic() - started
-        if logger.isEnabledFor(logging.DEBUG):
-            logger.debug(
-                "%s: ran %d rows of 1 request in %.2f ms", self._label, len(rows), seconds * 1e3
-            )
+        log_run(self._label, len(rows), 1, seconds)
         self._on_batch(BatchStats(len(rows), 1, [0.0], seconds, False))
         return result
 

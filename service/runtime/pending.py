@@ -64,11 +64,15 @@ class Started:
 
     def log(self, label: str, seconds: float) -> None:
         """LMHEAD_LOG_LEVEL=debug: one line per run, in the executor or on the event loop."""
-        if logger.isEnabledFor(logging.DEBUG):
-            rows, requests = len(self.rows), len(self.batch)
-            logger.debug(
-                "%s: ran %d rows of %d requests in %.2f ms", label, rows, requests, seconds * 1e3
-            )
+        log_run(label, len(self.rows), len(self.batch), seconds)
+
+
+def log_run(label: str, rows: int, requests: int, seconds: float) -> None:
+    """LMHEAD_LOG_LEVEL=debug: one line per run, however it ran."""
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug(
+            "%s: ran %d rows of %d requests in %.2f ms", label, rows, requests, seconds * 1e3
+        )
 
 
 def fail(batch: list[Pending], label: str) -> None:
