@@ -35,14 +35,11 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from service.errors import InferenceFailed, ModelNotReady, PayloadTooLarge, QueueFull
-from service.runtime.pending import BatchStats, Pending, Started, deliver, fail, log_run
+from service.errors import ModelNotReady, PayloadTooLarge, QueueFull
+from service.runtime.pending import BatchStats, Pending, RunBatch, Started, answered, fail, run_lone
 from service.runtime.session import Projection
 
 logger = logging.getLogger("lmhead")
-
-#: (rows, k, full_logits, one temperature per row) -> the projection of those rows.
-RunBatch = Callable[[npt.NDArray[np.float32], int, bool, npt.NDArray[np.float32]], Projection]
 
 
 #: Runs of one version that may be finished or running while the event loop has not yet
@@ -158,21 +155,8 @@ class Batcher:
         )
 
     def _run_lone(self, rows: npt.NDArray[np.float32], k: int, temperature: float) -> Projection:
-        """One request's rows run here, in the run metrics as a batch of one."""
         self._last_batch_requests = 1
-        started = time.monotonic()
-        try:
-            result = self._run(rows, k, False, np.full(len(rows), temperature, np.float32))
-        except Exception:
-            logger.exception("inference failed for %s on a run of one request", self._label)
-            self._on_batch(BatchStats(len(rows), 1, [0.0], time.monotonic() - started, True))
-            raise InferenceFailed(
-                f"inference failed for {self._label}; see the server log"
-            ) from None
-        seconds = time.monotonic() - started
-        log_run(self._label, len(rows), 1, seconds)
-        self._on_batch(BatchStats(len(rows), 1, [0.0], seconds, False))
-        return result
+        return run_lone(self._run, self._label, self._on_batch, rows, k, temperature)
 
     def enqueue(
         self,
@@ -421,19 +405,7 @@ class Batcher:
         """On the event loop: answer a finished batch; the spell ends with its last answer
         (counted, not flagged: with several inference threads answers may come in any order)."""
         try:
-            if result is None:
-                fail(batch, self._label)
-            else:
-                deliver(batch, result)
-            self._on_batch(
-                BatchStats(
-                    rows=sum(len(item.rows) for item in batch),
-                    requests=len(batch),
-                    queue_seconds=[at - item.enqueued for item in batch],
-                    run_seconds=seconds,
-                    failed=result is None,
-                )
-            )
+            self._on_batch(answered(batch, at, result, seconds, self._label))
         except Exception:
             logger.exception("answering a batch of %s failed", self._label)
             fail(batch, self._label)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -100,3 +101,48 @@ def deliver(batch: list[Pending], result: Projection) -> None:
                 )
             )
         offset = end
+
+
+#: (rows, k, full_logits, one temperature per row) -> the projection of those rows.
+RunBatch = Callable[[npt.NDArray[np.float32], int, bool, npt.NDArray[np.float32]], Projection]
+
+
+def run_lone(
+    run: RunBatch,
+    label: str,
+    on_batch: Callable[[BatchStats], None],
+    rows: npt.NDArray[np.float32],
+    k: int,
+    temperature: float,
+) -> Projection:
+    """One request's rows run at once (``Batcher.submit``), in the run metrics as a batch of
+    one; ``InferenceFailed`` when the run raises."""
+    started = time.monotonic()
+    try:
+        result = run(rows, k, False, np.full(len(rows), temperature, np.float32))
+    except Exception:
+        logger.exception("inference failed for %s on a run of one request", label)
+        on_batch(BatchStats(len(rows), 1, [0.0], time.monotonic() - started, True))
+        raise InferenceFailed(f"inference failed for {label}; see the server log") from None
+    seconds = time.monotonic() - started
+    log_run(label, len(rows), 1, seconds)
+    on_batch(BatchStats(len(rows), 1, [0.0], seconds, False))
+    return result
+
+
+def answered(
+    batch: list[Pending], at: float, result: Projection | None, seconds: float, label: str
+) -> BatchStats:
+    """A finished batch's callers answered (their rows, or ``InferenceFailed`` when the run
+    failed), and what the run did."""
+    if result is None:
+        fail(batch, label)
+    else:
+        deliver(batch, result)
+    return BatchStats(
+        rows=sum(len(item.rows) for item in batch),
+        requests=len(batch),
+        queue_seconds=[at - item.enqueued for item in batch],
+        run_seconds=seconds,
+        failed=result is None,
+    )

@@ -514,3 +514,46 @@ def test_runs_the_executor_drops_fail_their_callers_and_close_ends(tied_path: Pa
     outcomes = asyncio.run(main())
     assert isinstance(outcomes[0], Projection)
     assert isinstance(outcomes[1], InferenceFailed)
+
+
+def test_a_lone_small_request_to_an_idle_batcher_runs_at_once(tied_path: Path) -> None:
+    """``lone_rows``: a request alone at an idle batcher runs in its caller, counted as a run
+    of one (a failed one too: the caller gets ``InferenceFailed``, the next runs); requests
+    that come together still merge into one run."""
+    session = HeadSession(tied_path, tied=True)
+    calls: list[int] = []
+    failures = iter([False, True, False, False])
+
+    def run(
+        rows: npt.NDArray[np.float32], k: int, full: bool, temperature: npt.NDArray[np.float32]
+    ) -> Projection:
+        calls.append(len(rows))
+        if next(failures):
+            raise RuntimeError("onnxruntime exploded")
+        return session.project(rows, k, temperature=temperature, full_logits=full)
+
+    stats: list[BatchStats] = []
+
+    async def scenario(batcher: Batcher) -> tuple[Projection, object, list[Projection]]:
+        alone = await batcher.submit(_rows(1, 0), 3, temperature=0.5)
+        failed = await asyncio.gather(batcher.submit(_rows(2, 1), 3), return_exceptions=True)
+        together = await asyncio.gather(*(batcher.submit(_rows(1, i), 3) for i in range(2, 5)))
+        return alone, failed[0], together
+
+    limits = BatchLimits(max_batch_rows=64, lone_rows=2)
+    outcome = _with_batcher(run, limits, scenario, on_batch=stats.append)
+    assert isinstance(outcome, tuple)
+    alone, failed, together = outcome
+    whole = session.project(_rows(1, 0), 3, temperature=0.5)
+    np.testing.assert_array_equal(alone.topk_token_ids, whole.topk_token_ids)
+    assert isinstance(failed, InferenceFailed)
+    assert "onnxruntime exploded" not in str(failed)
+    assert calls == [1, 2, 3]  # the three that came together: one run
+    assert [(s.rows, s.requests, s.failed) for s in stats] == [
+        (1, 1, False),
+        (2, 1, True),
+        (3, 3, False),
+    ]
+    for index, projection in zip(range(2, 5), together, strict=True):
+        expected = session.project(_rows(1, index), 3).topk_token_ids
+        np.testing.assert_array_equal(projection.topk_token_ids, expected)
