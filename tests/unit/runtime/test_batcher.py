@@ -18,8 +18,8 @@ import numpy.typing as npt
 import pytest
 
 from service.errors import InferenceFailed, ModelNotReady, PayloadTooLarge, QueueFull
-from service.runtime.batcher import Batcher, BatchLimits, RunBatch
-from service.runtime.pending import BatchStats
+from service.runtime.batcher import Batcher, BatchLimits
+from service.runtime.pending import BatchStats, RunBatch
 from service.runtime.session import HeadSession, Projection
 from tests.conftest import D_MODEL
 
