@@ -118,7 +118,7 @@ class Settings(PlaceSettings):
     inference_threads: int = Field(default=1, ge=1, le=256)
     """Threads that run onnxruntime sessions (keep x intra_op_threads <= cores)."""
     intra_op_threads: int = Field(default=0, ge=0, le=1024)
-    """onnxruntime threads per run; 0 means one per physical core."""
+    """onnxruntime threads per run; 0 means one per physical core (one for a tiny head)."""
     memory_mode: MemoryMode = "shared"
     """shared: a tied head holds its matrix once (~1.0x W, full speed); fast: ~2x W."""
     provider: ProviderChoice = "auto"
