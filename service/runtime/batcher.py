@@ -36,7 +36,16 @@ import numpy as np
 import numpy.typing as npt
 
 from service.errors import ModelNotReady, PayloadTooLarge, QueueFull
-from service.runtime.pending import BatchStats, Pending, RunBatch, Started, answered, fail, run_lone
+from service.runtime.pending import (
+    Arrivals,
+    BatchStats,
+    Pending,
+    RunBatch,
+    Started,
+    answered,
+    fail,
+    run_lone,
+)
 from service.runtime.session import Projection
 
 logger = logging.getLogger("lmhead")
@@ -90,7 +99,7 @@ class Batcher:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._spell: asyncio.Future[None] | None = None
         self._unanswered = 0  # runs launched whose answers have not been given yet
-        self._arriving = 0  # lone requests looking whether others came with them (``submit``)
+        self._arrivals = Arrivals()
         self._closing = False
         self._closed: asyncio.Future[None] | None = None
 
@@ -131,14 +140,10 @@ class Batcher:
         idle runs here instead, once one turn of the loop has shown that no other request
         came with it (those that did take the queue together, and merge): the queue's round
         trip (a future, the batcher task woken, the answer) cost more than such a run."""
-        if self._idle_for(rows, full_logits):
-            self._arriving += 1
-            try:
-                await asyncio.sleep(0)  # one turn: requests that came with this one say so
-            finally:
-                self._arriving -= 1
-            if not self._arriving and self._idle_for(rows, full_logits):
-                return self._run_lone(rows, k, temperature)
+        idle = self._idle_for(rows, full_logits)
+        if idle and await self._arrivals.alone() and self._idle_for(rows, full_logits):
+            self._last_batch_requests = 1
+            return run_lone(self._run, self._label, self._on_batch, rows, k, temperature)
         return await self.enqueue(rows, k, full_logits, temperature)
 
     def _idle_for(self, rows: npt.NDArray[np.float32], full_logits: bool) -> bool:
@@ -153,10 +158,6 @@ class Batcher:
             and self._task is not None
             and not self._task.done()
         )
-
-    def _run_lone(self, rows: npt.NDArray[np.float32], k: int, temperature: float) -> Projection:
-        self._last_batch_requests = 1
-        return run_lone(self._run, self._label, self._on_batch, rows, k, temperature)
 
     def enqueue(
         self,

@@ -146,3 +146,20 @@ def answered(
         run_seconds=seconds,
         failed=result is None,
     )
+
+
+class Arrivals:
+    """Lone requests at an idle batcher, each looking, for one turn of the event loop,
+    whether others came with it (``Batcher.submit``): those that did queue together."""
+
+    def __init__(self) -> None:
+        self._looking = 0
+
+    async def alone(self) -> bool:
+        """After one turn of the loop: whether no other request looked meanwhile."""
+        self._looking += 1
+        try:
+            await asyncio.sleep(0)  # one turn: requests that came with this one say so
+        finally:
+            self._looking -= 1
+        return not self._looking
